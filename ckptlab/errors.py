@@ -1,0 +1,108 @@
+"""The whole ckptlab error hierarchy.
+
+Every error ckptlab raises on bad input derives from :class:`CkptlabError`, and also from the
+standard-library type existing ``except`` clauses already catch (``ValueError`` for bad data,
+``RuntimeError`` for failures of the machinery). Messages say what happened, where (file, record,
+offset), what was expected and what was found.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = [
+    "ArchiveError",
+    "BackendUnavailableError",
+    "CkptlabError",
+    "CorruptArchiveError",
+    "InvalidArgumentError",
+    "PlanError",
+    "TruncatedArchiveError",
+    "UnsupportedFormatError",
+    "WriterError",
+]
+
+
+class CkptlabError(Exception):
+    """Root of every error ckptlab raises on purpose."""
+
+
+class ArchiveError(CkptlabError, ValueError):
+    """A checkpoint file is bad, truncated, corrupt or of an unsupported kind.
+
+    Parameters
+    ----------
+    message
+        What happened, in words.
+    path
+        The file (or a description of the file object) the problem was found in.
+    offset
+        Byte offset in the file where the problem was found, if known.
+    record
+        The zip record (or safetensors tensor) concerned, if known.
+    expected, actual
+        What the format requires and what the file holds, if that is a single value.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        offset: int | None = None,
+        record: str | None = None,
+        expected: object = None,
+        actual: object = None,
+    ) -> None:
+        self.reason = message
+        self.path = None if path is None else os.fspath(path)
+        self.offset = offset
+        self.record = record
+        self.expected = expected
+        self.actual = actual
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = []
+        if self.path is not None:
+            where.append(str(self.path))
+        if self.record is not None:
+            where.append(f"record {self.record!r}")
+        if self.offset is not None:
+            where.append(f"offset {self.offset}")
+        text = f"{': '.join([', '.join(where)] if where else [])}{': ' if where else ''}{self.reason}"
+        if self.expected is not None or self.actual is not None:
+            text += f" (expected {self.expected}, got {self.actual})"
+        return text
+
+
+class TruncatedArchiveError(ArchiveError):
+    """The file ends before a structure the format requires."""
+
+
+class CorruptArchiveError(ArchiveError):
+    """The file has the structure of a supported format but its contents are inconsistent."""
+
+
+class UnsupportedFormatError(ArchiveError):
+    """The file is readable but is not a format ckptlab inspects (the message says what it is)."""
+
+
+class PlanError(CkptlabError, ValueError):
+    """A checkpoint plan is invalid (overlap, gap, out of bounds)."""
+
+
+class WriterError(CkptlabError, RuntimeError):
+    """A checkpoint writer failed; ``failures`` maps each failed worker to its exception."""
+
+    def __init__(self, message: str, failures: dict[object, BaseException] | None = None) -> None:
+        self.failures = dict(failures or {})
+        super().__init__(message)
+
+
+class BackendUnavailableError(CkptlabError, RuntimeError):
+    """A requested I/O backend cannot run here (no CUDA, no cuFile, O_DIRECT refused, ...)."""
+
+
+class InvalidArgumentError(CkptlabError, ValueError):
+    """A ckptlab function was called with an argument it cannot honour (e.g. alignment 0)."""

@@ -1,0 +1,306 @@
+"""Zip structures as torch's miniz writer lays them out, and a strict reader for any stored zip.
+
+The write rules (``record_geometry``, ``central_directory_entry_nbytes``) follow
+``caffe2/serialize/inline_container.cc`` (getPadding) and ``third_party/miniz-3.0.2/miniz.c``
+(zip64 extra, data descriptor, central directory); every rule is checked against files torch
+writes in ``tests/property``.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from ckptlab.errors import CorruptArchiveError, TruncatedArchiveError, UnsupportedFormatError
+from ckptlab.format._source import ByteSource
+
+LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # 30 bytes
+CENTRAL_ENTRY = struct.Struct("<4sHHHHHHIIIHHHHHII")  # 46 bytes
+EOCD = struct.Struct("<4sHHHHIIH")  # 22 bytes
+ZIP64_LOCATOR = struct.Struct("<4sIQI")  # 20 bytes
+ZIP64_EOCD = struct.Struct("<4sQHHIIQQQQ")  # 56 bytes
+LOCAL_SIG, CENTRAL_SIG, EOCD_SIG = b"PK\x03\x04", b"PK\x01\x02", b"PK\x05\x06"
+ZIP64_EOCD_SIG, ZIP64_LOCATOR_SIG, DESCRIPTOR_SIG = b"PK\x06\x06", b"PK\x06\x07", b"PK\x07\x08"
+ZIP64_EXTRA_ID, FB_EXTRA_ID = 0x0001, 0x4246  # 'F','B' little-endian
+U32_MAX, U16_MAX = 0xFFFFFFFF, 0xFFFF
+TRAILER_NBYTES = ZIP64_EOCD.size + ZIP64_LOCATOR.size + EOCD.size  # 98: what torch writes
+MAX_ALIGNMENT = 65504  # above this the FB extra length overflows its u16
+
+
+@dataclass(frozen=True, slots=True)
+class RecordGeometry:
+    """Where torch's writer puts one record that starts at ``header_offset``."""
+
+    header_offset: int
+    zip64_extra_nbytes: int  # 0, 20 (size), 12 (offset) or 28 (both)
+    padding_nbytes: int  # FB payload
+    data_offset: int
+    data_nbytes: int
+    descriptor_nbytes: int  # 0 (empty), 16, or 24 (with zip64 extra)
+
+    @property
+    def end_offset(self) -> int:
+        return self.data_offset + self.data_nbytes + self.descriptor_nbytes
+
+
+def record_geometry(header_offset: int, name_nbytes: int, data_nbytes: int,
+                    alignment: int) -> RecordGeometry:
+    """Layout of one record as torch.save writes it (getPadding + miniz rules).
+
+    The zip64 extra exists iff the size or the header offset is >= 0xFFFFFFFF (inclusive);
+    the 'FB' padding field is always there (4 bytes + padding); the data descriptor is 24
+    bytes with a zip64 extra, 16 without, and absent for an empty record.
+    """
+    big_size = data_nbytes >= U32_MAX
+    big_offset = header_offset >= U32_MAX
+    zip64 = (4 + 16 * big_size + 8 * big_offset) if (big_size or big_offset) else 0
+    start = header_offset + LOCAL_HEADER.size + name_nbytes + zip64 + 4
+    data_offset = -(-start // alignment) * alignment
+    descriptor = 0 if data_nbytes == 0 else (24 if zip64 else 16)
+    return RecordGeometry(header_offset, zip64, data_offset - start, data_offset, data_nbytes,
+                          descriptor)
+
+
+def central_directory_entry_nbytes(name_nbytes: int, data_nbytes: int, header_offset: int) -> int:
+    """Bytes of one central directory entry as miniz writes it (no FB field there)."""
+    fields = 2 * (data_nbytes >= U32_MAX) + (header_offset >= U32_MAX)
+    return CENTRAL_ENTRY.size + name_nbytes + (4 + 8 * fields if fields else 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Trailer:
+    cd_offset: int
+    cd_nbytes: int
+    entries: int
+    eocd_offset: int
+    eocd_nbytes: int  # 22 + comment
+    zip64_eocd_offset: int | None
+    zip64_eocd_nbytes: int
+    zip64_locator_offset: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class CentralEntry:
+    name: str
+    name_nbytes: int
+    flags: int
+    method: int
+    crc32: int
+    compressed_nbytes: int
+    uncompressed_nbytes: int
+    header_offset: int
+    entry_offset: int  # where this entry sits in the central directory
+    entry_nbytes: int
+
+
+def tail_window(file_nbytes: int) -> int:
+    """How many trailing bytes can hold the EOCD with the longest comment plus zip64 records."""
+    return min(file_nbytes, EOCD.size + U16_MAX + ZIP64_LOCATOR.size + ZIP64_EOCD.size)
+
+
+def parse_trailer(tail: bytes, tail_offset: int, file_nbytes: int, path: str) -> Trailer:
+    """Find the EOCD (and zip64 records) in ``tail``, which ends at the end of the file."""
+    pos = tail.rfind(EOCD_SIG, 0, max(0, len(tail) - EOCD.size + 4))
+    while pos >= 0:
+        comment = struct.unpack_from("<H", tail, pos + 20)[0]
+        if pos + EOCD.size + comment == len(tail):
+            break
+        pos = tail.rfind(EOCD_SIG, 0, pos)
+    if pos < 0:
+        if file_nbytes < EOCD.size:
+            raise TruncatedArchiveError("file too short for a zip end-of-central-directory record",
+                                        path=path, offset=0, expected=f">= {EOCD.size} bytes",
+                                        actual=f"{file_nbytes} bytes")
+        raise TruncatedArchiveError("no zip end-of-central-directory record at the end of the file "
+                                    "(truncated or not a zip archive)", path=path,
+                                    offset=file_nbytes)
+    eocd_offset = tail_offset + pos
+    (_, disk, cd_disk, n_disk, n_total, cd_nbytes, cd_offset, comment) = EOCD.unpack_from(tail, pos)
+    if disk != 0 or cd_disk != 0 or n_disk != n_total:
+        raise UnsupportedFormatError("multi-disk zip archive", path=path, offset=eocd_offset)
+    z64_offset: int | None = None
+    z64_nbytes = 0
+    loc_offset: int | None = None
+    lpos = pos - ZIP64_LOCATOR.size
+    if lpos >= 0 and tail[lpos:lpos + 4] == ZIP64_LOCATOR_SIG:
+        loc_offset = eocd_offset - ZIP64_LOCATOR.size
+        _, _, z64_offset, _ = ZIP64_LOCATOR.unpack_from(tail, lpos)
+        zpos = z64_offset - tail_offset
+        if not (0 <= z64_offset and zpos >= 0 and zpos + ZIP64_EOCD.size <= lpos):
+            raise CorruptArchiveError("zip64 locator points outside the trailer", path=path,
+                                      offset=loc_offset, expected=f"< {loc_offset}",
+                                      actual=z64_offset)
+        (sig, rec_nbytes, _, _, zdisk, zcd_disk, zn_disk, zn_total, zcd_nbytes,
+         zcd_offset) = ZIP64_EOCD.unpack_from(tail, zpos)
+        if sig != ZIP64_EOCD_SIG:
+            raise CorruptArchiveError("bad zip64 end-of-central-directory signature", path=path,
+                                      offset=z64_offset, expected=ZIP64_EOCD_SIG, actual=sig)
+        z64_nbytes = 12 + rec_nbytes
+        if z64_offset + z64_nbytes > loc_offset or rec_nbytes < 44:
+            raise CorruptArchiveError("zip64 end-of-central-directory record has a bad length",
+                                      path=path, offset=z64_offset,
+                                      expected=f"44..{loc_offset - z64_offset - 12}",
+                                      actual=rec_nbytes)
+        if zdisk != 0 or zcd_disk != 0 or zn_disk != zn_total:
+            raise UnsupportedFormatError("multi-disk zip archive", path=path, offset=z64_offset)
+        n_total, cd_nbytes, cd_offset = zn_total, zcd_nbytes, zcd_offset
+        cd_end_limit = z64_offset
+    else:
+        if U32_MAX in (cd_nbytes, cd_offset) or n_total == U16_MAX:
+            raise CorruptArchiveError("end-of-central-directory record needs zip64 records that "
+                                      "are missing", path=path, offset=eocd_offset)
+        cd_end_limit = eocd_offset
+    if cd_offset + cd_nbytes > cd_end_limit:
+        raise CorruptArchiveError("central directory runs past the end-of-central-directory "
+                                  "records", path=path, offset=cd_offset,
+                                  expected=f"end <= {cd_end_limit}",
+                                  actual=f"end at {cd_offset + cd_nbytes}")
+    if n_total * CENTRAL_ENTRY.size > cd_nbytes:
+        raise CorruptArchiveError("central directory too small for its entry count", path=path,
+                                  offset=cd_offset, expected=f">= {n_total * CENTRAL_ENTRY.size} "
+                                  "bytes", actual=f"{cd_nbytes} bytes")
+    return Trailer(cd_offset, cd_nbytes, n_total, eocd_offset, EOCD.size + comment, z64_offset,
+                   z64_nbytes, loc_offset)
+
+
+def parse_central_directory(cd: bytes, trailer: Trailer, path: str) -> list[CentralEntry]:
+    """Every central directory entry, with zip64 sizes and offsets resolved."""
+    entries: list[CentralEntry] = []
+    pos = 0
+    unpack = CENTRAL_ENTRY.unpack_from
+    for index in range(trailer.entries):
+        at = trailer.cd_offset + pos
+        if pos + CENTRAL_ENTRY.size > len(cd):
+            raise CorruptArchiveError(f"central directory entry {index} runs past the directory",
+                                      path=path, offset=at)
+        (sig, _, _, flags, method, _, _, crc, comp, uncomp, n_name, n_extra, n_comment, _, _, _,
+         hdr) = unpack(cd, pos)
+        if sig != CENTRAL_SIG:
+            raise CorruptArchiveError(f"bad signature of central directory entry {index}",
+                                      path=path, offset=at, expected=CENTRAL_SIG, actual=sig)
+        end = pos + CENTRAL_ENTRY.size + n_name + n_extra + n_comment
+        if end > len(cd):
+            raise CorruptArchiveError(f"central directory entry {index} runs past the directory",
+                                      path=path, offset=at)
+        raw_name = cd[pos + 46:pos + 46 + n_name]
+        try:
+            name = raw_name.decode("utf-8" if flags & 0x800 else "cp437")
+        except UnicodeDecodeError:
+            raise CorruptArchiveError(f"central directory entry {index} has an undecodable name",
+                                      path=path, offset=at + 46) from None
+        if U32_MAX in (comp, uncomp, hdr):
+            xpos, xend = pos + 46 + n_name, pos + 46 + n_name + n_extra
+            while xpos + 4 <= xend:
+                xid, xlen = struct.unpack_from("<HH", cd, xpos)
+                if xid == ZIP64_EXTRA_ID:
+                    fpos, fend = xpos + 4, min(xpos + 4 + xlen, xend)
+                    values = []
+                    while fpos + 8 <= fend:
+                        values.append(struct.unpack_from("<Q", cd, fpos)[0])
+                        fpos += 8
+                    try:
+                        if uncomp == U32_MAX:
+                            uncomp = values.pop(0)
+                        if comp == U32_MAX:
+                            comp = values.pop(0)
+                        if hdr == U32_MAX:
+                            hdr = values.pop(0)
+                    except IndexError:
+                        raise CorruptArchiveError(f"zip64 extra of central directory entry "
+                                                  f"{name!r} is too short", path=path,
+                                                  record=name, offset=trailer.cd_offset + xpos
+                                                  ) from None
+                    break
+                xpos += 4 + xlen
+            if U32_MAX in (comp, uncomp, hdr) and comp != uncomp:
+                raise CorruptArchiveError("central directory entry needs a zip64 extra that is "
+                                          "missing", path=path, record=name, offset=at)
+        entries.append(CentralEntry(name, n_name, flags, method, crc, comp, uncomp, hdr, at,
+                                    end - pos))
+        pos = end
+    return entries
+
+
+@dataclass(frozen=True, slots=True)
+class LocalHeader:
+    extra_nbytes: int
+    zip64_extra_nbytes: int
+    padding_nbytes: int  # FB payload
+    fields: tuple[tuple[str, int, int], ...]  # (kind, offset, nbytes) for each extra field
+
+    def data_offset(self, header_offset: int, name_nbytes: int) -> int:
+        return header_offset + LOCAL_HEADER.size + name_nbytes + self.extra_nbytes
+
+
+def read_local_header(src: ByteSource, entry: CentralEntry,
+                      max_end: int | None = None) -> LocalHeader:
+    """Read and check the local header of ``entry`` (name must match the central directory).
+
+    One read usually: the fixed header, the name and up to 96 bytes of extra fields (never past
+    ``max_end`` or the end of the file); a longer extra area takes a second read.
+    """
+    at = entry.header_offset
+    want = LOCAL_HEADER.size + entry.name_nbytes
+    end = min(at + want + 96, src.nbytes if max_end is None else max_end)
+    head = src.read(at, max(want, end - at), what="local header", record=entry.name)
+    if len(head) < want:
+        raise TruncatedArchiveError("file ends inside a local header", path=src.name,
+                                    record=entry.name, offset=at, expected=f"{want} bytes",
+                                    actual=f"{len(head)} bytes")
+    sig, _, _, _, _, _, _, _, _, n_name, n_extra = LOCAL_HEADER.unpack_from(head)
+    if sig != LOCAL_SIG:
+        raise CorruptArchiveError("bad local header signature", path=src.name, record=entry.name,
+                                  offset=at, expected=LOCAL_SIG, actual=sig)
+    if n_name != entry.name_nbytes or head[30:30 + n_name] != entry.name.encode(
+            "utf-8" if entry.flags & 0x800 else "cp437"):
+        raise CorruptArchiveError("local header name differs from the central directory",
+                                  path=src.name, record=entry.name, offset=at + 30,
+                                  expected=entry.name, actual=bytes(head[30:30 + n_name]))
+    if len(head) >= want + n_extra:
+        extra = head[want:want + n_extra]
+    else:
+        extra = src.read(at + want, n_extra, what="local extra fields", record=entry.name)
+    fields = []
+    zip64 = padding = 0
+    pos = 0
+    while pos < n_extra:
+        if pos + 4 > n_extra:
+            raise CorruptArchiveError("truncated extra field header", path=src.name,
+                                      record=entry.name, offset=at + want + pos)
+        xid, xlen = struct.unpack_from("<HH", extra, pos)
+        if pos + 4 + xlen > n_extra:
+            raise CorruptArchiveError("extra field runs past the local header", path=src.name,
+                                      record=entry.name, offset=at + want + pos,
+                                      expected=f"<= {n_extra - pos - 4} bytes", actual=xlen)
+        kind = {ZIP64_EXTRA_ID: "zip64_extra", FB_EXTRA_ID: "padding"}.get(xid, "extra")
+        if xid == ZIP64_EXTRA_ID:
+            zip64 += 4 + xlen
+        elif xid == FB_EXTRA_ID:
+            padding += xlen
+        fields.append((kind, at + want + pos, 4 + xlen))
+        pos += 4 + xlen
+    return LocalHeader(n_extra, zip64, padding, tuple(fields))
+
+
+def descriptor_nbytes(src: ByteSource, entry: CentralEntry, data_end: int, zip64: bool) -> int:
+    """Size of the data descriptor after a record's data (checked against the directory)."""
+    if not entry.flags & 0x8:
+        return 0
+    nbytes = 24 if zip64 else 16
+    head = src.read(data_end, min(nbytes, src.nbytes - data_end) if data_end < src.nbytes else 4,
+                    what="data descriptor", record=entry.name)
+    has_sig = head[:4] == DESCRIPTOR_SIG
+    if not has_sig:
+        nbytes -= 4
+    if len(head) < nbytes:
+        raise TruncatedArchiveError("file ends inside a data descriptor", path=src.name,
+                                    record=entry.name, offset=data_end)
+    body = head[4:nbytes] if has_sig else head[:nbytes]
+    crc, comp, uncomp = struct.unpack_from("<IQQ" if zip64 else "<III", body)
+    if (crc, comp, uncomp) != (entry.crc32, entry.compressed_nbytes, entry.uncompressed_nbytes):
+        raise CorruptArchiveError("data descriptor disagrees with the central directory",
+                                  path=src.name, record=entry.name, offset=data_end,
+                                  expected=(entry.crc32, entry.compressed_nbytes,
+                                            entry.uncompressed_nbytes),
+                                  actual=(crc, comp, uncomp))
+    return nbytes

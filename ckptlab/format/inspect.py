@@ -1,0 +1,94 @@
+"""``inspect``: recognise a checkpoint file and return its full layout."""
+
+from __future__ import annotations
+
+import os
+from typing import BinaryIO
+
+from ckptlab.errors import ArchiveError, TruncatedArchiveError, UnsupportedFormatError
+from ckptlab.format._source import ByteSource
+from ckptlab.format.archive import scan_torch_zip
+from ckptlab.format.layout import ArchiveLayout
+from ckptlab.format.safetensors import looks_like_safetensors, scan_safetensors
+
+__all__ = ["detect_format", "inspect"]
+
+LEGACY_MAGIC = bytes.fromhex("80028a0a6cfc9c46f9206aa850192e")
+
+
+def detect_format(head: bytes, file_nbytes: int) -> str:
+    """Name the kind of file from its first bytes (up to 512).
+
+    One of ``"torch-zip"`` (any zip), ``"safetensors"``, ``"legacy-pickle"``, ``"legacy-tar"``,
+    ``"pickle"``, ``"empty"`` or ``"unknown"``.
+    """
+    if file_nbytes == 0:
+        return "empty"
+    if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
+        return "torch-zip"
+    if head.startswith(LEGACY_MAGIC):
+        return "legacy-pickle"
+    if head[257:262] == b"ustar":
+        return "legacy-tar"
+    if looks_like_safetensors(head, file_nbytes):
+        return "safetensors"
+    if head[:1] == b"\x80" and 2 <= head[1:2][0] <= 5 if len(head) > 1 else False:
+        return "pickle"
+    return "unknown"
+
+
+_UNSUPPORTED = {
+    "legacy-pickle": "a legacy torch.save file (pre-1.6 pickle format, or "
+                     "_use_new_zipfile_serialization=False); re-save it with torch.save to get a "
+                     "zip archive",
+    "legacy-tar": "a legacy torch.save tar archive (torch < 0.4); re-save it with torch.save",
+    "pickle": "a plain pickle, not a torch.save archive",
+}
+
+
+def inspect(source: str | os.PathLike[str] | BinaryIO | bytes) -> ArchiveLayout:
+    """Full layout of a checkpoint: a torch.save zip archive or a .safetensors file.
+
+    Parameters
+    ----------
+    source
+        A path, a bytes-like object, or a binary file object.
+
+    Returns
+    -------
+    ArchiveLayout
+        Every record, storage and tensor, and segments that tile the file exactly.
+
+    Raises
+    ------
+    TruncatedArchiveError, CorruptArchiveError
+        The file is damaged (the message names the file, record and offset).
+    UnsupportedFormatError
+        A legacy torch file, a TorchScript archive, a plain pickle, a DCP directory (not yet
+        supported) or an unknown format; the message says which.
+
+    Notes
+    -----
+    Nothing in the file is executed: ``data.pkl`` is interpreted by a scanner that resolves
+    every global to an inert stand-in.
+    """
+    if isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
+        if os.path.exists(os.path.join(source, ".metadata")):
+            raise UnsupportedFormatError("a torch.distributed.checkpoint directory; DCP "
+                                         "inspection is not available in this version",
+                                         path=source)
+        raise ArchiveError("is a directory, not a checkpoint file", path=source)
+    with ByteSource(source) as src:
+        kind = detect_format(src.read(0, min(512, src.nbytes), what="file header"), src.nbytes)
+        if kind == "torch-zip":
+            return scan_torch_zip(src)
+        if kind == "safetensors":
+            return scan_safetensors(src)
+        if kind == "empty":
+            raise TruncatedArchiveError("empty file", path=src.name, offset=0,
+                                        expected="a checkpoint", actual="0 bytes")
+        if kind in _UNSUPPORTED:
+            raise UnsupportedFormatError(_UNSUPPORTED[kind], path=src.name, offset=0)
+        head = src.read(0, min(8, src.nbytes))
+        raise UnsupportedFormatError(f"not a checkpoint format ckptlab knows (first bytes "
+                                     f"{head.hex(' ')})", path=src.name, offset=0)

@@ -1,0 +1,209 @@
+"""The layout data model: frozen descriptions of every byte of a checkpoint file.
+
+All offsets are absolute byte offsets in the file; all sizes are in bytes (``*_nbytes``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = [
+    "ArchiveLayout",
+    "Record",
+    "Segment",
+    "SegmentKind",
+    "StorageInfo",
+    "TensorInfo",
+]
+
+
+class SegmentKind(str, enum.Enum):
+    """What a run of bytes in a checkpoint file is."""
+
+    LOCAL_HEADER = "local_header"  # 30-byte zip local file header
+    NAME = "name"  # the record name after a local header
+    ZIP64_EXTRA = "zip64_extra"  # zip64 extended-information extra field (id 0x0001)
+    PADDING = "padding"  # torch's 'FB' extra field (id 0x4246) that aligns the data
+    EXTRA = "extra"  # any other extra field (foreign writers)
+    DATA = "data"  # a record's payload (a storage's bytes, data.pkl, ...)
+    DESCRIPTOR = "descriptor"  # zip data descriptor after the payload
+    CENTRAL_DIRECTORY = "central_directory"
+    ZIP64_EOCD = "zip64_eocd"  # zip64 end of central directory record
+    ZIP64_LOCATOR = "zip64_locator"  # zip64 end of central directory locator
+    EOCD = "eocd"  # end of central directory record (+ comment)
+    HEADER_LENGTH = "header_length"  # safetensors: u64 length of the JSON header
+    HEADER = "header"  # safetensors: the JSON header
+    HEADER_PADDING = "header_padding"  # safetensors: spaces that align the data to 8 bytes
+    UNKNOWN = "unknown"  # bytes no structure of the format accounts for
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One contiguous run of bytes of a single kind."""
+
+    kind: SegmentKind  # what the bytes are
+    offset: int  # first byte
+    nbytes: int  # length in bytes
+    record: str | None = None  # owning record / tensor name, if any
+
+    @property
+    def end_offset(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One zip entry, from its local header to the end of its data descriptor."""
+
+    name: str  # full name in the archive, e.g. "model/data/0"
+    header_offset: int  # offset of the local header signature PK\\3\\4
+    name_nbytes: int  # length of the name
+    extra_nbytes: int  # all local extra fields (zip64 extra + FB padding field + others)
+    zip64_extra_nbytes: int  # the zip64 extra field including its 4-byte header, 0 if absent
+    padding_nbytes: int  # payload of the 'FB' padding field (the alignment padding proper)
+    data_offset: int  # first byte of the payload
+    data_nbytes: int  # stored (compressed) size of the payload
+    descriptor_nbytes: int  # data descriptor after the payload: 0, 12, 16, 20 or 24
+    crc32: int  # CRC-32 from the central directory (0 when written with compute_crc32=False)
+    uncompressed_nbytes: int  # uncompressed size (== data_nbytes for stored records)
+    method: int = 0  # zip compression method (0 = stored, which torch always uses)
+    header_nbytes: int = 30  # the fixed local header
+
+    @property
+    def end_offset(self) -> int:
+        """First byte after the record (header of the next record, or central directory)."""
+        return self.data_offset + self.data_nbytes + self.descriptor_nbytes
+
+    @property
+    def short_name(self) -> str:
+        """The name without the archive prefix (``data/0``, ``data.pkl``, ...)."""
+        return self.name.split("/", 1)[1] if "/" in self.name else self.name
+
+
+@dataclass(frozen=True, slots=True)
+class StorageInfo:
+    """A storage as the pickle declares it, and where its bytes are."""
+
+    key: str  # storage key in the pickle ("0", "1", ...)
+    record: str  # full record name holding its bytes
+    dtype: str  # element type, torch's name without prefix ("float32", "uint8" if untyped)
+    nbytes: int  # bytes of the storage
+    data_offset: int  # offset of its first byte in the file
+    device: str  # location as saved ("cpu", "cuda:0", ...)
+    storage_type: str = ""  # pickled storage class ("FloatStorage", "UntypedStorage", ...)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """A tensor as the pickle rebuilds it (without rebuilding it)."""
+
+    path: tuple[Any, ...]  # keys / indices / attribute names from the root object
+    storage_key: str  # key of the storage it views
+    dtype: str  # torch's name without prefix
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int  # in elements of ``dtype``
+    requires_grad: bool = False
+    is_parameter: bool = False  # rebuilt through torch._utils._rebuild_parameter
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class ArchiveLayout:
+    """Every byte of a checkpoint file, and what the pickle says lives where.
+
+    ``segments`` tile the file: sorted, contiguous, no gap, no overlap.
+    """
+
+    format: str  # "torch-zip" or "safetensors"
+    path: str
+    file_nbytes: int
+    archive_name: str  # prefix of every record name ("" for safetensors)
+    records: tuple[Record, ...]
+    storages: tuple[StorageInfo, ...]
+    tensors: tuple[TensorInfo, ...]
+    segments: tuple[Segment, ...]
+    alignment: int  # largest power of two (<= 4096) dividing every non-empty storage's offset
+    zip64: bool  # some record needed a zip64 extra field
+    central_directory_offset: int = 0
+    central_directory_nbytes: int = 0
+    zip64_eocd_offset: int | None = None
+    zip64_locator_offset: int | None = None
+    eocd_offset: int | None = None
+    storage_alignment: int | None = None  # content of the .storage_alignment record
+    format_version: str | None = None  # content of the .format_version record
+    byteorder: str | None = None  # content of the byteorder record
+    pickle_protocol: int | None = None
+    metadata: dict[str, str] | None = field(default=None, hash=False)  # safetensors __metadata__
+
+    def record(self, name: str) -> Record:
+        """The record with full name ``name`` or short name (``data/0``)."""
+        for r in self.records:
+            if r.name == name or r.short_name == name:
+                return r
+        raise KeyError(name)
+
+    def storage(self, key: str) -> StorageInfo:
+        for s in self.storages:
+            if s.key == key:
+                return s
+        raise KeyError(key)
+
+    @property
+    def overhead_nbytes(self) -> int:
+        """Bytes that are not payload data (headers, names, extras, descriptors, trailer)."""
+        return self.file_nbytes - sum(
+            s.nbytes for s in self.segments if s.kind is SegmentKind.DATA
+        )
+
+    @property
+    def padding_nbytes(self) -> int:
+        """Bytes of alignment padding (FB payloads, or safetensors header padding)."""
+        if self.format == "safetensors":
+            return sum(s.nbytes for s in self.segments if s.kind is SegmentKind.HEADER_PADDING)
+        return sum(r.padding_nbytes for r in self.records)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (the ``ckptlab inspect --json`` schema)."""
+        out: dict[str, Any] = {
+            "format": self.format,
+            "path": self.path,
+            "file_nbytes": self.file_nbytes,
+            "archive_name": self.archive_name,
+            "alignment": self.alignment,
+            "zip64": self.zip64,
+            "storage_alignment": self.storage_alignment,
+            "format_version": self.format_version,
+            "byteorder": self.byteorder,
+            "pickle_protocol": self.pickle_protocol,
+            "central_directory": {
+                "offset": self.central_directory_offset,
+                "nbytes": self.central_directory_nbytes,
+            },
+            "zip64_eocd_offset": self.zip64_eocd_offset,
+            "zip64_locator_offset": self.zip64_locator_offset,
+            "eocd_offset": self.eocd_offset,
+            "overhead_nbytes": self.overhead_nbytes,
+            "padding_nbytes": self.padding_nbytes,
+            "records": [dict(asdict(r), end_offset=r.end_offset) for r in self.records],
+            "storages": [asdict(s) for s in self.storages],
+            "tensors": [
+                dict(asdict(t), path=list(t.path), shape=list(t.shape), stride=list(t.stride))
+                for t in self.tensors
+            ],
+            "segments": [
+                {"kind": s.kind.value, "offset": s.offset, "nbytes": s.nbytes, "record": s.record}
+                for s in self.segments
+            ],
+        }
+        if self.metadata is not None:
+            out["metadata"] = dict(self.metadata)
+        return out
