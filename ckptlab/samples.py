@@ -116,8 +116,9 @@ def write_sample(path: str | os.PathLike[str], **save_config: Any) -> Path:
 
 def sample_path() -> Path:
     """The default sample file, written once into the user's cache directory."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ckptlab"
-    target = base / f"sample-v{SAMPLE_VERSION}.pt"
+    base = (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ckptlab"
+            / f"sample-v{SAMPLE_VERSION}")
+    target = base / "sample.pt"  # archive name "sample", as in the docs
     if not target.exists():
         base.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=base) as tmp:  # same name inside: same archive name

@@ -23,7 +23,7 @@ DTYPE_ITEMSIZE: dict[str, int] = {
 DTYPE_ALIASES: dict[str, str] = {
     "float": "float32", "double": "float64", "half": "float16", "long": "int64",
     "int": "int32", "short": "int16", "cfloat": "complex64", "cdouble": "complex128",
-    "chalf": "complex32",
+    "chalf": "complex32", "bit": "uint1",
 }
 
 # pickled legacy storage class -> element dtype (UntypedStorage holds raw bytes)

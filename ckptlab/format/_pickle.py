@@ -20,7 +20,7 @@ import io
 import pickle
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ckptlab.errors import CorruptArchiveError
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE, STORAGE_DTYPE, canonical_dtype
@@ -221,7 +221,7 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
         if frame_nbytes > remaining:
             raise _ScanError(f"FRAME of {frame_nbytes} bytes with {remaining} bytes left")
 
-    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
     dispatch[pickle.FRAME[0]] = _load_frame
 
     def load(self) -> Any:  # the stdlib loop, reading the stream directly (see _load_frame)

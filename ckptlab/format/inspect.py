@@ -43,6 +43,8 @@ _UNSUPPORTED = {
                      "zip archive",
     "legacy-tar": "a legacy torch.save tar archive (torch < 0.4); re-save it with torch.save",
     "pickle": "a plain pickle, not a torch.save archive",
+    "safetensors": "a safetensors file, not a torch.save archive (ckptlab.inspect reads its "
+                   "tensor offsets from the header)",
 }
 
 
@@ -79,16 +81,26 @@ def inspect(source: str | os.PathLike[str] | BinaryIO | bytes) -> ArchiveLayout:
                                          path=source)
         raise ArchiveError("is a directory, not a checkpoint file", path=source)
     with ByteSource(source) as src:
-        kind = detect_format(src.read(0, min(512, src.nbytes), what="file header"), src.nbytes)
+        kind = sniff(src)
         if kind == "torch-zip":
             return scan_torch_zip(src)
         if kind == "safetensors":
             return scan_safetensors(src)
-        if kind == "empty":
-            raise TruncatedArchiveError("empty file", path=src.name, offset=0,
-                                        expected="a checkpoint", actual="0 bytes")
-        if kind in _UNSUPPORTED:
-            raise UnsupportedFormatError(_UNSUPPORTED[kind], path=src.name, offset=0)
-        head = src.read(0, min(8, src.nbytes))
-        raise UnsupportedFormatError(f"not a checkpoint format ckptlab knows (first bytes "
-                                     f"{head.hex(' ')})", path=src.name, offset=0)
+        raise not_a_checkpoint(src, kind)
+
+
+def sniff(src: ByteSource) -> str:
+    """:func:`detect_format` of a source's first bytes (one read)."""
+    return detect_format(src.read(0, min(512, src.nbytes), what="file header"), src.nbytes)
+
+
+def not_a_checkpoint(src: ByteSource, kind: str) -> ArchiveError:
+    """The error for a file of ``kind`` that is neither a torch zip nor safetensors."""
+    if kind == "empty":
+        return TruncatedArchiveError("empty file", path=src.name, offset=0,
+                                     expected="a checkpoint", actual="0 bytes")
+    if kind in _UNSUPPORTED:
+        return UnsupportedFormatError(_UNSUPPORTED[kind], path=src.name, offset=0)
+    head = src.read(0, min(8, src.nbytes))
+    return UnsupportedFormatError(f"not a checkpoint format ckptlab knows (first bytes "
+                                  f"{head.hex(' ')})", path=src.name, offset=0)

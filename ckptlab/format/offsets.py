@@ -18,11 +18,12 @@ import os
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from ckptlab.errors import CorruptArchiveError, UnsupportedFormatError
+from ckptlab.errors import ArchiveError, CorruptArchiveError, UnsupportedFormatError
 from ckptlab.format import _zip
 from ckptlab.format._pickle import scan_pickle
 from ckptlab.format._source import ByteSource
 from ckptlab.format.archive import _classify, read_central_directory
+from ckptlab.format.inspect import not_a_checkpoint, sniff
 
 __all__ = ["StorageOffsets", "storage_offsets"]
 
@@ -83,7 +84,13 @@ def storage_offsets(source: str | os.PathLike[str] | BinaryIO | bytes, *,
     compensate would not be detected; no known writer does that.
     """
     with ByteSource(source, cache=True) as src:
-        trailer, entries = read_central_directory(src)
+        try:
+            trailer, entries = read_central_directory(src)
+        except ArchiveError:
+            kind = sniff(src)  # only on failure: say what the file is, if it is not a zip
+            if kind != "torch-zip":
+                raise not_a_checkpoint(src, kind) from None
+            raise
         archive = _classify(entries, src.name)
         prefix = f"{archive}/" if archive else ""
         by_name = {e.name: e for e in entries}

@@ -1,0 +1,5 @@
+import sys
+
+from ckptlab.cli import main
+
+sys.exit(main())

@@ -1,0 +1,117 @@
+"""The ``ckptlab`` command.
+
+Verbs: ``inspect [PATH] [--json]``, ``offsets PATH [--json]``, ``sample PATH``.
+Errors: exit status 2 and one line on stderr starting ``ckptlab: error:``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ckptlab.errors import CkptlabError
+from ckptlab.format import ArchiveLayout, inspect, storage_offsets
+
+__all__ = ["main"]
+
+
+def _fmt_path(path: Sequence[Any]) -> str:
+    return ".".join(str(p) for p in path) or "<root>"
+
+
+def _table(rows: list[Sequence[Any]], header: Sequence[str], right: set[int]) -> str:
+    cells = [[str(c) for c in row] for row in [header, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = []
+    for row in cells:
+        lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+    return "\n".join(lines)
+
+
+def render_layout(layout: ArchiveLayout) -> str:
+    """The human-readable report printed by ``ckptlab inspect``."""
+    pct = 100.0 * layout.overhead_nbytes / layout.file_nbytes if layout.file_nbytes else 0.0
+    out = [
+        f"{layout.path}",
+        f"  format {layout.format}, {layout.file_nbytes:,} bytes"
+        + (f", archive '{layout.archive_name}'" if layout.archive_name else "")
+        + f", alignment {layout.alignment}"
+        + (f" (.storage_alignment {layout.storage_alignment})"
+           if layout.storage_alignment is not None else "")
+        + f", zip64 {'yes' if layout.zip64 else 'no'}",
+        f"  {len(layout.records)} records, {len(layout.storages)} storages, "
+        f"{len(layout.tensors)} tensors; overhead {layout.overhead_nbytes:,} bytes ({pct:.2f}%), "
+        f"padding {layout.padding_nbytes:,} bytes",
+        "",
+    ]
+    if layout.records:
+        out.append(_table(
+            [(r.short_name, r.header_offset, r.data_offset, r.data_nbytes, r.padding_nbytes,
+              r.zip64_extra_nbytes, r.descriptor_nbytes) for r in layout.records],
+            ("record", "header", "data", "nbytes", "pad", "zip64", "desc"), {1, 2, 3, 4, 5, 6}))
+        out.append("")
+    out.append(_table(
+        [(_fmt_path(t.path), t.dtype, "x".join(map(str, t.shape)) or "scalar", t.storage_key,
+          t.storage_offset) for t in layout.tensors],
+        ("tensor", "dtype", "shape", "storage", "offset"), {4}))
+    return "\n".join(out)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ckptlab", description="See inside PyTorch checkpoints.")
+    sub = p.add_subparsers(dest="verb", required=True)
+    ins = sub.add_parser("inspect", help="layout of a torch.save archive or .safetensors file")
+    ins.add_argument("path", nargs="?", help="checkpoint file (default: the embedded sample)")
+    ins.add_argument("--json", action="store_true", help="print one JSON object")
+    off = sub.add_parser("offsets", help="storage data offsets, computed without random reads")
+    off.add_argument("path")
+    off.add_argument("--json", action="store_true", help="print one JSON object")
+    off.add_argument("--no-scan", action="store_true",
+                     help="take the storage order from the central directory, not data.pkl")
+    smp = sub.add_parser("sample", help="write the embedded sample checkpoint")
+    smp.add_argument("path")
+    smp.add_argument("--alignment", type=int, default=64, help="storage alignment (default 64)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ckptlab`` command; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.verb == "inspect":
+            if args.path is None:
+                from ckptlab.samples import sample_path
+
+                args.path = str(sample_path())
+            layout = inspect(args.path)
+            if args.json:
+                print(json.dumps(layout.to_dict(), default=str))
+            else:
+                print(render_layout(layout))
+        elif args.verb == "offsets":
+            result = storage_offsets(args.path, scan=not args.no_scan)
+            if args.json:
+                print(json.dumps(result.to_dict()))
+            else:
+                print(_table(sorted(result.offsets.items(), key=lambda kv: kv[1]),
+                             ("storage", "data offset"), {1}))
+                print(f"{result.reads} reads, {result.bytes_read:,} bytes read, method "
+                      f"{result.method}" + (f" ({result.reason})" if result.reason else ""))
+        elif args.verb == "sample":
+            from ckptlab.samples import write_sample
+
+            print(write_sample(args.path, storage_alignment=args.alignment))
+    except CkptlabError as exc:
+        print(f"ckptlab: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `ckptlab inspect | head`
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

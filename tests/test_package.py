@@ -1,0 +1,58 @@
+"""Package-level contracts: public API, core never imports UI libraries, deterministic sample."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import ckptlab as cl
+
+UI_MODULES = ("ipywidgets", "panel", "plotly", "IPython", "anywidget", "bokeh")
+CORE = ("ckptlab", "ckptlab.format", "ckptlab.errors", "ckptlab.samples", "ckptlab.cli")
+
+
+def test_core_never_imports_ui_libraries():
+    code = (
+        "import sys\n"
+        f"for m in {CORE!r}: __import__(m)\n"
+        "import ckptlab.format.predict, ckptlab.format.offsets, ckptlab.format.safetensors\n"
+        f"bad = [m for m in {UI_MODULES!r} if m in sys.modules]\n"
+        "assert not bad, bad\n"
+        "print('torch' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"  # inspecting does not even need torch imported
+
+
+def test_public_api_is_all():
+    for name in cl.__all__:
+        assert hasattr(cl, name), name
+    assert {"inspect", "storage_offsets", "predict_layout", "samples"} <= set(cl.__all__)
+
+
+def test_errors_derive_from_stdlib_types():
+    from ckptlab import errors
+
+    assert issubclass(errors.TruncatedArchiveError, ValueError)
+    assert issubclass(errors.WriterError, RuntimeError)
+    e = errors.CorruptArchiveError("bad thing", path="f.pt", record="f/data/0", offset=12,
+                                   expected=1, actual=2)
+    assert str(e) == "f.pt, record 'f/data/0', offset 12: bad thing (expected 1, got 2)"
+
+
+def test_sample_is_deterministic():
+    import torch
+
+    a, b = cl.samples.tiny_checkpoint(), cl.samples.tiny_checkpoint()
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key])
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+    for idx, state in a["optimizer"]["state"].items():
+        for k, v in state.items():
+            assert torch.equal(v, b["optimizer"]["state"][idx][k])
+    model = a["model"]
+    assert model["lm_head.weight"].untyped_storage().data_ptr() == \
+        model["transformer.wte.weight"].untyped_storage().data_ptr()
+    assert model["transformer.wpe.weight"].dtype == torch.bfloat16
+    assert model["transformer.position_ids"].dtype == torch.int64
