@@ -1,0 +1,50 @@
+"""environment.yml, binder/ and pyproject.toml install the same things."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CONDA_NAMES = {"torch": "pytorch-cpu"}  # conda-forge's CPU-only torch
+
+
+def _name(req: str) -> str:
+    return re.split(r"[<>=!~\[ ;]", req.strip(), maxsplit=1)[0].lower()
+
+
+def _pyproject_names(extras: tuple[str, ...]) -> set[str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = list(project["dependencies"])
+    for extra in extras:
+        reqs += project["optional-dependencies"][extra]
+    return {CONDA_NAMES.get(_name(r), _name(r)) for r in reqs}
+
+
+def _conda_names(path: Path) -> set[str]:
+    deps = yaml.safe_load(path.read_text())["dependencies"]
+    return {_name(d) for d in deps if isinstance(d, str)} - {"python", "pip"}
+
+
+def test_environment_yml_matches_pyproject():
+    assert _conda_names(ROOT / "environment.yml") == _pyproject_names(("widgets", "dev"))
+
+
+def test_binder_matches_pyproject_for_the_workbench():
+    binder = _conda_names(ROOT / "binder" / "environment.yml")
+    assert _pyproject_names(("widgets",)) <= binder
+    assert binder <= _pyproject_names(("widgets", "dev"))
+    assert "pip install --no-deps -e ." in (ROOT / "binder" / "postBuild").read_text()
+
+
+def test_torch_is_pinned_before_anything_else_installs():
+    makefile = (ROOT / "Makefile").read_text()
+    pin = makefile.index("install --quiet torch==$(TORCH_VERSION)")
+    rest = makefile.index('-c constraints.txt -e ".[widgets,dev]"')
+    assert pin < rest
+    assert "TORCH_VERSION := 2.13.0" in makefile
+    assert (ROOT / "constraints.txt").read_text().strip() == "torch==2.13.0"
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
