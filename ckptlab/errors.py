@@ -23,6 +23,11 @@ __all__ = [
 ]
 
 
+def _clip(value: object, limit: int = 200) -> str:
+    text = str(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class CkptlabError(Exception):
     """Root of every error ckptlab raises on purpose."""
 
@@ -72,7 +77,7 @@ class ArchiveError(CkptlabError, ValueError):
             where.append(f"offset {self.offset}")
         text = f"{': '.join([', '.join(where)] if where else [])}{': ' if where else ''}{self.reason}"
         if self.expected is not None or self.actual is not None:
-            text += f" (expected {self.expected}, got {self.actual})"
+            text += f" (expected {_clip(self.expected)}, got {_clip(self.actual)})"
         return text
 
 

@@ -73,6 +73,11 @@ def read_record_data(src: ByteSource, record: Record, limit: int | None = None) 
         raise UnsupportedFormatError(f"record compressed with zip method {record.method}",
                                      path=src.name, record=record.name,
                                      offset=record.header_offset)
+    if record.uncompressed_nbytes > 1032 * record.data_nbytes + 64:  # deflate's maximum ratio
+        raise CorruptArchiveError("uncompressed size impossible for deflate", path=src.name,
+                                  record=record.name, offset=record.header_offset,
+                                  expected=f"<= {1032 * record.data_nbytes + 64} bytes",
+                                  actual=f"{record.uncompressed_nbytes} bytes")
     inflater = zlib.decompressobj(-15)
     try:
         out = inflater.decompress(raw, record.uncompressed_nbytes + 1)
