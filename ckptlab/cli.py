@@ -70,8 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     off = sub.add_parser("offsets", help="storage data offsets, computed without random reads")
     off.add_argument("path")
     off.add_argument("--json", action="store_true", help="print one JSON object")
-    off.add_argument("--no-scan", action="store_true",
-                     help="take the storage order from the central directory, not data.pkl")
+    off.add_argument("--scan", action="store_true",
+                     help="take the storage order from data.pkl (torch's way) instead of the "
+                          "central directory; slower, same offsets for torch-written files")
     smp = sub.add_parser("sample", help="write the embedded sample checkpoint")
     smp.add_argument("path")
     smp.add_argument("--alignment", type=int, default=64, help="storage alignment (default 64)")
@@ -93,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 print(render_layout(layout))
         elif args.verb == "offsets":
-            result = storage_offsets(args.path, scan=not args.no_scan)
+            result = storage_offsets(args.path, scan=args.scan)
             if args.json:
                 print(json.dumps(result.to_dict()))
             else:

@@ -20,6 +20,7 @@ import collections
 import contextlib
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,7 +93,9 @@ def make_tensor(dtype: torch.dtype, shape: Sequence[int], seed: int = 0) -> torc
     """
     shape = tuple(int(s) for s in shape)
     numel = math.prod(shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    with warnings.catch_warnings():  # "ComplexHalf support is experimental"
+        warnings.simplefilter("ignore", UserWarning)
+        itemsize = torch.empty((), dtype=dtype).element_size()
     raw = (torch.arange(numel * itemsize, dtype=torch.int64) * 37 + seed * 101 + 11) % 251
     if dtype is torch.bool:
         raw = raw % 2
@@ -179,12 +182,23 @@ def _grad_ok(t: torch.Tensor) -> bool:
 
 
 @st.composite
-def _maybe_grad(draw: st.DrawFn, t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself, a Parameter sharing its storage, or a detached leaf that requires grad."""
-    kinds = ["plain", "param_nograd"]
-    if _grad_ok(t):
-        kinds += ["param_grad", "leaf_grad"]
+def _maybe_wrap(draw: st.DrawFn, t: torch.Tensor, grad: bool = True,
+                attributes: bool = False) -> torch.Tensor:
+    """``t`` itself or, sharing its storage: a Parameter, a detached leaf that requires grad
+    (with ``grad``), or a tensor with a Python attribute, which torch pickles through
+    ``torch._tensor._rebuild_from_type_v2`` (with ``attributes``)."""
+    kinds = ["plain"]
+    if grad:
+        kinds.append("param_nograd")
+        if _grad_ok(t):
+            kinds += ["param_grad", "leaf_grad"]
+    if attributes:
+        kinds.append("attr")
     kind = draw(st.sampled_from(kinds))
+    if kind == "attr":
+        tagged = t.detach()
+        tagged.note = draw(st.sampled_from([1, "x", None]))
+        return tagged
     if kind == "param_nograd":
         return torch.nn.Parameter(t, requires_grad=False)
     if kind == "param_grad":
@@ -209,15 +223,18 @@ def plain_values() -> st.SearchStrategy[Any]:
 
 def tensor_leaves(pool: Sequence[torch.Tensor], *,
                   dtypes: Sequence[torch.dtype] = ALL_DTYPES,
-                  grad: bool = True) -> st.SearchStrategy[torch.Tensor]:
+                  grad: bool = True, attributes: bool = False) -> st.SearchStrategy[torch.Tensor]:
     """Tensors: a pool base itself (shared storage), a view of one, or a fresh tensor;
-    wrapped as a Parameter / grad leaf when ``grad``."""
+    wrapped as a Parameter / grad leaf when ``grad`` (or given a Python attribute when
+    ``attributes``)."""
     options = [base_tensors(dtypes)]
     if pool:
         bases = st.sampled_from(list(pool))
         options += [bases, bases.flatmap(view_of)]
     leaves = st.one_of(*options)
-    return leaves.flatmap(_maybe_grad) if grad else leaves
+    if not (grad or attributes):
+        return leaves
+    return leaves.flatmap(lambda t: _maybe_wrap(t, grad, attributes))
 
 
 _KEYS = st.one_of(
@@ -239,27 +256,32 @@ def _containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
 def state_dicts(draw: st.DrawFn, *, dtypes: Sequence[torch.dtype] = ALL_DTYPES,
                 max_leaves: int = 10, grad: bool = True,
                 require_dtype: Sequence[torch.dtype] | None = None,
-                plain: bool = True) -> Any:
+                plain: bool = True, attributes: bool = False) -> Any:
     """A random object for torch.save: usually a (nested) state dict, sometimes a bare tensor,
     list or tuple.
 
     A pool of 1..4 base tensors is drawn first; leaves then reuse them (same tensor under several
     keys), view them (several views of one storage, at offsets) or make fresh tensors.
     ``require_dtype`` forces a tensor of one of those dtypes into the result (under key
-    ``"__required__"`` of a dict root).
+    ``"__required__"`` of a dict root). ``attributes`` adds tensors carrying a Python
+    attribute (pickled through ``torch._tensor._rebuild_from_type_v2``).
     """
     pool = draw(st.lists(base_tensors(dtypes), min_size=1, max_size=4))
-    tensor = tensor_leaves(pool, dtypes=dtypes, grad=grad)
+    tensor = tensor_leaves(pool, dtypes=dtypes, grad=grad, attributes=attributes)
     leaf = st.one_of(tensor, tensor, plain_values()) if plain else tensor
     tree = st.recursive(leaf, _containers, max_leaves=max_leaves)
-    root = draw(st.one_of(
-        st.dictionaries(_KEYS, tree, min_size=1, max_size=6),
-        st.dictionaries(st.text("abcdefgh.", min_size=1, max_size=6), tree, min_size=1,
-                        max_size=6).map(collections.OrderedDict),
-        st.lists(tree, min_size=1, max_size=4),
-        st.lists(tree, min_size=1, max_size=3).map(tuple),
-        tensor,
-    ))
+    value = st.one_of(tensor, tree)  # state dicts are mostly flat: favour tensors at the top
+    kind = draw(st.sampled_from(["dict", "dict", "dict", "ordered_dict", "list", "tuple",
+                                 "tensor"]))
+    if kind == "tensor":
+        root: Any = draw(tensor)
+    elif kind in ("list", "tuple"):
+        items = draw(st.lists(value, min_size=1, max_size=6))
+        root = items if kind == "list" else tuple(items)
+    else:
+        root = draw(st.dictionaries(_KEYS, value, min_size=1, max_size=8))
+        if kind == "ordered_dict":
+            root = collections.OrderedDict(root)
     if require_dtype:
         forced = draw(base_tensors(require_dtype))
         if not isinstance(root, dict):

@@ -7,6 +7,8 @@ import zipfile
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import ckptlab as cl
 from ckptlab.format.layout import SegmentKind
@@ -153,3 +155,19 @@ def test_fileobj_and_bytes_inputs_give_the_same_layout(sample_file, layout):
         from_file = cl.inspect(f)
     assert from_bytes.records == from_file.records == layout.records
     assert cl.inspect(io.BytesIO(sample_file.read_bytes())).storages == layout.storages
+
+
+@given(cursor=st.integers(0, 2**34), name_nbytes=st.integers(1, 300),
+       nbytes=st.one_of(st.integers(0, 2**34), st.sampled_from([0xFFFFFFFE, 0xFFFFFFFF])),
+       alignment=st.integers(1, 65504))
+def test_inlined_cursor_arithmetic_equals_record_geometry(cursor, name_nbytes, nbytes,
+                                                          alignment):
+    from ckptlab.format import _zip
+    from ckptlab.format.offsets import _cursor_offsets
+
+    geom = _zip.record_geometry(cursor, name_nbytes, nbytes, alignment)
+    entry = _zip.CentralEntry("x" * name_nbytes, name_nbytes, 0x8 if nbytes else 0, 0, 0,
+                              nbytes, nbytes, cursor, 0, 46)
+    trailer = _zip.Trailer(geom.end_offset, 0, 1, 0, 22, None, 0, None)
+    offsets, reason = _cursor_offsets([entry], [entry], trailer, alignment)
+    assert reason is None and offsets == [geom.data_offset]
