@@ -169,6 +169,11 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
                 self._rebuild_parameter, "_rebuild_parameter_with_state"),
             ("torch._utils", "_rebuild_from_type_v2"): _Call(self._rebuild_from_type, "_rebuild_from_type_v2"),
             ("torch._utils", "_rebuild_from_type"): _Call(self._rebuild_from_type, "_rebuild_from_type"),
+            # tensors with Python attributes and Tensor subclasses reduce through torch._tensor
+            ("torch._tensor", "_rebuild_from_type_v2"): _Call(self._rebuild_from_type,
+                                                              "_rebuild_from_type_v2"),
+            ("torch._tensor", "_rebuild_from_type"): _Call(self._rebuild_from_type,
+                                                           "_rebuild_from_type"),
             ("torch._utils", "_rebuild_meta_tensor_no_storage"): _Call(
                 self._rebuild_meta, "_rebuild_meta_tensor_no_storage"),
             ("torch._utils", "_rebuild_device_tensor_from_cpu_tensor"): _Call(
@@ -188,9 +193,9 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
         found = self._stand_ins.get((module, name))
         if found is not None:
             return found
+        if module in ("torch", "torch.storage") and name in STORAGE_DTYPE:
+            return _StorageType(name)  # v3 tensors pickle torch.storage.UntypedStorage
         if module == "torch":
-            if name in STORAGE_DTYPE:
-                return _StorageType(name)
             dtype = canonical_dtype(name)
             if dtype is not None:
                 return _Dtype(dtype)

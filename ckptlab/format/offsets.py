@@ -7,13 +7,14 @@ shifts every later offset. ckptlab does the same arithmetic but checks each pred
 offset and size against the central directory it has already read, so an archive that does not
 follow torch's write order is detected and handled by reading its local headers instead.
 
-I/O: the trailer and central directory (one read, two for a very large directory), and the
-head of the file holding data.pkl and the small records (one read): at most 3 reads whatever
-the number of storages.
+I/O: the trailer and central directory (one read, two for a very large directory), and one
+read of the ``.storage_alignment`` record (with ``scan=True``: of the head of the file from
+data.pkl to it): at most 3 reads whatever the number of storages.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -27,7 +28,6 @@ from ckptlab.format.inspect import not_a_checkpoint, sniff
 
 __all__ = ["StorageOffsets", "storage_offsets"]
 
-_HEAD_RECORDS = ("data.pkl", ".format_version", ".storage_alignment", "byteorder")
 DEFAULT_ALIGNMENT = 64  # torch's default before .storage_alignment existed
 _U32_MAX = _zip.U32_MAX
 
@@ -100,17 +100,19 @@ def storage_offsets(source: str | os.PathLike[str] | BinaryIO | bytes, *,
         prefix = f"{archive}/" if archive else ""
         storage_prefix = prefix + "data/"
         by_name = {e.name: e for e in entries}
-        head_names = {prefix + n for n in _HEAD_RECORDS} & by_name.keys()
-        # one read covering data.pkl and the small records, which torch writes first
-        head_end = min([e.header_offset for e in entries if e.name not in head_names]
-                       + [trailer.cd_offset])
-        in_head = all(by_name[n].header_offset < head_end for n in head_names)
-        if in_head:
-            src.read(0, head_end, what="records before the storages")
+        # the records the arithmetic needs, each from its header to the next header, read in
+        # as few reads as possible: torch writes them next to each other at the head
+        needed = [prefix + ".storage_alignment"] + ([prefix + "data.pkl"] if scan else [])
+        spans = _record_spans([by_name[n] for n in needed if n in by_name], entries,
+                              trailer.cd_offset)
+        for lo, hi in spans:
+            src.read(lo, hi - lo, what="records before the storages")
+        span_end = {n: hi for n in needed if n in by_name for lo, hi in spans
+                    if lo <= by_name[n].header_offset < hi}
 
         def payload(name: str) -> bytes:
             e = by_name[name]
-            local = _zip.read_local_header(src, e, head_end if in_head else None)
+            local = _zip.read_local_header(src, e, span_end.get(name))
             if e.method != 0:
                 raise UnsupportedFormatError(f"record compressed with zip method {e.method}",
                                              path=src.name, record=name,
@@ -156,6 +158,27 @@ def storage_offsets(source: str | os.PathLike[str] | BinaryIO | bytes, *,
             method = "central_directory"
         return StorageOffsets(dict(zip(keys, data_offsets)), src.reads, src.bytes_read, method,
                               archive, alignment, reason)
+
+
+_MERGE_GAP = 1 << 16  # read across gaps up to this size rather than make another read
+
+
+def _record_spans(wanted: list[_zip.CentralEntry], entries: list[_zip.CentralEntry],
+                  cd_offset: int) -> list[tuple[int, int]]:
+    """Byte ranges [header, next header) of ``wanted`` records, merged when close together."""
+    starts = sorted({e.header_offset for e in entries} | {cd_offset})
+    ranges = []
+    for e in wanted:
+        nxt = starts[bisect.bisect_right(starts, e.header_offset)] if e.header_offset < \
+            cd_offset else e.header_offset
+        ranges.append((e.header_offset, max(nxt, e.header_offset)))
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if merged and lo <= merged[-1][1] + _MERGE_GAP:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
 
 
 def _cursor_offsets(order: list[_zip.CentralEntry], entries: list[_zip.CentralEntry],

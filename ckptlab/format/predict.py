@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,7 +64,7 @@ def torch_records(obj: Any, *, alignment: int = 64, pickle_protocol: int = 2,
                for n, nbytes in recorder.records]
     if disable_byteorder_record:
         records.append(("version", len(VERSION_RECORD)))
-        records.append(("byteorder", len("little")))
+        records.append(("byteorder", len(sys.byteorder)))  # torch writes it at the end then
     else:
         records.append(("version", len(VERSION_RECORD)))
     records.append((".data/serialization_id", SERIALIZATION_ID_NBYTES))
@@ -157,5 +158,5 @@ def predict_layout(obj: Any, *, alignment: int = 64, archive_name: str = "archiv
         central_directory_nbytes=cd_nbytes, zip64_eocd_offset=z64_offset,
         zip64_locator_offset=z64_offset + 56, eocd_offset=z64_offset + 76,
         storage_alignment=alignment, format_version="1",
-        byteorder=None if disable_byteorder_record else "little", pickle_protocol=scan.protocol,
+        byteorder=sys.byteorder, pickle_protocol=scan.protocol,
     )

@@ -21,7 +21,7 @@ import contextlib
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ __all__ = [
     "REBUILD_V3_DTYPES",
     "SaveConfig",
     "alignments",
+    "base_tensors",
     "iter_tensors",
     "make_tensor",
     "plain_values",
@@ -45,6 +46,7 @@ __all__ = [
     "shapes",
     "state_dicts",
     "tensor_leaves",
+    "view_of",
 ]
 
 
@@ -377,8 +379,3 @@ def save_configs(*, alignment: st.SearchStrategy[int] | None = None,
                                   is not None else st.booleans()),
     )
 
-
-def call_with(config: SaveConfig, fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` under ``config.context()`` (handy for predict-vs-save helpers)."""
-    with config.context():
-        return fn()
