@@ -70,15 +70,25 @@ class ByteSource:
             for start, chunk in self._cache:
                 if start <= offset and offset + nbytes <= start + len(chunk):
                     return chunk[offset - start : offset - start + nbytes]
-        self.reads += 1
         if self._buffer is not None:
+            self.reads += 1
             data = bytes(self._buffer[offset : offset + nbytes])
-        elif self._fd is not None:
-            data = os.pread(self._fd, nbytes, offset)
-        else:
-            assert self._file is not None
-            self._file.seek(offset)
-            data = self._file.read(nbytes)
+        else:  # pread and raw file objects may return less than asked: loop until EOF
+            parts, got = [], 0
+            if self._file is not None:
+                self._file.seek(offset)
+            while got < nbytes:
+                self.reads += 1  # every call counts: each one is a round trip off-host
+                if self._fd is not None:
+                    part = os.pread(self._fd, nbytes - got, offset + got)
+                else:
+                    assert self._file is not None
+                    part = self._file.read(nbytes - got)
+                if not part:
+                    break
+                parts.append(part)
+                got += len(part)
+            data = parts[0] if len(parts) == 1 else b"".join(parts)
         self.bytes_read += len(data)
         if self._cache is not None:
             self._cache.append((offset, data))

@@ -255,10 +255,9 @@ def test_offsets_match_fake_tensor_mode_load(workdir: Path, obj: Any,
 # predicted layouts
 
 
-def assert_same_layout(predicted: ckptlab.ArchiveLayout, actual: ckptlab.ArchiveLayout, *,
-                       byteorder: bool = True) -> None:
-    """Field by field; ``byteorder=False`` skips the ``byteorder`` content field (see
-    test_predict_byteorder_with_disabled_record)."""
+def assert_same_layout(predicted: ckptlab.ArchiveLayout,
+                       actual: ckptlab.ArchiveLayout) -> None:
+    """Field by field, segments included."""
     assert predicted.file_nbytes == actual.file_nbytes
     assert predicted.archive_name == actual.archive_name
     assert [r.name for r in predicted.records] == [
@@ -284,8 +283,7 @@ def assert_same_layout(predicted: ckptlab.ArchiveLayout, actual: ckptlab.Archive
         (s.kind, s.offset, s.nbytes, s.record) for s in actual.segments]
     assert predicted.alignment == actual.alignment
     assert predicted.storage_alignment == actual.storage_alignment
-    if byteorder:
-        assert predicted.byteorder == actual.byteorder
+    assert predicted.byteorder == actual.byteorder
     assert predicted.pickle_protocol == actual.pickle_protocol
 
 
@@ -306,7 +304,7 @@ def test_predict_layout_equals_saved_file(workdir: Path, obj: Any, config: cst.S
                                        archive_name=archive_name,
                                        pickle_protocol=config.pickle_protocol,
                                        disable_byteorder_record=config.disable_byteorder_record)
-    assert_same_layout(predicted, actual, byteorder=not config.disable_byteorder_record)
+    assert_same_layout(predicted, actual)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,7 +414,7 @@ def test_all_dtypes_offsets_and_predictions(workdir: Path, obj: Any,
                                        archive_name=ckptlab.archive_name_for(path),
                                        pickle_protocol=config.pickle_protocol,
                                        disable_byteorder_record=config.disable_byteorder_record)
-    assert_same_layout(predicted, layout, byteorder=not config.disable_byteorder_record)
+    assert_same_layout(predicted, layout)
 
 
 def test_predict_byteorder_with_disabled_record(tmp_path: Path) -> None:
