@@ -14,8 +14,8 @@ STAMP  := $(VENV)/.ckptlab-installed
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt Makefile
-	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "ckptlab needs Python >= 3.10"' \
-	  || { echo "make: need Python >= 3.10 as $(PYTHON)"; exit 1; }
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "ckptlab needs Python >= 3.11"' \
+	  || { echo "make: need Python >= 3.11 as $(PYTHON)"; exit 1; }
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || { echo "make: '$(PYTHON) -m venv' failed: on Debian run 'apt-get install python3-venv' (or python3.11-venv) and retry"; exit 1; }
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==$(TORCH_VERSION)

@@ -20,6 +20,7 @@ import io
 import pickle
 import reprlib
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -105,6 +106,9 @@ class _TensorRef:
         self.requires_grad = requires_grad
         self.dtype = dtype
         self.is_parameter = False
+
+    def __setstate__(self, state: Any) -> None:  # torch never BUILDs a rebuilt tensor
+        raise _ScanError("BUILD applied to a rebuilt tensor")
 
 
 class _Call:
@@ -222,9 +226,11 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
                              numel * DTYPE_ITEMSIZE[dtype])
             self.storages[key] = ref
             self.storage_order.append(key)
-        elif (ref.storage_type, ref.numel) != (storage_type.name, numel):
+        elif ref.nbytes != numel * DTYPE_ITEMSIZE[dtype]:
+            # torch may pickle one storage under two classes (a float8 weight and its uint8
+            # view); only the byte size has to agree
             raise _ScanError(
-                f"storage {_short(key)} declared twice with different types/sizes: "
+                f"storage {_short(key)} declared twice with different sizes: "
                 f"{ref.storage_type}[{ref.numel}] and {storage_type.name}[{numel}]")
         return ref
 
@@ -340,41 +346,63 @@ class PickleScan:
     root: Any  # the scanned object tree: containers, stand-ins, plain values
 
 
+MAX_DEPTH = 256  # object nesting the scanner follows; real checkpoints stay under ~20
+_CONTAINERS = (dict, list, tuple, set, frozenset, _Opaque)
+
+
+def _children(obj: Any) -> Iterator[tuple[Any, Any]]:
+    if isinstance(obj, dict):
+        return iter(obj.items())
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return enumerate(obj)
+    return _opaque_children(obj)
+
+
+def _opaque_children(obj: _Opaque) -> Iterator[tuple[Any, Any]]:
+    """Constructor args, then state (attribute names when it is a dict), then appended items."""
+    for i, v in enumerate(obj.args):
+        yield f"args[{i}]", v
+    state = obj.state
+    if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+        state = {**(state[0] if isinstance(state[0], dict) else {}), **state[1]}
+    if isinstance(state, dict):
+        yield from state.items()
+    elif state is not None:
+        yield "state", state
+    for i, v in enumerate(obj.items):
+        yield f"items[{i}]", v
+
+
 def _walk(root: Any) -> list[tuple[tuple[Any, ...], _TensorRef]]:
-    """Every tensor reachable from root with its path; each container is entered once."""
+    """Every tensor reachable from root with its path, depth first in container order.
+
+    Each container is entered once (a container reachable twice is listed under its first
+    path), so the walk is linear in the size of the object graph; paths are only built for
+    tensors.
+    """
+    if isinstance(root, _TensorRef):
+        return [((), root)]
+    if not isinstance(root, _CONTAINERS):
+        return []
     found: list[tuple[tuple[Any, ...], _TensorRef]] = []
-    seen: set[int] = set()
-    stack: list[tuple[tuple[Any, ...], Any]] = [((), root)]
+    seen = {id(root)}
+    path: list[Any] = []  # keys from the root to the container on top of the stack
+    stack = [_children(root)]
     while stack:
-        path, obj = stack.pop()
-        if isinstance(obj, _TensorRef):
-            found.append((path, obj))
-            continue
-        if isinstance(obj, (dict, list, tuple, set, frozenset, _Opaque)):
-            if id(obj) in seen:
-                continue
-            seen.add(id(obj))
+        for key, value in stack[-1]:
+            if isinstance(value, _TensorRef):
+                found.append(((*path, key), value))
+            elif isinstance(value, _CONTAINERS) and id(value) not in seen:
+                seen.add(id(value))
+                if len(stack) >= MAX_DEPTH:
+                    raise _ScanError(f"objects nested deeper than {MAX_DEPTH} levels")
+                path.append(key)
+                stack.append(_children(value))
+                break
         else:
-            continue
-        children: list[tuple[Any, Any]]
-        if isinstance(obj, dict):
-            children = list(obj.items())
-        elif isinstance(obj, (list, tuple)):
-            children = list(enumerate(obj))
-        elif isinstance(obj, (set, frozenset)):
-            children = [(i, v) for i, v in enumerate(obj)]
-        else:  # _Opaque: constructor args, state, appended items
-            children = [(f"args[{i}]", v) for i, v in enumerate(obj.args)]
-            state = obj.state
-            if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
-                state = {**(state[0] if isinstance(state[0], dict) else {}), **state[1]}
-            if isinstance(state, dict):
-                children += list(state.items())
-            elif state is not None:
-                children.append(("state", state))
-            children += [(f"items[{i}]", v) for i, v in enumerate(obj.items)]
-        for key, value in reversed(children):
-            stack.append(((*path, key), value))
+            stack.pop()
+            if path:
+                path.pop()
     return found
 
 
@@ -403,6 +431,9 @@ def scan_pickle(data: bytes, *, path: str = "<bytes>", record: str = "data.pkl",
     try:
         root = unpickler.load()
         end = unpickler._stream.tell()
+        tensors = [TensorInfo(tpath, t.storage.key if t.storage is not None else "", t.dtype,
+                              t.shape, t.stride, t.storage_offset, t.requires_grad,
+                              t.is_parameter) for tpath, t in _walk(root)]
     except Exception as exc:  # nothing from the file runs, so any failure means bad data
         where = unpickler._stream.tell()
         reason = str(exc) or type(exc).__name__
@@ -415,11 +446,6 @@ def scan_pickle(data: bytes, *, path: str = "<bytes>", record: str = "data.pkl",
                                   record=record, offset=data_offset + end,
                                   expected=f"{len(data)} bytes of pickle",
                                   actual=f"STOP at byte {end}")
-    tensors = []
-    for tpath, t in _walk(root):
-        storage_key = t.storage.key if t.storage is not None else ""
-        tensors.append(TensorInfo(tpath, storage_key, t.dtype, t.shape, t.stride,
-                                  t.storage_offset, t.requires_grad, t.is_parameter))
     storages = tuple(unpickler.storages[k] for k in unpickler.storage_order)
     return PickleScan(storages, tuple(tensors), unpickler.proto,
                       tuple(unpickler.globals_seen), root)

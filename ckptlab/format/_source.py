@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from typing import BinaryIO, Union
 
 from ckptlab.errors import ArchiveError, TruncatedArchiveError
@@ -40,7 +41,12 @@ class ByteSource:
                 raise ArchiveError("is a directory, not a checkpoint file", path=self.name) from exc
             except OSError as exc:
                 raise ArchiveError(f"cannot open: {exc.strerror}", path=self.name) from exc
-            self.nbytes = os.fstat(self._fd).st_size
+            info = os.fstat(self._fd)
+            if stat.S_ISDIR(info.st_mode):
+                os.close(self._fd)
+                self._fd = None
+                raise ArchiveError("is a directory, not a checkpoint file", path=self.name)
+            self.nbytes = info.st_size
         elif hasattr(source, "read") and hasattr(source, "seek"):
             self._file = source
             self.name = str(getattr(source, "name", None) or f"<{type(source).__name__}>")

@@ -152,12 +152,13 @@ def parse_trailer(tail: bytes, tail_offset: int, file_nbytes: int, path: str) ->
         cd_end_limit = eocd_offset
     if cd_offset + cd_nbytes > cd_end_limit:
         raise CorruptArchiveError("central directory runs past the end-of-central-directory "
-                                  "records", path=path, offset=cd_offset,
+                                  "records", path=path,
+                                  offset=eocd_offset if z64_offset is None else z64_offset,
                                   expected=f"end <= {cd_end_limit}",
                                   actual=f"end at {cd_offset + cd_nbytes}")
     if n_total * CENTRAL_ENTRY.size > cd_nbytes:
         raise CorruptArchiveError("central directory too small for its entry count", path=path,
-                                  offset=cd_offset, expected=f">= {n_total * CENTRAL_ENTRY.size} "
+                                  offset=eocd_offset if z64_offset is None else z64_offset, expected=f">= {n_total * CENTRAL_ENTRY.size} "
                                   "bytes", actual=f"{cd_nbytes} bytes")
     return Trailer(cd_offset, cd_nbytes, n_total, eocd_offset, EOCD.size + comment, z64_offset,
                    z64_nbytes, loc_offset)
@@ -215,6 +216,11 @@ def parse_central_directory(cd: bytes, trailer: Trailer, path: str) -> list[Cent
             if U32_MAX in (comp, uncomp, hdr) and comp != uncomp:
                 raise CorruptArchiveError("central directory entry needs a zip64 extra that is "
                                           "missing", path=path, record=name, offset=at)
+        if hdr + LOCAL_HEADER.size + n_name + comp > trailer.cd_offset:
+            raise CorruptArchiveError("central directory entry places its record past the start "
+                                      "of the central directory", path=path, record=name,
+                                      offset=at, expected=f"record end <= {trailer.cd_offset}",
+                                      actual=f"header at {hdr}, {comp} data bytes")
         entries.append(CentralEntry(name, n_name, flags, method, crc, comp, uncomp, hdr, at,
                                     end - pos))
         pos = end
@@ -241,6 +247,11 @@ def read_local_header(src: ByteSource, entry: CentralEntry,
     """
     at = entry.header_offset
     want = LOCAL_HEADER.size + entry.name_nbytes
+    if at + want > src.nbytes:  # the number is wrong, not the file short: point at the number
+        raise CorruptArchiveError("central directory entry points past the end of the file",
+                                  path=src.name, record=entry.name, offset=entry.entry_offset,
+                                  expected=f"local header offset <= {src.nbytes - want}",
+                                  actual=at)
     end = min(at + want + 96, src.nbytes if max_end is None else max_end)
     head = src.read(at, max(want, end - at), what="local header", record=entry.name)
     if len(head) < want:

@@ -180,7 +180,7 @@ def scan_torch_zip(src: ByteSource) -> ArchiveLayout:
     pkl = by_name[prefix + "data.pkl"]
     scan = scan_pickle(read_record_data(src, pkl), path=src.name, record=pkl.name,
                        data_offset=pkl.data_offset)
-    storages = storage_infos(scan, by_name, prefix, src.name)
+    storages = storage_infos(scan, by_name, prefix, src.name, pkl)
     return ArchiveLayout(
         format="torch-zip",
         path=src.name,
@@ -205,7 +205,7 @@ def scan_torch_zip(src: ByteSource) -> ArchiveLayout:
 
 
 def storage_infos(scan: PickleScan, records: dict[str, Record], prefix: str,
-                  path: str) -> tuple[StorageInfo, ...]:
+                  path: str, pkl: Record) -> tuple[StorageInfo, ...]:
     """Join the pickle's storages with their records (each must exist with the right size)."""
     view_dtype: dict[str, str] = {}
     for t in scan.tensors:
@@ -216,7 +216,8 @@ def storage_infos(scan: PickleScan, records: dict[str, Record], prefix: str,
         rec = records.get(name)
         if rec is None:
             raise CorruptArchiveError(f"the pickle references storage {s.key!r} but the archive "
-                                      f"has no record {name!r}", path=path, record=name)
+                                      f"has no record {name!r}", path=path, record=pkl.name,
+                                      offset=pkl.header_offset)
         if rec.uncompressed_nbytes != s.nbytes:
             raise CorruptArchiveError("storage record size differs from the pickle's "
                                       f"{s.storage_type} of {s.numel} elements", path=path,

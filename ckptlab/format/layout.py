@@ -19,7 +19,7 @@ __all__ = [
 ]
 
 
-class SegmentKind(str, enum.Enum):
+class SegmentKind(enum.StrEnum):
     """What a run of bytes in a checkpoint file is."""
 
     LOCAL_HEADER = "local_header"  # 30-byte zip local file header

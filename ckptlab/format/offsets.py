@@ -124,8 +124,9 @@ def storage_offsets(source: str | os.PathLike[str] | BinaryIO | bytes, *,
         if prefix + ".storage_alignment" in by_name:
             text = payload(prefix + ".storage_alignment")
             if not text.isdigit() or not 0 < int(text) <= _zip.MAX_ALIGNMENT:
+                rec = by_name[prefix + ".storage_alignment"]
                 raise CorruptArchiveError("bad .storage_alignment", path=src.name,
-                                          record=prefix + ".storage_alignment",
+                                          record=rec.name, offset=rec.header_offset,
                                           expected=f"1..{_zip.MAX_ALIGNMENT}", actual=text[:20])
             alignment = int(text)
         if scan:
@@ -137,7 +138,8 @@ def storage_offsets(source: str | os.PathLike[str] | BinaryIO | bytes, *,
                 if e is None:
                     raise CorruptArchiveError(f"the pickle references storage {s.key!r} but the "
                                               f"archive has no record {storage_prefix + s.key!r}",
-                                              path=src.name, record=storage_prefix + s.key)
+                                              path=src.name, record=pkl.name,
+                                              offset=pkl.header_offset)
                 if e.uncompressed_nbytes != s.nbytes:
                     raise CorruptArchiveError("storage record size differs from the pickle",
                                               path=src.name, record=e.name,
@@ -146,6 +148,11 @@ def storage_offsets(source: str | os.PathLike[str] | BinaryIO | bytes, *,
                 order.append(e)
         else:
             order = [e for e in entries if e.name.startswith(storage_prefix)]
+        for e in order:
+            if e.method != 0:  # compressed bytes have no offset a reader could map
+                raise UnsupportedFormatError(
+                    f"storage record compressed with zip method {e.method}: its bytes cannot "
+                    "be read in place", path=src.name, record=e.name, offset=e.header_offset)
         keys = [e.name[len(storage_prefix):] for e in order]
         data_offsets, reason = _cursor_offsets(order, entries, trailer, alignment)
         if reason is None:

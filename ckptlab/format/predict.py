@@ -149,7 +149,8 @@ def predict_layout(obj: Any, *, alignment: int = 64, archive_name: str = "archiv
     segments = _segments(placed, headers, trailer, file_nbytes, path)
     scan = scan_pickle(data_pkl, path=path)
     by_name = {r.name: r for r in placed}
-    storages = storage_infos(scan, by_name, f"{archive_name}/", path)
+    storages = storage_infos(scan, by_name, f"{archive_name}/", path,
+                             by_name[f"{archive_name}/data.pkl"])
     return ArchiveLayout(
         format="torch-zip", path=path, file_nbytes=file_nbytes, archive_name=archive_name,
         records=tuple(placed), storages=storages, tensors=scan.tensors, segments=segments,

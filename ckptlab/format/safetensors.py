@@ -46,8 +46,9 @@ def scan_safetensors(src: ByteSource) -> ArchiveLayout:
     raw = src.read(8, n, what="safetensors header")
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CorruptArchiveError(f"safetensors header is not UTF-8 JSON: {exc}", path=path,
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise CorruptArchiveError(f"safetensors header is not UTF-8 JSON: {reason}", path=path,
                                   offset=8) from None
     if not isinstance(header, dict):
         raise CorruptArchiveError("safetensors header is not a JSON object", path=path, offset=8)
@@ -81,13 +82,14 @@ def scan_safetensors(src: ByteSource) -> ArchiveLayout:
         else:
             raise UnsupportedFormatError(f"unknown safetensors dtype {tag!r}", path=path,
                                          record=name, offset=8)
+        # offsets in these errors point at the header, where the bad numbers are
         if end < begin or end - begin != want:
             raise CorruptArchiveError("tensor byte range does not match dtype x shape",
-                                      path=path, record=name, offset=data_start + begin,
+                                      path=path, record=name, offset=8,
                                       expected=f"{want} bytes", actual=f"[{begin}, {end})")
         if end > data_nbytes:
             raise TruncatedArchiveError("tensor data runs past the end of the file", path=path,
-                                        record=name, offset=data_start + begin,
+                                        record=name, offset=8,
                                         expected=f"end <= {data_nbytes}", actual=end)
         entries.append((begin, end, name, dtype, tuple(info["shape"])))
     entries.sort()
