@@ -10,7 +10,7 @@ One run writes a checkpoint of ``--storages`` float32 tensors of 16 elements eac
 
 (a) slow file object: every ``read``/``readinto``/``readall`` call on the file object sleeps
     ``--latency-ms`` (object-storage-like latency; ``seek``/``tell`` are free) and is counted.
-    ``ckptlab.storage_offsets(fileobj)`` (scan=True and scan=False) vs
+    ``ckptlab.storage_offsets(fileobj)`` (default and scan=True) vs
     ``torch._C.PyTorchFileReader(fileobj)`` + ``get_record_offset`` for every ``data/*`` record
     (reader construction included), plus ``torch.load(fileobj, map_location="meta")`` and
     Python's ``zipfile`` (one local-header read per storage) for reference.
