@@ -41,7 +41,7 @@ def read_central_directory(src: ByteSource) -> tuple[_zip.Trailer, list[_zip.Cen
     return trailer, _zip.parse_central_directory(cd, trailer, src.name)
 
 
-def _classify(entries: list[_zip.CentralEntry], path: str) -> str:
+def archive_prefix(entries: list[_zip.CentralEntry], path: str) -> str:
     """The archive prefix of a torch.save zip; other zips raise UnsupportedFormatError."""
     shorts = {e.name.split("/", 1)[1] if "/" in e.name else e.name for e in entries}
     if "constants.pkl" in shorts or any(s.startswith("code/") for s in shorts):
@@ -132,7 +132,7 @@ def _segments(records: list[Record], headers: dict[str, _zip.LocalHeader],
 def scan_torch_zip(src: ByteSource) -> ArchiveLayout:
     """Full layout of a torch.save zip archive (reads every header, descriptor and data.pkl)."""
     trailer, entries = read_central_directory(src)
-    archive = _classify(entries, src.name)
+    archive = archive_prefix(entries, src.name)
     records: list[Record] = []
     headers: dict[str, _zip.LocalHeader] = {}
     for e in entries:

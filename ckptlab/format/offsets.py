@@ -23,7 +23,7 @@ from ckptlab.errors import ArchiveError, CorruptArchiveError, UnsupportedFormatE
 from ckptlab.format import _zip
 from ckptlab.format._pickle import scan_pickle
 from ckptlab.format._source import ByteSource
-from ckptlab.format.archive import _classify, read_central_directory
+from ckptlab.format.archive import archive_prefix, read_central_directory
 from ckptlab.format.inspect import not_a_checkpoint, sniff
 
 __all__ = ["StorageOffsets", "storage_offsets"]
@@ -96,7 +96,7 @@ def storage_offsets(source: str | os.PathLike[str] | BinaryIO | bytes, *,
             if kind != "torch-zip":
                 raise not_a_checkpoint(src, kind) from None
             raise
-        archive = _classify(entries, src.name)
+        archive = archive_prefix(entries, src.name)
         prefix = f"{archive}/" if archive else ""
         storage_prefix = prefix + "data/"
         by_name = {e.name: e for e in entries}
