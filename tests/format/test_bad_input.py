@@ -414,7 +414,9 @@ def test_random_mutations_of_sample(sample_file: Path, traced: None) -> None:
         "local headers": tuple((s.offset, s.end_offset) for s in layout.segments
                                if s.kind in (SegmentKind.LOCAL_HEADER, SegmentKind.PADDING,
                                              SegmentKind.DESCRIPTOR)),
-        "small records": ((pkl.data_offset, pkl.data_offset + pkl.data_nbytes),),
+        "small records": tuple((r.header_offset, r.end_offset) for r in layout.records
+                               if r.short_name in (".format_version", ".storage_alignment",
+                                                   "byteorder")),
         "central directory": ((layout.central_directory_offset,
                                layout.central_directory_offset
                                + layout.central_directory_nbytes),),
