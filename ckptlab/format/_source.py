@@ -37,12 +37,10 @@ class ByteSource:
             self.name = os.fspath(source)
             try:
                 self._fd = os.open(self.name, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-            except IsADirectoryError as exc:
-                raise ArchiveError("is a directory, not a checkpoint file", path=self.name) from exc
             except OSError as exc:
                 raise ArchiveError(f"cannot open: {exc.strerror}", path=self.name) from exc
             info = os.fstat(self._fd)
-            if stat.S_ISDIR(info.st_mode):
+            if stat.S_ISDIR(info.st_mode):  # on Linux os.open of a directory succeeds
                 os.close(self._fd)
                 self._fd = None
                 raise ArchiveError("is a directory, not a checkpoint file", path=self.name)

@@ -44,22 +44,30 @@ class RecordGeometry:
         return self.data_offset + self.data_nbytes + self.descriptor_nbytes
 
 
-def record_geometry(header_offset: int, name_nbytes: int, data_nbytes: int,
-                    alignment: int) -> RecordGeometry:
-    """Layout of one record as torch.save writes it (getPadding + miniz rules).
+def record_placement(header_offset: int, name_nbytes: int,
+                     data_nbytes: int, alignment: int) -> tuple[int, int, int]:
+    """(zip64 extra bytes, data offset, descriptor bytes) of a record torch.save writes.
 
-    The zip64 extra exists iff the size or the header offset is >= 0xFFFFFFFF (inclusive);
-    the 'FB' padding field is always there (4 bytes + padding); the data descriptor is 24
-    bytes with a zip64 extra, 16 without, and absent for an empty record.
+    getPadding + miniz: the zip64 extra exists iff the size or the header offset is
+    >= 0xFFFFFFFF (inclusive); the 'FB' padding field is always there (4 bytes + padding);
+    the data descriptor is 24 bytes with a zip64 extra, 16 without, absent for an empty record.
+    A plain tuple: :func:`storage_offsets` calls this once per storage.
     """
     big_size = data_nbytes >= U32_MAX
     big_offset = header_offset >= U32_MAX
     zip64 = (4 + 16 * big_size + 8 * big_offset) if (big_size or big_offset) else 0
     start = header_offset + LOCAL_HEADER.size + name_nbytes + zip64 + 4
     data_offset = -(-start // alignment) * alignment
-    descriptor = 0 if data_nbytes == 0 else (24 if zip64 else 16)
-    return RecordGeometry(header_offset, zip64, data_offset - start, data_offset, data_nbytes,
-                          descriptor)
+    return zip64, data_offset, 0 if data_nbytes == 0 else (24 if zip64 else 16)
+
+
+def record_geometry(header_offset: int, name_nbytes: int, data_nbytes: int,
+                    alignment: int) -> RecordGeometry:
+    """Layout of one record as torch.save writes it (see :func:`record_placement`)."""
+    zip64, data_offset, descriptor = record_placement(header_offset, name_nbytes, data_nbytes,
+                                                      alignment)
+    padding = data_offset - (header_offset + LOCAL_HEADER.size + name_nbytes + zip64 + 4)
+    return RecordGeometry(header_offset, zip64, padding, data_offset, data_nbytes, descriptor)
 
 
 def central_directory_entry_nbytes(name_nbytes: int, data_nbytes: int, header_offset: int) -> int:
@@ -150,16 +158,17 @@ def parse_trailer(tail: bytes, tail_offset: int, file_nbytes: int, path: str) ->
             raise CorruptArchiveError("end-of-central-directory record needs zip64 records that "
                                       "are missing", path=path, offset=eocd_offset)
         cd_end_limit = eocd_offset
+    declared_at = eocd_offset if z64_offset is None else z64_offset  # the record with the bad numbers
     if cd_offset + cd_nbytes > cd_end_limit:
         raise CorruptArchiveError("central directory runs past the end-of-central-directory "
-                                  "records", path=path,
-                                  offset=eocd_offset if z64_offset is None else z64_offset,
+                                  "records", path=path, offset=declared_at,
                                   expected=f"end <= {cd_end_limit}",
                                   actual=f"end at {cd_offset + cd_nbytes}")
     if n_total * CENTRAL_ENTRY.size > cd_nbytes:
         raise CorruptArchiveError("central directory too small for its entry count", path=path,
-                                  offset=eocd_offset if z64_offset is None else z64_offset, expected=f">= {n_total * CENTRAL_ENTRY.size} "
-                                  "bytes", actual=f"{cd_nbytes} bytes")
+                                  offset=declared_at,
+                                  expected=f">= {n_total * CENTRAL_ENTRY.size} bytes",
+                                  actual=f"{cd_nbytes} bytes")
     return Trailer(cd_offset, cd_nbytes, n_total, eocd_offset, EOCD.size + comment, z64_offset,
                    z64_nbytes, loc_offset)
 

@@ -29,7 +29,6 @@ from ckptlab.format.inspect import not_a_checkpoint, sniff
 __all__ = ["StorageOffsets", "storage_offsets"]
 
 DEFAULT_ALIGNMENT = 64  # torch's default before .storage_alignment existed
-_U32_MAX = _zip.U32_MAX
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,12 +172,11 @@ _MERGE_GAP = 1 << 16  # read across gaps up to this size rather than make anothe
 def _record_spans(wanted: list[_zip.CentralEntry], entries: list[_zip.CentralEntry],
                   cd_offset: int) -> list[tuple[int, int]]:
     """Byte ranges [header, next header) of ``wanted`` records, merged when close together."""
+    # parse_central_directory guarantees every record ends before the directory, so each
+    # wanted header has a next start (another header, or the directory itself)
     starts = sorted({e.header_offset for e in entries} | {cd_offset})
-    ranges = []
-    for e in wanted:
-        nxt = starts[bisect.bisect_right(starts, e.header_offset)] if e.header_offset < \
-            cd_offset else e.header_offset
-        ranges.append((e.header_offset, max(nxt, e.header_offset)))
+    ranges = [(e.header_offset, starts[bisect.bisect_right(starts, e.header_offset)])
+              for e in wanted]
     merged: list[tuple[int, int]] = []
     for lo, hi in sorted(ranges):
         if merged and lo <= merged[-1][1] + _MERGE_GAP:
@@ -193,28 +191,21 @@ def _cursor_offsets(order: list[_zip.CentralEntry], entries: list[_zip.CentralEn
     """torch's cursor arithmetic over ``order``, checked record by record against the directory.
 
     Returns the data offsets, and None or the first disagreement (then the offsets are void).
-    This is ``_zip.record_geometry`` inlined: it runs once per storage.
     """
     offsets: list[int] = []
     if not order:
         return offsets, None
+    place = _zip.record_placement
     cursor = order[0].header_offset
-    for e in order:
+    for e in order:  # callers have rejected compressed records
         nbytes = e.uncompressed_nbytes
-        if e.method != 0 or e.compressed_nbytes != nbytes:
-            return offsets, f"{e.name} is compressed (method {e.method})"
+        if e.compressed_nbytes != nbytes:
+            return offsets, (f"{e.name}: stored size {e.compressed_nbytes} differs from its "
+                             f"uncompressed size {nbytes}")
         if e.header_offset != cursor:
             return offsets, (f"{e.name}: central directory header offset {e.header_offset}, "
                              f"arithmetic predicts {cursor}")
-        big = nbytes >= _U32_MAX or cursor >= _U32_MAX
-        start = cursor + 34 + e.name_nbytes  # 30-byte header + name + 4-byte FB field header
-        if big:
-            start += 4 + 16 * (nbytes >= _U32_MAX) + 8 * (cursor >= _U32_MAX)
-        data_offset = -(-start // alignment) * alignment
-        if not nbytes:
-            descriptor = 0
-        else:
-            descriptor = 24 if big else 16
+        _, data_offset, descriptor = place(cursor, e.name_nbytes, nbytes, alignment)
         if bool(e.flags & 0x8) != bool(descriptor):
             return offsets, f"{e.name}: data descriptor flag differs from torch's writer"
         offsets.append(data_offset)

@@ -62,11 +62,9 @@ def torch_records(obj: Any, *, alignment: int = 64, pickle_protocol: int = 2,
         ts._save(obj, recorder, pickle, pickle_protocol, disable_byteorder_record)
     records = [(n, len(str(alignment)) if n == ".storage_alignment" else nbytes)
                for n, nbytes in recorder.records]
+    records.append(("version", len(VERSION_RECORD)))
     if disable_byteorder_record:
-        records.append(("version", len(VERSION_RECORD)))
         records.append(("byteorder", len(sys.byteorder)))  # torch writes it at the end then
-    else:
-        records.append(("version", len(VERSION_RECORD)))
     records.append((".data/serialization_id", SERIALIZATION_ID_NBYTES))
     return records, recorder.pickle
 

@@ -160,7 +160,7 @@ def test_fileobj_and_bytes_inputs_give_the_same_layout(sample_file, layout):
 @given(cursor=st.integers(0, 2**34), name_nbytes=st.integers(1, 300),
        nbytes=st.one_of(st.integers(0, 2**34), st.sampled_from([0xFFFFFFFE, 0xFFFFFFFF])),
        alignment=st.integers(1, 65504))
-def test_inlined_cursor_arithmetic_equals_record_geometry(cursor, name_nbytes, nbytes,
+def test_cursor_arithmetic_equals_record_geometry(cursor, name_nbytes, nbytes,
                                                           alignment):
     from ckptlab.format import _zip
     from ckptlab.format.offsets import _cursor_offsets
