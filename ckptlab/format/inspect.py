@@ -5,13 +5,18 @@ from __future__ import annotations
 import os
 from typing import BinaryIO
 
-from ckptlab.errors import ArchiveError, TruncatedArchiveError, UnsupportedFormatError
+from ckptlab.errors import (
+    ArchiveError,
+    InvalidArgumentError,
+    TruncatedArchiveError,
+    UnsupportedFormatError,
+)
 from ckptlab.format._source import ByteSource
 from ckptlab.format.archive import scan_torch_zip
 from ckptlab.format.layout import ArchiveLayout
 from ckptlab.format.safetensors import looks_like_safetensors, scan_safetensors
 
-__all__ = ["detect_format", "inspect"]
+__all__ = ["detect_format", "inspect", "read_range"]
 
 LEGACY_MAGIC = bytes.fromhex("80028a0a6cfc9c46f9206aa850192e")
 
@@ -104,3 +109,19 @@ def not_a_checkpoint(src: ByteSource, kind: str) -> ArchiveError:
     head = src.read(0, min(8, src.nbytes))
     return UnsupportedFormatError(f"not a checkpoint format ckptlab knows (first bytes "
                                   f"{head.hex(' ')})", path=src.name, offset=0)
+
+
+def read_range(source: str | os.PathLike[str] | BinaryIO | bytes, offset: int,
+               nbytes: int) -> bytes:
+    """Exactly ``nbytes`` raw bytes of a file at ``offset`` (for hex views), one read.
+
+    Raises
+    ------
+    TruncatedArchiveError
+        When ``[offset, offset + nbytes)`` is not inside the file, naming the file and range.
+    """
+    if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0:
+        raise InvalidArgumentError(
+            f"offset and nbytes must be non-negative ints, got {offset!r} and {nbytes!r}")
+    with ByteSource(source) as src:
+        return src.read(offset, nbytes, what="requested range")

@@ -6,15 +6,25 @@ import os
 import pickle
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptlab.errors import InvalidArgumentError
 from ckptlab.format import _zip
 from ckptlab.format._pickle import scan_pickle
 from ckptlab.format.archive import _segments, largest_alignment, storage_infos
-from ckptlab.format.layout import ArchiveLayout, Record
+from ckptlab.format.layout import ArchiveLayout, Record, StorageInfo, TensorInfo
 
-__all__ = ["archive_name_for", "layout_records", "predict_layout", "torch_records"]
+__all__ = [
+    "DEFAULT_ALIGNMENTS",
+    "AlignmentCost",
+    "alignment_costs",
+    "archive_name_for",
+    "layout_records",
+    "predict_layout",
+    "realign",
+    "torch_records",
+]
 
 SERIALIZATION_ID_NBYTES = 40  # .data/serialization_id: 40 ASCII digits
 VERSION_RECORD = b"3\n"  # kProducedFileFormatVersion as written by PyTorchFileWriter
@@ -133,6 +143,148 @@ def predict_layout(obj: Any, *, alignment: int = 64, archive_name: str = "archiv
                                       disable_byteorder_record=disable_byteorder_record)
     placed, cd_offset, cd_nbytes = layout_records(records, alignment=alignment,
                                                   archive_name=archive_name)
+    path = "<predicted>"
+    scan = scan_pickle(data_pkl, path=path)
+    by_name = {r.name: r for r in placed}
+    storages = storage_infos(scan, by_name, f"{archive_name}/", path,
+                             by_name[f"{archive_name}/data.pkl"])
+    return _assemble(placed, cd_offset, cd_nbytes, path=path, archive_name=archive_name,
+                     storages=storages, tensors=scan.tensors, alignment=alignment,
+                     byteorder=sys.byteorder, pickle_protocol=scan.protocol)
+
+
+def realign(layout: ArchiveLayout, alignment: int) -> ArchiveLayout:
+    """The layout of the same archive written with ``storage_alignment=alignment``.
+
+    The what-if for a file that already exists: the same records, in the same order, with the
+    same payload sizes, placed the way torch's writer places them at ``alignment``. Nothing is
+    read or unpickled; storages keep their keys and move to their new data offsets.
+
+    Parameters
+    ----------
+    layout
+        A torch.save zip layout (from :func:`inspect` or :func:`predict_layout`).
+    alignment
+        The storage alignment to place records at, 1..65504.
+
+    Returns
+    -------
+    ArchiveLayout
+        ``path`` is ``"<realigned from PATH>"``. CRCs are kept (the payloads do not change),
+        except for ``.storage_alignment`` whose text changes (CRC 0).
+
+    Raises
+    ------
+    InvalidArgumentError
+        For a safetensors layout or an alignment outside 1..65504.
+
+    Examples
+    --------
+    >>> import ckptlab as cl
+    >>> layout = cl.inspect(cl.samples.sample_path())
+    >>> cl.realign(layout, 4096).alignment
+    4096
+    """
+    _check_alignment(alignment)
+    if layout.format != "torch-zip":
+        raise InvalidArgumentError(
+            f"realign needs a torch-zip layout, got a {layout.format} layout of {layout.path}")
+    ordered = sorted(layout.records, key=lambda r: r.header_offset)
+    placed, cd_offset, cd_nbytes = layout_records(
+        _sizes_at(ordered, alignment), alignment=alignment, archive_name=layout.archive_name)
+    placed = [replace(p, crc32=0 if o.short_name == ".storage_alignment" else o.crc32)
+              for p, o in zip(placed, ordered)]
+    by_name = {r.name: r for r in placed}
+    storages = tuple(replace(s, data_offset=by_name[s.record].data_offset)
+                     for s in layout.storages)
+    return _assemble(placed, cd_offset, cd_nbytes, path=f"<realigned from {layout.path}>",
+                     archive_name=layout.archive_name, storages=storages,
+                     tensors=layout.tensors, alignment=alignment,
+                     byteorder=layout.byteorder, pickle_protocol=layout.pickle_protocol,
+                     format_version=layout.format_version)
+
+
+@dataclass(frozen=True, slots=True)
+class AlignmentCost:
+    """What one storage alignment costs a checkpoint (one row of :func:`alignment_costs`)."""
+
+    alignment: int  # storage_alignment
+    file_nbytes: int  # size of the archive
+    data_nbytes: int  # payload bytes of every record (the same at every alignment)
+    padding_nbytes: int  # bytes of FB padding payload
+    overhead_nbytes: int  # file_nbytes - data_nbytes: headers, names, extras, descriptors, trailer
+    storages: int  # non-empty storages
+    storages_4k_aligned: int  # of those, how many start on a 4096-byte boundary (GDS / O_DIRECT)
+
+    @property
+    def overhead_fraction(self) -> float:
+        return self.overhead_nbytes / self.file_nbytes
+
+
+DEFAULT_ALIGNMENTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                      32768, _zip.MAX_ALIGNMENT)
+
+
+def alignment_costs(source: Any, alignments: Sequence[int] = DEFAULT_ALIGNMENTS, *,
+                    archive_name: str = "archive") -> tuple[AlignmentCost, ...]:
+    """File size, padding and 4 KiB readiness of one checkpoint at each alignment.
+
+    Parameters
+    ----------
+    source
+        An :class:`ArchiveLayout` of a torch.save zip (an existing file: nothing is read), or
+        any object torch.save accepts (pickled once by torch, under ``skip_data``).
+    alignments
+        Storage alignments to evaluate, each 1..65504. The default sweeps the powers of two
+        up to 32768, and 65504, the largest torch can write.
+    archive_name
+        Record prefix for an object (a layout keeps its own).
+
+    Returns
+    -------
+    tuple of AlignmentCost
+        One row per alignment, in the order given. Placement only: no pickling per row.
+    """
+    for a in alignments:
+        _check_alignment(a)
+    if isinstance(source, ArchiveLayout):
+        if source.format != "torch-zip":
+            raise InvalidArgumentError(
+                f"alignment_costs needs a torch-zip layout, got a {source.format} layout")
+        ordered = sorted(source.records, key=lambda r: r.header_offset)
+        archive_name = source.archive_name
+        storage_records = {s.record for s in source.storages if s.nbytes}
+        base = None
+    else:
+        base, data_pkl = torch_records(source)
+        scan = scan_pickle(data_pkl, path="<predicted>")
+        storage_records = {f"{archive_name}/data/{s.key}" for s in scan.storages if s.nbytes}
+        ordered = None
+    rows = []
+    for a in alignments:
+        sizes = _sizes_at(ordered, a) if ordered is not None else [
+            (n, len(str(a)) if n == ".storage_alignment" else nbytes) for n, nbytes in base]
+        placed, cd_offset, cd_nbytes = layout_records(sizes, alignment=a,
+                                                      archive_name=archive_name)
+        file_nbytes = cd_offset + cd_nbytes + _zip.TRAILER_NBYTES
+        data = sum(r.data_nbytes for r in placed)
+        starts = [r.data_offset for r in placed if r.name in storage_records]
+        rows.append(AlignmentCost(a, file_nbytes, data, sum(r.padding_nbytes for r in placed),
+                                  file_nbytes - data, len(starts),
+                                  sum(1 for o in starts if o % 4096 == 0)))
+    return tuple(rows)
+
+
+def _sizes_at(ordered: Sequence[Record], alignment: int) -> list[tuple[str, int]]:
+    return [(r.short_name, len(str(alignment)) if r.short_name == ".storage_alignment"
+             else r.data_nbytes) for r in ordered]
+
+
+def _assemble(placed: list[Record], cd_offset: int, cd_nbytes: int, *, path: str,
+              archive_name: str, storages: tuple[StorageInfo, ...],
+              tensors: tuple[TensorInfo, ...], alignment: int, byteorder: str | None,
+              pickle_protocol: int | None, format_version: str | None = "1") -> ArchiveLayout:
+    """An ArchiveLayout for records placed by :func:`layout_records`, with torch's trailer."""
     z64_offset = cd_offset + cd_nbytes
     trailer = _zip.Trailer(cd_offset, cd_nbytes, len(placed), z64_offset + 76, _zip.EOCD.size,
                            z64_offset, _zip.ZIP64_EOCD.size, z64_offset + 56)
@@ -143,19 +295,14 @@ def predict_layout(obj: Any, *, alignment: int = 64, archive_name: str = "archiv
                            r.zip64_extra_nbytes),
                           ("padding", r.data_offset - r.padding_nbytes - 4,
                            4 + r.padding_nbytes)) if f[2])) for r in placed}
-    path = "<predicted>"
-    segments = _segments(placed, headers, trailer, file_nbytes, path)
-    scan = scan_pickle(data_pkl, path=path)
-    by_name = {r.name: r for r in placed}
-    storages = storage_infos(scan, by_name, f"{archive_name}/", path,
-                             by_name[f"{archive_name}/data.pkl"])
     return ArchiveLayout(
         format="torch-zip", path=path, file_nbytes=file_nbytes, archive_name=archive_name,
-        records=tuple(placed), storages=storages, tensors=scan.tensors, segments=segments,
+        records=tuple(placed), storages=storages, tensors=tensors,
+        segments=_segments(placed, headers, trailer, file_nbytes, path),
         alignment=largest_alignment([s.data_offset for s in storages if s.nbytes]),
         zip64=any(r.zip64_extra_nbytes for r in placed), central_directory_offset=cd_offset,
         central_directory_nbytes=cd_nbytes, zip64_eocd_offset=z64_offset,
         zip64_locator_offset=z64_offset + 56, eocd_offset=z64_offset + 76,
-        storage_alignment=alignment, format_version="1",
-        byteorder=sys.byteorder, pickle_protocol=scan.protocol,
+        storage_alignment=alignment, format_version=format_version,
+        byteorder=byteorder, pickle_protocol=pickle_protocol,
     )

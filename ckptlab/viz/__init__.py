@@ -1,0 +1,24 @@
+"""Pure figure builders: core objects in, plotly figures (or HTML) out; no widget state, no I/O.
+
+Every builder returns a figure whose ``layout.meta`` says what it shows, so tests (and
+widgets) can check the data without a browser.
+"""
+
+from ckptlab.viz._style import KIND_COLORS, KIND_LABELS
+from ckptlab.viz.alignment import alignment_figure
+from ckptlab.viz.bytemap import ByteMap, bytemap_figure, bytemap_trace, overhead_figure
+from ckptlab.viz.hexview import hex_html
+from ckptlab.viz.tensors import storage_figure, tensor_span
+
+__all__ = [
+    "KIND_COLORS",
+    "KIND_LABELS",
+    "ByteMap",
+    "alignment_figure",
+    "bytemap_figure",
+    "bytemap_trace",
+    "hex_html",
+    "overhead_figure",
+    "storage_figure",
+    "tensor_span",
+]

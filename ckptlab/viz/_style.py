@@ -1,0 +1,80 @@
+"""One fixed colour and label per segment kind, shared by every figure, the hex view and the report."""
+
+from __future__ import annotations
+
+from ckptlab.format.layout import SegmentKind
+
+# Lanes top to bottom follow the order the kinds appear in a file.
+KIND_ORDER: tuple[SegmentKind, ...] = (
+    SegmentKind.LOCAL_HEADER,
+    SegmentKind.NAME,
+    SegmentKind.ZIP64_EXTRA,
+    SegmentKind.PADDING,
+    SegmentKind.EXTRA,
+    SegmentKind.HEADER_LENGTH,
+    SegmentKind.HEADER,
+    SegmentKind.HEADER_PADDING,
+    SegmentKind.DATA,
+    SegmentKind.DESCRIPTOR,
+    SegmentKind.CENTRAL_DIRECTORY,
+    SegmentKind.ZIP64_EOCD,
+    SegmentKind.ZIP64_LOCATOR,
+    SegmentKind.EOCD,
+    SegmentKind.UNKNOWN,
+)
+
+KIND_COLORS: dict[SegmentKind, str] = {
+    SegmentKind.LOCAL_HEADER: "#4c78a8",
+    SegmentKind.NAME: "#72b7b2",
+    SegmentKind.ZIP64_EXTRA: "#b279a2",
+    SegmentKind.PADDING: "#f58518",
+    SegmentKind.EXTRA: "#9d755d",
+    SegmentKind.HEADER_LENGTH: "#eeca3b",
+    SegmentKind.HEADER: "#8cd17d",
+    SegmentKind.HEADER_PADDING: "#ffbf79",
+    SegmentKind.DATA: "#54a24b",
+    SegmentKind.DESCRIPTOR: "#e45756",
+    SegmentKind.CENTRAL_DIRECTORY: "#79706e",
+    SegmentKind.ZIP64_EOCD: "#d67195",
+    SegmentKind.ZIP64_LOCATOR: "#ff9da6",
+    SegmentKind.EOCD: "#3b3b3b",
+    SegmentKind.UNKNOWN: "#ff00ff",
+}
+
+KIND_LABELS: dict[SegmentKind, str] = {
+    SegmentKind.LOCAL_HEADER: "local header",
+    SegmentKind.NAME: "name",
+    SegmentKind.ZIP64_EXTRA: "zip64 extra",
+    SegmentKind.PADDING: "FB padding",
+    SegmentKind.EXTRA: "other extra",
+    SegmentKind.HEADER_LENGTH: "header length",
+    SegmentKind.HEADER: "JSON header",
+    SegmentKind.HEADER_PADDING: "header padding",
+    SegmentKind.DATA: "data",
+    SegmentKind.DESCRIPTOR: "descriptor",
+    SegmentKind.CENTRAL_DIRECTORY: "central directory",
+    SegmentKind.ZIP64_EOCD: "zip64 EOCD",
+    SegmentKind.ZIP64_LOCATOR: "zip64 locator",
+    SegmentKind.EOCD: "EOCD",
+    SegmentKind.UNKNOWN: "unknown",
+}
+
+assert set(KIND_ORDER) == set(SegmentKind) == set(KIND_COLORS) == set(KIND_LABELS)
+
+
+def tint(color: str, amount: float) -> str:
+    """``color`` mixed with white: ``amount`` 1 is the colour, 0 is white."""
+    r, g, b = (int(color[i : i + 2], 16) for i in (1, 3, 5))
+    mix = [round(255 - (255 - c) * amount) for c in (r, g, b)]
+    return "#{:02x}{:02x}{:02x}".format(*mix)
+
+
+def human_nbytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``; exact below 1 KiB."""
+    if n < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+    raise AssertionError("unreachable")
