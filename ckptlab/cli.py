@@ -76,7 +76,25 @@ def _parser() -> argparse.ArgumentParser:
     smp = sub.add_parser("sample", help="write the embedded sample checkpoint")
     smp.add_argument("path")
     smp.add_argument("--alignment", type=int, default=64, help="storage alignment (default 64)")
+    rep = sub.add_parser("report", help="write a self-contained offline HTML report")
+    rep.add_argument("path", nargs="?", help="checkpoint file (default: the embedded sample)")
+    rep.add_argument("-o", "--output", default="report.html",
+                     help="HTML file to write (default report.html)")
+    srv = sub.add_parser("serve", help="serve the interactive workbench (panel) on 127.0.0.1")
+    srv.add_argument("path", nargs="?", help="checkpoint file (default: the embedded sample)")
+    srv.add_argument("--port", type=int, default=5006, help="port (default 5006)")
+    srv.add_argument("--address", default="127.0.0.1",
+                     help="address to listen on (default 127.0.0.1: this machine only)")
+    srv.add_argument("--show", action="store_true", help="open a browser tab")
     return p
+
+
+def _path_or_sample(path: str | None) -> str:
+    if path is not None:
+        return path
+    from ckptlab.samples import sample_path
+
+    return str(sample_path())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -84,11 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.verb == "inspect":
-            if args.path is None:
-                from ckptlab.samples import sample_path
-
-                args.path = str(sample_path())
-            layout = inspect(args.path)
+            layout = inspect(_path_or_sample(args.path))
             if args.json:
                 print(json.dumps(layout.to_dict(), default=str))
             else:
@@ -106,6 +120,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             from ckptlab.samples import write_sample
 
             print(write_sample(args.path, storage_alignment=args.alignment))
+        elif args.verb == "report":
+            from ckptlab.format import read_range
+            from ckptlab.viz import report_html
+
+            path = _path_or_sample(args.path)
+            layout = inspect(path)
+            head = read_range(path, 0, min(layout.file_nbytes, 1024))
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write(report_html(layout, hex_bytes=head))
+            print(args.output)
+        elif args.verb == "serve":
+            from ckptlab.widgets.app import serve
+
+            serve(_path_or_sample(args.path), port=args.port, address=args.address,
+                  show=args.show)
     except CkptlabError as exc:
         print(f"ckptlab: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2

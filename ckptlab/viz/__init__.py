@@ -8,6 +8,7 @@ from ckptlab.viz._style import KIND_COLORS, KIND_LABELS
 from ckptlab.viz.alignment import alignment_figure
 from ckptlab.viz.bytemap import ByteMap, bytemap_figure, bytemap_trace, overhead_figure
 from ckptlab.viz.hexview import hex_html
+from ckptlab.viz.report import report_html
 from ckptlab.viz.tensors import storage_figure, tensor_span
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "bytemap_trace",
     "hex_html",
     "overhead_figure",
+    "report_html",
     "storage_figure",
     "tensor_span",
 ]

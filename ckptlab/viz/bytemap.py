@@ -56,6 +56,7 @@ class ByteMap:
     item_names: tuple[str, ...]
     lanes: tuple[SegmentKind, ...]  # kinds present in the file, in KIND_ORDER
     prefix: np.ndarray  # int64 (len(lanes), S + 1): bytes of each lane before segment i
+    lane_segments: tuple[np.ndarray, ...]  # per lane: indices of its segments, ascending
 
     @classmethod
     def from_layout(cls, layout: ArchiveLayout) -> ByteMap:
@@ -80,9 +81,13 @@ class ByteMap:
         present = np.unique(kinds)
         lanes = tuple(KIND_ORDER[c] for c in present)
         prefix = np.zeros((len(lanes), n + 1), dtype=np.int64)
+        lane_segments = []
         for row, code in enumerate(present):
-            np.cumsum(np.where(kinds == code, nbytes, 0), out=prefix[row, 1:])
-        return cls(layout, starts, nbytes, kinds, items, tuple(names), lanes, prefix)
+            mask = kinds == code
+            np.cumsum(np.where(mask, nbytes, 0), out=prefix[row, 1:])
+            lane_segments.append(np.flatnonzero(mask))
+        return cls(layout, starts, nbytes, kinds, items, tuple(names), lanes, prefix,
+                   tuple(lane_segments))
 
     @property
     def file_nbytes(self) -> int:
@@ -175,7 +180,10 @@ def bytemap_trace(source: ArchiveLayout | ByteMap, *, x_range: tuple[float, floa
     lane_of = np.full(len(KIND_ORDER), -1)
     lane_of[codes] = np.arange(len(codes))
     n_lanes = len(bm.lanes)
-    if visible <= exact_threshold:
+    smallest = int(bm.nbytes[i0 : i1 + 1].min())
+    # Exact columns only when every one gets at least a bin's width: narrower ones would be
+    # dropped by plotly's heatmap drawing, and a byte map must not hide a header.
+    if visible <= exact_threshold and smallest * bins >= hi - lo:
         seg = slice(i0, i1 + 1)
         starts = np.maximum(bm.starts[seg], lo)
         ends = np.minimum(bm.starts[seg] + bm.nbytes[seg], hi)
@@ -204,14 +212,22 @@ def bytemap_trace(source: ArchiveLayout | ByteMap, *, x_range: tuple[float, floa
         frac = cover / widths
         z = np.where(cover > 0, np.arange(n_lanes)[:, None] + _BAND_FLOOR
                      + 0.69 * (1 - _BAND_FLOOR) * frac, np.nan)
-        first = bm.items[bm.segment_index(edges[:-1])]
-        last = bm.items[bm.segment_index(edges[1:] - 1)]
+        first = np.full(cover.shape, -1, dtype=np.int64)
+        last = np.full(cover.shape, -1, dtype=np.int64)
+        for row, segs in enumerate(bm.lane_segments):  # the items owning each lane's bytes
+            seg_starts = bm.starts[segs]
+            f = np.searchsorted(seg_starts + bm.nbytes[segs], edges[:-1], side="right")
+            la = np.searchsorted(seg_starts, edges[1:], side="left") - 1
+            valid = cover[row] > 0
+            first[row] = np.where(valid, bm.items[segs[np.clip(f, 0, len(segs) - 1)]], -1)
+            last[row] = np.where(valid, bm.items[segs[np.clip(la, 0, len(segs) - 1)]], -1)
         custom = np.empty((n_lanes, len(widths), 3), dtype=np.int64)
         custom[:, :, 0] = cover
         custom[:, :, 1] = first
         custom[:, :, 2] = last
-        text = None
-        hover = ("<b>%{y}</b>: %{customdata[0]:,} B in the bin at %{x:,.0f} "
+        names = np.array(bm.item_names + ("",), dtype=object)
+        text = names[first]  # -1 picks the trailing "": empty cells carry no name
+        hover = ("<b>%{y}</b> of %{text}: %{customdata[0]:,} B in the bin at %{x:,.0f} "
                  f"(±{int(widths.max()) // 2:,} B)<br>"
                  "items #%{customdata[1]} – #%{customdata[2]}<extra></extra>")
         mode = "binned"
