@@ -12,6 +12,7 @@ from ckptlab.errors import (
     UnsupportedFormatError,
 )
 from ckptlab.format import (
+    AlignmentCost,
     ArchiveLayout,
     Record,
     Segment,
@@ -19,15 +20,18 @@ from ckptlab.format import (
     StorageInfo,
     StorageOffsets,
     TensorInfo,
+    alignment_costs,
     archive_name_for,
     inspect,
     predict_layout,
+    realign,
     storage_offsets,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AlignmentCost",
     "ArchiveError",
     "ArchiveLayout",
     "CkptlabError",
@@ -41,10 +45,24 @@ __all__ = [
     "TruncatedArchiveError",
     "UnsupportedFormatError",
     "__version__",
+    "alignment_costs",
     "archive_name_for",
     "errors",
     "inspect",
     "predict_layout",
+    "realign",
     "samples",
     "storage_offsets",
+    "viz",
+    "widgets",
 ]
+
+_UI_MODULES = ("viz", "widgets")  # need the [widgets] extra: imported on first use
+
+
+def __getattr__(name: str) -> object:
+    if name in _UI_MODULES:
+        import importlib
+
+        return importlib.import_module(f"ckptlab.{name}")
+    raise AttributeError(f"module 'ckptlab' has no attribute {name!r}")

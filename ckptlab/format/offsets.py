@@ -35,7 +35,7 @@ DEFAULT_ALIGNMENT = 64  # torch's default before .storage_alignment existed
 class StorageOffsets:
     """Where each storage's bytes start, and what it cost to find out."""
 
-    offsets: dict[str, int] = field(hash=False)  # storage key -> data offset, in pickle order
+    offsets: dict[str, int] = field(hash=False)  # storage key -> data offset, in file order (pickle order with scan=True)
     reads: int  # read calls made on the file
     bytes_read: int
     method: str  # "cursor" (arithmetic, verified) or "central_directory" (local headers read)
