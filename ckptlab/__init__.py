@@ -8,6 +8,7 @@ from ckptlab.errors import (
     ArchiveError,
     CkptlabError,
     CorruptArchiveError,
+    InvalidArgumentError,
     TruncatedArchiveError,
     UnsupportedFormatError,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "ArchiveLayout",
     "CkptlabError",
     "CorruptArchiveError",
+    "InvalidArgumentError",
     "Record",
     "Segment",
     "SegmentKind",

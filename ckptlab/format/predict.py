@@ -83,7 +83,7 @@ def _check_alignment(alignment: int) -> None:
     if type(alignment) is not int or not 1 <= alignment <= _zip.MAX_ALIGNMENT:
         raise InvalidArgumentError(
             f"alignment must be an int in 1..{_zip.MAX_ALIGNMENT} (torch.save crashes on 0 and "
-            f"writes an unloadable file above {_zip.MAX_ALIGNMENT}), got {alignment!r}")
+            f"can write an unloadable file above {_zip.MAX_ALIGNMENT}), got {alignment!r}")
 
 
 def layout_records(records: Sequence[tuple[str, int]], *, alignment: int = 64,

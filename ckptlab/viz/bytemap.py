@@ -233,7 +233,8 @@ def bytemap_trace(source: ArchiveLayout | ByteMap, *, x_range: tuple[float, floa
         mode = "binned"
     return {
         "x": edges,
-        "z": z,
+        # None, not NaN, for empty cells: NaN is not JSON, and widget messages carry it raw
+        "z": np.where(np.isnan(z), None, z),
         "customdata": custom,
         "text": text,
         "hovertemplate": hover,
