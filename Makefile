@@ -10,7 +10,7 @@ BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.ckptlab-installed
 
-.PHONY: setup lab test test-fast lint bench clean
+.PHONY: setup chromium lab test test-fast lint bench clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt Makefile
@@ -23,10 +23,26 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	@touch $(STAMP)
 
 lab: setup
-	$(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --notebook-dir=notebooks notebooks/00_start_here.ipynb
+	$(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 $(if $(filter 0,$(shell id -u)),--allow-root,) --notebook-dir=notebooks notebooks/00_start_here.ipynb
+
+# The browser tests (marker `browser`) drive Debian's chromium through Playwright (never
+# `playwright install`). Installed here when missing: apt-get as root, else through sudo. Without
+# it those tests skip, or fail when CI is set (.ci/run sets it).
+chromium:
+	@[ -n "$$CKPTLAB_CHROMIUM" ] || command -v chromium >/dev/null 2>&1 && exit 0; \
+	why=""; if [ "$$(id -u)" = 0 ]; then sudo=""; elif command -v sudo >/dev/null 2>&1; then sudo=sudo; \
+	  else why="installing it needs root or sudo"; fi; \
+	command -v apt-get >/dev/null 2>&1 || why="there is no apt-get (not Debian)"; \
+	if [ -z "$$why" ]; then echo "make: installing Debian chromium for the browser tests"; \
+	  $$sudo apt-get update -q && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium \
+	    || why="apt-get install chromium failed"; fi; \
+	if [ -n "$$why" ]; then \
+	  echo "make: chromium is missing and $$why; the browser tests will be skipped (they fail when CI is set)."; \
+	  echo "make: install it (Debian: sudo apt-get install --no-install-recommends chromium) or set CKPTLAB_CHROMIUM=/path/to/chromium."; \
+	  if [ -n "$$CI" ]; then exit 1; fi; fi
 
 # The README's test command: everything but the GPU tests, notebooks executed by nbmake.
-test: setup
+test: setup chromium
 	$(BIN)/python -m pytest -m "not gpu" --nbmake --nbmake-timeout=120 --nbmake-kernel=python3 tests notebooks
 
 test-fast: setup
@@ -35,8 +51,9 @@ test-fast: setup
 lint: setup
 	$(BIN)/ruff check ckptlab tests benchmarks
 
-bench: setup
+bench: setup chromium
 	$(BIN)/python benchmarks/offsets.py
+	$(BIN)/python benchmarks/bytemap.py --browser
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -127,8 +127,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             path = _path_or_sample(args.path)
             layout = inspect(path)
             head = read_range(path, 0, min(layout.file_nbytes, 1024))
-            with open(args.output, "w", encoding="utf-8") as f:
-                f.write(report_html(layout, hex_bytes=head))
+            document = report_html(layout, hex_bytes=head)
+            try:
+                with open(args.output, "w", encoding="utf-8") as f:
+                    f.write(document)
+            except OSError as exc:
+                raise CkptlabError(f"{args.output}: cannot write the report: "
+                                   f"{exc.strerror or exc}") from None
             print(args.output)
         elif args.verb == "serve":
             from ckptlab.widgets.app import serve

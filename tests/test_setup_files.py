@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-CONDA_NAMES = {"torch": "pytorch-cpu"}  # conda-forge's CPU-only torch
+CONDA_NAMES = {"torch": "pytorch-cpu", "playwright": "playwright-python"}  # conda-forge names
 
 
 def _name(req: str) -> str:

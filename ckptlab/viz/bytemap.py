@@ -153,7 +153,13 @@ def _as_bytemap(source: ArchiveLayout | ByteMap) -> ByteMap:
 def _window(bm: ByteMap, x_range: tuple[float, float] | None) -> tuple[int, int]:
     if x_range is None:
         return 0, bm.file_nbytes
-    lo, hi = sorted(float(v) for v in x_range)
+    try:
+        lo, hi = sorted(float(v) for v in x_range)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(
+            f"x_range must be two byte offsets (lo, hi), got {x_range!r}") from None
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        raise InvalidArgumentError(f"x_range must be finite, got {x_range!r}")
     lo = int(np.clip(np.floor(lo), 0, bm.file_nbytes))
     hi = int(np.clip(np.ceil(hi), 0, bm.file_nbytes))
     if hi - lo < 1:  # a zero-width zoom: show the byte under it
@@ -166,12 +172,15 @@ def bytemap_trace(source: ArchiveLayout | ByteMap, *, x_range: tuple[float, floa
                   exact_threshold: int = EXACT_THRESHOLD) -> dict[str, Any]:
     """The heatmap trace properties of the byte map for one view (what a zoom updates).
 
-    Returns a dict of plotly heatmap properties (``x``, ``z``, ``customdata``, ``text``,
-    ``hovertemplate``) plus ``"meta"``: ``{"mode": "binned" | "exact", "x_range": [lo, hi],
-    "columns": int, "visible_segments": int}``.
+    Returns a dict of plotly heatmap properties (``x``, ``y``, ``z``, ``zmin``, ``zmax``,
+    ``colorscale``, ``customdata``, ``text``, ``hovertemplate``) plus ``"meta"``:
+    ``{"mode": "binned" | "exact", "x_range": [lo, hi], "columns": int,
+    "visible_segments": int}``. Updating a figure's trace with it redraws the map for another
+    view or another layout.
     """
-    if type(bins) is not int or bins < 1:
-        raise InvalidArgumentError(f"bins must be a positive int, got {bins!r}")
+    for name, value, least in (("bins", bins, 1), ("exact_threshold", exact_threshold, 0)):
+        if type(value) is not int or value < least:
+            raise InvalidArgumentError(f"{name} must be an int >= {least}, got {value!r}")
     bm = _as_bytemap(source)
     lo, hi = _window(bm, x_range)
     i0, i1 = (int(v) for v in bm.segment_index(np.array([lo, hi - 1])))
@@ -233,6 +242,10 @@ def bytemap_trace(source: ArchiveLayout | ByteMap, *, x_range: tuple[float, floa
         mode = "binned"
     return {
         "x": edges,
+        "y": [KIND_LABELS[k] for k in bm.lanes],
+        "zmin": 0,
+        "zmax": n_lanes,
+        "colorscale": _colorscale(bm.lanes),
         # None, not NaN, for empty cells: NaN is not JSON, and widget messages carry it raw
         "z": np.where(np.isnan(z), None, z),
         "customdata": custom,
@@ -281,10 +294,9 @@ def bytemap_figure(source: ArchiveLayout | ByteMap, *,
     bm = _as_bytemap(source)
     data = bytemap_trace(bm, x_range=x_range, bins=bins, exact_threshold=exact_threshold)
     meta = data.pop("meta")
-    labels = [KIND_LABELS[k] for k in bm.lanes]
-    fig = go.Figure(go.Heatmap(
-        y=labels, zmin=0, zmax=len(labels), colorscale=_colorscale(bm.lanes), showscale=False,
-        hoverongaps=False, xgap=0, ygap=2, name="bytes", **data))
+    labels = data["y"]
+    fig = go.Figure(go.Heatmap(showscale=False, hoverongaps=False, xgap=0, ygap=2, name="bytes",
+                               **data))
     layout = bm.layout
     fig.update_layout(
         title=title if title is not None else (

@@ -112,9 +112,13 @@ class LayoutApp:
         self.cost_pane.object = alignment_figure(alignment_costs(self.original),
                                                  current=alignment)
         self.summary.object = summary_html(self.current)
+        selected = self.items.value
         self._fill_items()
-        self.details.object = "<i>Click the byte map or pick an item.</i>"
-        self.hex.object = ""
+        if selected is not None and selected < len(self.bytemap.item_names):
+            self.select(selected)  # the same item, at its place in the new layout
+        else:
+            self.details.object = "<i>Click the byte map or pick an item.</i>"
+            self.hex.object = ""
 
     def _on_relayout(self, event: Any) -> None:
         data = event.new or {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import html
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,8 +69,10 @@ class LayoutExplorer(w.VBox):
     def __init__(self, source: LayoutSource, *, data: Any = "auto") -> None:
         self.archive: ArchiveLayout = as_layout(source)
         self.bytemap = ByteMap.from_layout(self.archive)
-        self._data = (self.archive.path if not self.archive.path.startswith("<") else None) \
-            if data == "auto" else data
+        if isinstance(data, str) and data == "auto":
+            data = source if isinstance(source, (str, os.PathLike, bytes, bytearray)) else (
+                None if self.archive.path.startswith("<") else self.archive.path)
+        self._data = data
         self.selected: int | None = None
         self.figure = go.FigureWidget(bytemap_figure(self.bytemap))
         self.figure.layout.on_change(self._on_range, "xaxis.range")
@@ -139,7 +143,8 @@ class LayoutExplorer(w.VBox):
                       ["crc32", f"{record.crc32:#010x}"]]
         tensors = (html_table(["tensor", "dtype", "shape", "stride", "storage_offset"], rows)
                    if rows else "")
-        self.details.value = (f"<b>#{item} {name}</b>" + html_table(["", ""], facts) + tensors)
+        self.details.value = (f"<b>#{item} {html.escape(name)}</b>" + html_table(["", ""], facts)
+                              + tensors)
         if self._data is None:
             self.hex.value = "<i>A predicted layout has no bytes to show.</i>"
         else:
@@ -172,8 +177,7 @@ class AlignmentExplorer(w.VBox):
 
     def __init__(self, source: Any, *, alignments: Sequence[int] = DEFAULT_ALIGNMENTS,
                  value: int | None = None, archive_name: str = "archive") -> None:
-        if isinstance(source, ArchiveLayout) or isinstance(source, (str, bytes)) or hasattr(
-                source, "__fspath__"):
+        if isinstance(source, (ArchiveLayout, str, os.PathLike, bytes, bytearray)):
             base = as_layout(source)
         else:
             base = predict_layout(source, archive_name=archive_name)
@@ -182,6 +186,9 @@ class AlignmentExplorer(w.VBox):
                 f"alignment applies to torch.save archives, got a {base.format} file")
         self.base = base
         self.costs: tuple[AlignmentCost, ...] = alignment_costs(base, tuple(alignments))
+        if value is not None and value not in alignments:
+            raise InvalidArgumentError(
+                f"value must be one of the alignments {list(alignments)}, got {value!r}")
         start = value if value is not None else (
             base.storage_alignment if base.storage_alignment in alignments else alignments[0])
         self.control = w.SelectionSlider(options=list(alignments), value=start,
@@ -189,7 +196,8 @@ class AlignmentExplorer(w.VBox):
                                          layout=w.Layout(width="70%"))
         self.cost_figure = go.FigureWidget(alignment_figure(self.costs, current=start))
         self.predicted = realign(base, start)
-        self.figure = go.FigureWidget(bytemap_figure(self.predicted))
+        self.figure = go.FigureWidget(bytemap_figure(self.predicted,
+                                                     title=_bytemap_title(self.predicted)))
         self.summary = w.HTML()
         self.control.observe(self._on_alignment, names="value")
         super().__init__([self.control, self.summary, self.figure, self.cost_figure])
@@ -208,10 +216,17 @@ class AlignmentExplorer(w.VBox):
 
     def _show(self, alignment: int) -> None:
         self.predicted = realign(self.base, alignment)
-        fresh = bytemap_figure(self.predicted)
+        bm = ByteMap.from_layout(self.predicted)
+        data = bytemap_trace(bm)  # numpy arrays: far cheaper to hand plotly than a dict dump
+        meta = data.pop("meta")
         with self.figure.batch_update():
-            self.figure.data[0].update(fresh.data[0].to_plotly_json())
-            self.figure.layout.update(fresh.layout.to_plotly_json())
+            self.figure.data[0].update(**data)
+            self.figure.layout.title.text = _bytemap_title(self.predicted)
+            self.figure.layout.height = 90 + 28 * len(data["y"])
+            self.figure.layout.xaxis.range = meta["x_range"]
+            self.figure.layout.meta = {**self.figure.layout.meta, **meta,
+                                       "lanes": [k.value for k in bm.lanes],
+                                       "file_nbytes": self.predicted.file_nbytes}
         fresh_cost = alignment_figure(self.costs, current=alignment)
         with self.cost_figure.batch_update():
             self.cost_figure.data[0].marker = fresh_cost.data[0].marker
@@ -232,3 +247,8 @@ class AlignmentExplorer(w.VBox):
         return (f'<div class="ckptlab-alignment-summary">alignment <b>{alignment}</b>: file '
                 f"{row.file_nbytes:,} B{delta}, FB padding {row.padding_nbytes:,} B, overhead "
                 f"{100 * row.overhead_fraction:.2f}% · {verdict}</div>")
+
+
+def _bytemap_title(layout: ArchiveLayout) -> str:
+    return (f"what-if layout at alignment {layout.storage_alignment} · "
+            f"{human_nbytes(layout.file_nbytes)} · {len(layout.records)} records")

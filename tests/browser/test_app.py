@@ -1,0 +1,111 @@
+"""The served workbench (`ckptlab serve`) and the HTML report (`ckptlab report`) in chromium."""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from browser_support import ServedProcess, free_port, serve_process
+
+from ckptlab import samples
+from ckptlab.cli import main as cli_main
+
+pytestmark = pytest.mark.browser
+
+MAP = ".ckptlab-bytemap .js-plotly-plot"
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return samples.write_sample(tmp_path_factory.mktemp("app") / "sample.pt")
+
+
+@pytest.fixture(scope="module")
+def served(sample: Path) -> Iterator[ServedProcess]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "ckptlab", "serve", str(sample), "--port", str(port)]
+    with serve_process(cmd, port, timeout=120) as proc:
+        yield proc
+
+
+def _open_app(page, served: ServedProcess) -> None:
+    page.goto(served.url + "/")
+    page.locator(f"{MAP} .hm").first.wait_for(state="attached")
+    page.locator(f"{MAP} .gtitle").first.wait_for()
+
+
+def test_app_renders_the_byte_map_offline(page, page_log, served, screenshot) -> None:
+    _open_app(page, served)
+    title = page.locator(f"{MAP} .gtitle").first.text_content()
+    assert "sample.pt" in title and "alignment 64" in title
+    lanes = page.locator(f"{MAP} .ytick text").all_text_contents()
+    for lane in ("local header", "name", "FB padding", "data", "descriptor",
+                 "central directory", "EOCD"):
+        assert lane in lanes
+    screenshot("app")
+    page_log.assert_offline()
+    page_log.assert_no_errors()
+
+
+def test_moving_the_alignment_control_redraws_the_map(page, page_log, served,
+                                                      screenshot) -> None:
+    _open_app(page, served)
+    handle = page.locator(".ckptlab-alignment .noUi-handle").first
+    handle.focus()
+    for _ in range(6):  # 64 -> 128 -> ... -> 4096, one option per key press
+        page.keyboard.press("ArrowRight")
+    title = page.locator(f"{MAP} .gtitle").first
+    page.wait_for_function(
+        "el => el.textContent.includes('at alignment 4096')", arg=title.element_handle())
+    assert "what-if" in title.text_content()
+    assert "4 KiB" not in title.text_content()  # the title states bytes, not a verdict
+    screenshot("app-4096")
+    page_log.assert_offline()
+    page_log.assert_no_errors()
+
+
+def test_hover_on_the_map_names_a_record(page, page_log, served, screenshot) -> None:
+    _open_app(page, served)
+    drag = page.locator(f"{MAP} .nsewdrag").first
+    box = drag.bounding_box()
+    tick = page.locator(f"{MAP} .ytick text", has_text=re.compile(r"^data$")).first.bounding_box()
+    y = tick["y"] + tick["height"] / 2  # the middle of the data lane
+    hover = page.locator(f"{MAP} .hoverlayer .hovertext").first
+    # plotly hovers on mousemove inside its drag layer; the pane may still be settling its
+    # size right after the first draw, so sweep until a label shows (bounded)
+    for attempt in range(20):
+        page.mouse.move(box["x"] + 5, y)
+        page.mouse.move(box["x"] + box["width"] * (0.2 + 0.03 * attempt), y, steps=5)
+        try:
+            hover.wait_for(timeout=1000)
+            break
+        except Exception:
+            box = drag.bounding_box()
+    hover.wait_for(timeout=1000)
+    text = hover.text_content()
+    assert "data" in text and "sample/data/" in text, text
+    screenshot("app-hover")
+    page_log.assert_no_errors()
+
+
+def test_report_opens_offline_with_its_figures(page, page_log, sample: Path, tmp_path: Path,
+                                               screenshot) -> None:
+    out = tmp_path / "report.html"
+    assert cli_main(["report", str(sample), "-o", str(out)]) == 0
+    page.goto(out.as_uri())
+    plots = page.locator(".ckptlab-figure .js-plotly-plot")
+    plots.nth(3).locator(".main-svg").first.wait_for(state="attached")
+    assert plots.count() == 4  # byte map, overhead, alignment cost, tensors
+    assert page.locator(".ckptlab-figure .js-plotly-plot .hm").count() == 1  # the byte map
+    titles = page.locator(".ckptlab-figure .gtitle").all_text_contents()
+    assert any("sample.pt" in t for t in titles)
+    assert any(t.startswith("Alignment cost") for t in titles)
+    hexview = page.locator("pre.ckptlab-hex")
+    assert hexview.locator('span[title="local header of sample/data.pkl"]').count() == 2
+    assert hexview.text_content().lstrip().startswith("0  50 4b 03 04")
+    screenshot("report")
+    page_log.assert_offline()
+    page_log.assert_no_errors()
