@@ -251,28 +251,48 @@ def alignment_costs(source: Any, alignments: Sequence[int] = DEFAULT_ALIGNMENTS,
         if source.format != "torch-zip":
             raise InvalidArgumentError(
                 f"alignment_costs needs a torch-zip layout, got a {source.format} layout")
-        ordered = sorted(source.records, key=lambda r: r.header_offset)
         archive_name = source.archive_name
+        names = [(r.short_name, r.data_nbytes)
+                 for r in sorted(source.records, key=lambda r: r.header_offset)]
         storage_records = {s.record for s in source.storages if s.nbytes}
-        base = None
     else:
-        base, data_pkl = torch_records(source)
+        names, data_pkl = torch_records(source)
         scan = scan_pickle(data_pkl, path="<predicted>")
         storage_records = {f"{archive_name}/data/{s.key}" for s in scan.storages if s.nbytes}
-        ordered = None
+    prefix = len(archive_name.encode()) + 1
+    items = [(prefix + len(short.encode()), nbytes, f"{archive_name}/{short}" in storage_records,
+              short == ".storage_alignment") for short, nbytes in names]
     rows = []
     for a in alignments:
-        sizes = _sizes_at(ordered, a) if ordered is not None else [
-            (n, len(str(a)) if n == ".storage_alignment" else nbytes) for n, nbytes in base]
-        placed, cd_offset, cd_nbytes = layout_records(sizes, alignment=a,
-                                                      archive_name=archive_name)
-        file_nbytes = cd_offset + cd_nbytes + _zip.TRAILER_NBYTES
-        data = sum(r.data_nbytes for r in placed)
-        starts = [r.data_offset for r in placed if r.name in storage_records]
-        rows.append(AlignmentCost(a, file_nbytes, data, sum(r.padding_nbytes for r in placed),
-                                  file_nbytes - data, len(starts),
-                                  sum(1 for o in starts if o % 4096 == 0)))
+        file_nbytes, data, padding, starts, aligned = _place_totals(items, a)
+        rows.append(AlignmentCost(a, file_nbytes, data, padding, file_nbytes - data, starts,
+                                  aligned))
     return tuple(rows)
+
+
+def _place_totals(items: list[tuple[int, int, bool, bool]],
+                  alignment: int) -> tuple[int, int, int, int, int]:
+    """File size, payload, padding, storages and 4 KiB-aligned storages at ``alignment``.
+
+    The arithmetic of :func:`layout_records` without building records (``alignment_costs``
+    runs it once per alignment over every record). ``items``: (name bytes, payload bytes,
+    is a storage, is ``.storage_alignment``).
+    """
+    cursor = cd_nbytes = data = padding = starts = aligned = 0
+    place, entry = _zip.record_placement, _zip.central_directory_entry_nbytes
+    fixed = _zip.LOCAL_HEADER.size + 4  # local header + the FB field's own header
+    for name_nbytes, nbytes, is_storage, is_alignment_record in items:
+        if is_alignment_record:
+            nbytes = len(str(alignment))
+        zip64, data_offset, descriptor = place(cursor, name_nbytes, nbytes, alignment)
+        padding += data_offset - (cursor + fixed + name_nbytes + zip64)
+        if is_storage:
+            starts += 1
+            aligned += data_offset % 4096 == 0
+        cd_nbytes += entry(name_nbytes, nbytes, cursor)
+        data += nbytes
+        cursor = data_offset + nbytes + descriptor
+    return cursor + cd_nbytes + _zip.TRAILER_NBYTES, data, padding, starts, aligned
 
 
 def _sizes_at(ordered: Sequence[Record], alignment: int) -> list[tuple[str, int]]:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import html
+from collections.abc import Sequence
+from typing import Any
+
 from ckptlab.format.layout import SegmentKind
 
 # Lanes top to bottom follow the order the kinds appear in a file.
@@ -78,3 +82,17 @@ def human_nbytes(n: float) -> str:
         if n < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}"
     raise AssertionError("unreachable")
+
+
+def html_table(header: Sequence[str], rows: Sequence[Sequence[Any]], *,
+               css_class: str = "ckptlab-table") -> str:
+    """A plain HTML table, every cell escaped; numbers right-aligned with thousands separators."""
+    def cell(v: Any) -> str:
+        if isinstance(v, int) and not isinstance(v, bool):
+            return f'<td style="text-align:right">{v:,}</td>'
+        return f"<td>{html.escape(str(v))}</td>"
+
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(cell(v) for v in row) + "</tr>" for row in rows)
+    return (f'<table class="{css_class}" style="border-collapse:collapse;font-size:12px">'
+            f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")

@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 from ckptlab.format import ArchiveLayout, alignment_costs
-from ckptlab.viz._style import KIND_COLORS, KIND_LABELS, human_nbytes
+from ckptlab.viz._style import KIND_COLORS, KIND_LABELS, html_table, human_nbytes
 from ckptlab.viz.alignment import alignment_figure
 from ckptlab.viz.bytemap import ByteMap, bytemap_figure, overhead_figure
 from ckptlab.viz.hexview import hex_html
@@ -24,22 +24,10 @@ body { font-family: system-ui, sans-serif; margin: 24px auto; max-width: 1280px;
 h1 { font-size: 22px; } h2 { font-size: 17px; margin-top: 28px; border-bottom: 1px solid #ddd; }
 table { border-collapse: collapse; font-size: 12px; }
 th, td { padding: 2px 8px; border-bottom: 1px solid #eee; }
-td.n { text-align: right; font-variant-numeric: tabular-nums; }
 .legend span { display: inline-block; padding: 1px 6px; margin: 2px; border-radius: 3px;
                font-size: 12px; color: #fff; }
 .note { color: #666; font-size: 12px; }
 """
-
-
-def _table(header: list[str], rows: list[list[object]]) -> str:
-    def cell(v: object) -> str:
-        if isinstance(v, int) and not isinstance(v, bool):
-            return f'<td class="n">{v:,}</td>'
-        return f"<td>{html.escape(str(v))}</td>"
-
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "\n".join("<tr>" + "".join(cell(v) for v in r) + "</tr>" for r in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def _more(total: int) -> str:
@@ -104,14 +92,14 @@ def report_html(layout: ArchiveLayout, *, hex_bytes: bytes | None = None) -> str
 <h1>ckptlab report · {name}</h1>
 <p class="note">{human_nbytes(layout.file_nbytes)} · generated {stamp} · self-contained: no
 network access needed.</p>
-{_table(["", ""], facts)}
+{html_table(["", ""], facts)}
 <div class="legend">{legend}</div>
 {"".join(parts)}
 <h2>Records</h2>
-{_table(["record", "header", "data offset", "data bytes", "FB padding", "zip64 extra",
+{html_table(["record", "header", "data offset", "data bytes", "FB padding", "zip64 extra",
          "descriptor", "crc32"], records[:MAX_TABLE_ROWS])}{_more(len(records))}
 <h2>Tensors</h2>
-{_table(["tensor", "dtype", "shape", "storage", "storage_offset"],
+{html_table(["tensor", "dtype", "shape", "storage", "storage_offset"],
         tensors[:MAX_TABLE_ROWS])}{_more(len(tensors))}
 {hexview}
 </body></html>

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import html
 import os
-from collections.abc import Sequence
 from typing import Any
 
 from ckptlab.errors import InvalidArgumentError
@@ -22,20 +21,6 @@ def as_layout(source: LayoutSource) -> ArchiveLayout:
         return inspect(source)
     raise InvalidArgumentError(
         f"expected an ArchiveLayout, a path or bytes of a checkpoint, got {type(source).__name__}")
-
-
-def html_table(header: Sequence[str], rows: Sequence[Sequence[Any]], *,
-               css_class: str = "ckptlab-table") -> str:
-    """A plain HTML table, every cell escaped; numbers right-aligned with thousands separators."""
-    def cell(v: Any) -> str:
-        if isinstance(v, int) and not isinstance(v, bool):
-            return f'<td style="text-align:right">{v:,}</td>'
-        return f"<td>{html.escape(str(v))}</td>"
-
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(cell(v) for v in row) + "</tr>" for row in rows)
-    return (f'<table class="{css_class}" style="border-collapse:collapse;font-size:12px">'
-            f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
 
 
 def summary_html(layout: ArchiveLayout) -> str:

@@ -21,11 +21,10 @@ from ckptlab.viz import (
     overhead_figure,
     storage_figure,
 )
-from ckptlab.viz._style import human_nbytes
+from ckptlab.viz._style import html_table, human_nbytes
 from ckptlab.widgets._common import (
     LayoutSource,
     as_layout,
-    html_table,
     item_tensor_rows,
     summary_html,
 )
@@ -65,9 +64,10 @@ class LayoutApp:
                                             sizing_mode="stretch_width")
         self.tensor_pane = pn.pane.Plotly(storage_figure(self.original),
                                           sizing_mode="stretch_width")
+        self.costs = alignment_costs(self.original, options) if self.is_zip else ()
         self.cost_pane = pn.pane.Plotly(
-            alignment_figure(alignment_costs(self.original), current=own)
-            if self.is_zip else None, sizing_mode="stretch_width")
+            alignment_figure(self.costs, current=own) if self.is_zip else None,
+            sizing_mode="stretch_width")
         self._fill_items()
         self.alignment.param.watch(self._on_alignment, "value")
         self.map_pane.param.watch(self._on_relayout, "relayout_data")
@@ -109,8 +109,7 @@ class LayoutApp:
             f"({self.current.file_nbytes - self.original.file_nbytes:+,} B)")
         self.map_pane.object = bytemap_figure(self.bytemap, title=title)
         self.overhead_pane.object = overhead_figure(self.bytemap)
-        self.cost_pane.object = alignment_figure(alignment_costs(self.original),
-                                                 current=alignment)
+        self.cost_pane.object = alignment_figure(self.costs, current=alignment)
         self.summary.object = summary_html(self.current)
         selected = self.items.value
         self._fill_items()

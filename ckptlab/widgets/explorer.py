@@ -21,11 +21,10 @@ from ckptlab.format import (
 )
 from ckptlab.format.predict import DEFAULT_ALIGNMENTS
 from ckptlab.viz import ByteMap, alignment_figure, bytemap_figure, bytemap_trace, hex_html
-from ckptlab.viz._style import human_nbytes
+from ckptlab.viz._style import html_table, human_nbytes
 from ckptlab.widgets._common import (
     LayoutSource,
     as_layout,
-    html_table,
     item_tensor_rows,
     summary_html,
 )

@@ -376,11 +376,11 @@ def test_report_of_a_torch_zip(sample_layout, sample_file):
     assert figs["ckptlab-fig-3"][1]["meta"] == storage_figure(sample_layout).layout.meta
     # tables: every record and tensor, with its numbers
     for r in sample_layout.records:
-        assert f"<td>{html.escape(r.short_name)}</td><td class=\"n\">{r.header_offset:,}</td>" \
-               f"<td class=\"n\">{r.data_offset:,}</td>" in doc
+        assert f"<td>{html.escape(r.short_name)}</td><td style=\"text-align:right\">{r.header_offset:,}</td>" \
+               f"<td style=\"text-align:right\">{r.data_offset:,}</td>" in doc
     for t in sample_layout.tensors:
         assert f"<td>{html.escape('.'.join(map(str, t.path)))}</td>" in doc
-    assert f"<td class=\"n\">{sample_layout.file_nbytes:,}</td>" in doc
+    assert f"<td style=\"text-align:right\">{sample_layout.file_nbytes:,}</td>" in doc
     # the hex view of the first bytes
     hexdoc = doc[doc.index("<h2>First bytes</h2>") + len("<h2>First bytes</h2>"):]
     hexdoc = hexdoc[:hexdoc.index("</pre>") + len("</pre>")]

@@ -8,7 +8,6 @@ figures' data that the browser would receive next.
 from __future__ import annotations
 
 import html
-import re
 
 import numpy as np
 import panel as pn
@@ -16,6 +15,7 @@ import pytest
 
 import ckptlab as cl
 from ckptlab.format.predict import DEFAULT_ALIGNMENTS
+from ckptlab.testing.hexview import hex_bytes
 from ckptlab.viz import bytemap_figure, bytemap_trace, hex_html
 from ckptlab.viz._style import human_nbytes
 from ckptlab.widgets import app as app_module
@@ -28,16 +28,6 @@ pytestmark = [
 ]
 
 PROMPT = "<i>Click the byte map or pick an item.</i>"
-
-
-def hex_bytes(doc: str) -> bytes:
-    out = bytearray()
-    for line in re.sub(r"</?pre[^>]*>", "", doc).split("\n"):
-        body = re.sub(r'<span class="off">[^<]*</span>  ', "", line, count=1)
-        body = re.sub(r"<span[^>]*>|</span>", "", body)
-        out += bytes.fromhex(" ".join(re.findall(r"(?<![^ ])[0-9a-f]{2}(?![^ ])",
-                                                 body.split("  ")[0])))
-    return bytes(out)
 
 
 def click(app: LayoutApp, x: float) -> None:

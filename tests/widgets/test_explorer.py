@@ -9,7 +9,6 @@ traits here runs the same path.
 from __future__ import annotations
 
 import html
-import re
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ import torch
 import ckptlab as cl
 from ckptlab.errors import InvalidArgumentError
 from ckptlab.format.predict import DEFAULT_ALIGNMENTS
+from ckptlab.testing.hexview import hex_bytes
 from ckptlab.viz import alignment_figure, bytemap_figure, bytemap_trace, hex_html
 from ckptlab.viz._style import human_nbytes
 from ckptlab.widgets import AlignmentExplorer, LayoutExplorer
@@ -40,17 +40,6 @@ def browser_zoom(fig, lo: float, hi: float) -> None:
     """A drag-zoom in the browser: plotly.js sends a relayout with the new x range."""
     fig._js2py_relayout = {"relayout_data": {"xaxis.range[0]": lo, "xaxis.range[1]": hi},
                            "source_view_id": "view-1"}
-
-
-def hex_bytes(doc: str) -> bytes:
-    """The bytes shown by a hex_html block (between the offset column and the ASCII text)."""
-    out = bytearray()
-    for line in re.sub(r"</?pre[^>]*>", "", doc).split("\n"):
-        body = re.sub(r'<span class="off">[^<]*</span>  ', "", line, count=1)
-        body = re.sub(r"<span[^>]*>|</span>", "", body)
-        out += bytes.fromhex(" ".join(re.findall(r"(?<![^ ])[0-9a-f]{2}(?![^ ])",
-                                                 body.split("  ")[0])))
-    return bytes(out)
 
 
 @pytest.fixture(scope="module")
