@@ -57,6 +57,7 @@ class ByteMap:
     lanes: tuple[SegmentKind, ...]  # kinds present in the file, in KIND_ORDER
     prefix: np.ndarray  # int64 (len(lanes), S + 1): bytes of each lane before segment i
     lane_segments: tuple[np.ndarray, ...]  # per lane: indices of its segments, ascending
+    item_starts: np.ndarray  # int64 (items + 1,): first byte of each item, then the file size
 
     @classmethod
     def from_layout(cls, layout: ArchiveLayout) -> ByteMap:
@@ -86,8 +87,10 @@ class ByteMap:
             mask = kinds == code
             np.cumsum(np.where(mask, nbytes, 0), out=prefix[row, 1:])
             lane_segments.append(np.flatnonzero(mask))
+        first = np.flatnonzero(np.diff(items, prepend=-1))  # first segment of each item
+        item_starts = np.append(starts[first], layout.file_nbytes)
         return cls(layout, starts, nbytes, kinds, items, tuple(names), lanes, prefix,
-                   tuple(lane_segments))
+                   tuple(lane_segments), item_starts)
 
     @property
     def file_nbytes(self) -> int:
@@ -113,11 +116,15 @@ class ByteMap:
 
     def item_span(self, item: int) -> tuple[int, int]:
         """Byte range ``[start, end)`` of item ``item``."""
-        lo = int(np.searchsorted(self.items, item, side="left"))
-        hi = int(np.searchsorted(self.items, item, side="right"))
-        if lo == hi:
+        if not 0 <= item < len(self.item_names):
             raise InvalidArgumentError(f"no item {item} (the map has {len(self.item_names)})")
-        return int(self.starts[lo]), int(self.starts[hi - 1] + self.nbytes[hi - 1])
+        return int(self.item_starts[item]), int(self.item_starts[item + 1])
+
+    def items_in(self, lo: int, hi: int) -> range:
+        """The items with bytes in ``[lo, hi)``."""
+        first = int(np.searchsorted(self.item_starts, lo, side="right")) - 1
+        last = int(np.searchsorted(self.item_starts, hi, side="left"))
+        return range(max(first, 0), min(last, len(self.item_names)))
 
     def item_at(self, offset: int) -> int:
         """The item holding byte ``offset``."""

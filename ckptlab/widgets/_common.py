@@ -8,6 +8,7 @@ from typing import Any
 
 from ckptlab.errors import InvalidArgumentError
 from ckptlab.format import ArchiveLayout, inspect
+from ckptlab.viz import ByteMap
 from ckptlab.viz._style import human_nbytes
 
 LayoutSource = ArchiveLayout | str | os.PathLike[str] | bytes
@@ -40,3 +41,26 @@ def item_tensor_rows(layout: ArchiveLayout, record_name: str) -> list[list[Any]]
     keys = {s.key for s in layout.storages if s.record == record_name}
     return [[".".join(map(str, t.path)), t.dtype, list(t.shape), list(t.stride),
              t.storage_offset] for t in layout.tensors if t.storage_key in keys]
+
+
+MAX_LISTED = 1000  # an item list longer than this is a chore to scroll and slow to send
+
+
+def item_options(bytemap: ByteMap, lo: int = 0, hi: int | None = None, *,
+                 around: int | None = None, limit: int = MAX_LISTED) -> list[tuple[str, int]]:
+    """(label, item) for the items with bytes in ``[lo, hi)``, at most ``limit`` of them.
+
+    With more in view, the list is the ``limit`` items nearest ``around`` (the selection) or
+    the first ones; ``around`` is always listed.
+    """
+    hi = bytemap.file_nbytes if hi is None else hi
+    view = bytemap.items_in(lo, hi)
+    if around is not None and around not in view:
+        view = range(min(view.start, around), max(view.stop, around + 1))
+    if len(view) > limit:
+        start = view.start if around is None else max(view.start, around - limit // 2)
+        start = min(start, view.stop - limit)
+        view = range(start, start + limit)
+    spans = bytemap.item_starts
+    return [(f"#{i} {bytemap.item_names[i]} · {human_nbytes(int(spans[i + 1] - spans[i]))}", i)
+            for i in view]

@@ -11,7 +11,7 @@ from typing import Any
 
 import panel as pn
 
-from ckptlab.format import ArchiveLayout, alignment_costs, read_range, realign
+from ckptlab.format import AlignmentCost, ArchiveLayout, alignment_costs, read_range, realign
 from ckptlab.format.predict import DEFAULT_ALIGNMENTS
 from ckptlab.viz import (
     ByteMap,
@@ -25,6 +25,7 @@ from ckptlab.viz._style import html_table, human_nbytes
 from ckptlab.widgets._common import (
     LayoutSource,
     as_layout,
+    item_options,
     item_tensor_rows,
     summary_html,
 )
@@ -32,6 +33,10 @@ from ckptlab.widgets._common import (
 __all__ = ["LayoutApp", "serve"]
 
 HEX_NBYTES = 512
+
+
+def _alignment_options(layout: ArchiveLayout) -> list[int]:
+    return sorted(set(DEFAULT_ALIGNMENTS) | {layout.storage_alignment or 64})
 
 
 class LayoutApp:
@@ -43,16 +48,17 @@ class LayoutApp:
     item's bytes, tensors and hex.
     """
 
-    def __init__(self, source: LayoutSource) -> None:
+    def __init__(self, source: LayoutSource, *, bytemap: ByteMap | None = None,
+                 costs: tuple[AlignmentCost, ...] | None = None) -> None:
         self.original: ArchiveLayout = as_layout(source)
         own = self.original.storage_alignment or 64
-        options = sorted(set(DEFAULT_ALIGNMENTS) | {own})
+        options = _alignment_options(self.original)
         self.is_zip = self.original.format == "torch-zip"
         self.alignment = pn.widgets.DiscreteSlider(
             name="what-if storage alignment", options=options, value=own,
             disabled=not self.is_zip, width=520, css_classes=["ckptlab-alignment"])
         self.current = self.original
-        self.bytemap = ByteMap.from_layout(self.current)
+        self.bytemap = bytemap if bytemap is not None else ByteMap.from_layout(self.current)
         self.map_pane = pn.pane.Plotly(bytemap_figure(self.bytemap), sizing_mode="stretch_width",
                                        css_classes=["ckptlab-bytemap"])
         self.summary = pn.pane.HTML(summary_html(self.original), sizing_mode="stretch_width")
@@ -60,39 +66,53 @@ class LayoutApp:
         self.details = pn.pane.HTML("<i>Click the byte map or pick an item.</i>",
                                     sizing_mode="stretch_width")
         self.hex = pn.pane.HTML("", sizing_mode="stretch_width", css_classes=["ckptlab-hex"])
-        self.overhead_pane = pn.pane.Plotly(overhead_figure(self.bytemap),
-                                            sizing_mode="stretch_width")
-        self.tensor_pane = pn.pane.Plotly(storage_figure(self.original),
-                                          sizing_mode="stretch_width")
-        self.costs = alignment_costs(self.original, options) if self.is_zip else ()
-        self.cost_pane = pn.pane.Plotly(
-            alignment_figure(self.costs, current=own) if self.is_zip else None,
-            sizing_mode="stretch_width")
+        # the other tabs' figures are built when their tab is first opened (see _draw_tab)
+        self.overhead_pane = pn.pane.Plotly(None, sizing_mode="stretch_width")
+        self.cost_pane = pn.pane.Plotly(None, sizing_mode="stretch_width")
+        self.tensor_pane = pn.pane.Plotly(None, sizing_mode="stretch_width")
+        if costs is None:
+            costs = alignment_costs(self.original, options) if self.is_zip else ()
+        self.costs = costs
+        self._stale = {1, 2, 3}
         self._fill_items()
         self.alignment.param.watch(self._on_alignment, "value")
         self.map_pane.param.watch(self._on_relayout, "relayout_data")
         self.map_pane.param.watch(self._on_click, "click_data")
         self.items.param.watch(self._on_item, "value")
-        tabs = pn.Tabs(
+        self.tabs = tabs = pn.Tabs(
             ("Byte map", pn.Column(self.map_pane, pn.Row(self.items, pn.Column(
                 self.details, self.hex, sizing_mode="stretch_width")),
                 sizing_mode="stretch_width")),
             ("Overhead", self.overhead_pane),
             ("Alignment cost", self.cost_pane),
             ("Tensors → storages", self.tensor_pane),
+            dynamic=True,  # draw a tab when it is opened: the byte map comes first
             sizing_mode="stretch_width")
         self.view = pn.Column(
             pn.pane.HTML("<h2 style='margin:4px 0'>ckptlab · checkpoint layout</h2>"),
             self.summary, self.alignment, tabs, sizing_mode="stretch_width",
             css_classes=["ckptlab-app"])
+        tabs.param.watch(lambda event: self._draw_tab(event.new), "active")
 
-    def _fill_items(self) -> None:
-        bm = self.bytemap
-        options = {}
-        for i, name in enumerate(bm.item_names):
-            lo, hi = bm.item_span(i)
-            options[f"#{i} {name} · {human_nbytes(hi - lo)}"] = i
-        self.items.options = options
+    def _draw_tab(self, index: int) -> None:
+        """Build tab ``index``'s figure if the layout changed since it was drawn."""
+        if index not in self._stale:
+            return
+        self._stale.discard(index)
+        if index == 1:
+            self.overhead_pane.object = overhead_figure(self.bytemap)
+        elif index == 2 and self.is_zip:
+            self.cost_pane.object = alignment_figure(self.costs,
+                                                     current=self.current.storage_alignment)
+        elif index == 3:
+            self.tensor_pane.object = storage_figure(self.current)
+
+    def _fill_items(self, around: int | None = None) -> None:
+        """List the items in the map's view (at most MAX_LISTED, always ``around``)."""
+        lo, hi = self.map_pane.object.layout.meta["x_range"]
+        if around is not None and around >= len(self.bytemap.item_names):
+            around = None
+        self.items.options = dict(item_options(self.bytemap, lo, hi, around=around))
 
     # -- events -----------------------------------------------------------------------------
     def _on_alignment(self, event: Any) -> None:
@@ -108,11 +128,11 @@ class LayoutApp:
             f"{human_nbytes(self.current.file_nbytes)} "
             f"({self.current.file_nbytes - self.original.file_nbytes:+,} B)")
         self.map_pane.object = bytemap_figure(self.bytemap, title=title)
-        self.overhead_pane.object = overhead_figure(self.bytemap)
-        self.cost_pane.object = alignment_figure(self.costs, current=alignment)
+        self._stale = {1, 2, 3}
+        self._draw_tab(self.tabs.active)
         self.summary.object = summary_html(self.current)
         selected = self.items.value
-        self._fill_items()
+        self._fill_items(around=selected)
         if selected is not None and selected < len(self.bytemap.item_names):
             self.select(selected)  # the same item, at its place in the new layout
         else:
@@ -137,6 +157,7 @@ class LayoutApp:
                              title=self.map_pane.object.layout.title.text)
         fig.layout.shapes = self.map_pane.object.layout.shapes
         self.map_pane.object = fig
+        self._fill_items(around=self.items.value)
 
     def _on_click(self, event: Any) -> None:
         points = (event.new or {}).get("points") or []
@@ -153,6 +174,8 @@ class LayoutApp:
         lo, hi = bm.item_span(item)
         name = bm.item_names[item]
         if self.items.value != item:
+            if item not in self.items.options.values():
+                self._fill_items(around=item)
             self.items.value = item  # re-enters _on_item once, then stops here
             return
         fig = self.map_pane.object
@@ -179,7 +202,12 @@ def serve(source: LayoutSource, *, port: int = 5006, address: str = "127.0.0.1",
     Every browser session gets its own :class:`LayoutApp` (the layout is inspected once).
     """
     layout = as_layout(source)
+    # the same for every session: computed once (a 100k-record file takes seconds)
+    bytemap = ByteMap.from_layout(layout)
+    costs = (alignment_costs(layout, _alignment_options(layout))
+             if layout.format == "torch-zip" else ())
     pn.extension("plotly", inline=True)
     origins = [f"{address}:{port}", f"localhost:{port}", f"127.0.0.1:{port}"]
-    pn.serve({"/": lambda: LayoutApp(layout).view}, port=port, address=address, show=show,
+    pn.serve({"/": lambda: LayoutApp(layout, bytemap=bytemap, costs=costs).view}, port=port,
+             address=address, show=show,
              websocket_origin=origins, title="ckptlab", threaded=False, print_url=True)

@@ -25,6 +25,7 @@ from ckptlab.viz._style import html_table, human_nbytes
 from ckptlab.widgets._common import (
     LayoutSource,
     as_layout,
+    item_options,
     item_tensor_rows,
     summary_html,
 )
@@ -76,11 +77,9 @@ class LayoutExplorer(w.VBox):
         self.figure = go.FigureWidget(bytemap_figure(self.bytemap))
         self.figure.layout.on_change(self._on_range, "xaxis.range")
         self.figure.data[0].on_click(self._on_click)
-        bm = self.bytemap
-        self.items = w.Select(
-            options=[(f"#{i} {bm.item_names[i]} · {human_nbytes(self._span_nbytes(i))}", i)
-                     for i in range(len(bm.item_names))],
-            value=None, rows=14, layout=w.Layout(width="34%"), description="")
+        self._refilling = False
+        self.items = w.Select(options=item_options(self.bytemap), value=None, rows=14,
+                              layout=w.Layout(width="34%"), description="")
         self.items.observe(self._on_item, names="value")
         self.summary = w.HTML(summary_html(self.archive))
         self.details = w.HTML("<i>Select an item in the list or click the byte map.</i>")
@@ -89,9 +88,15 @@ class LayoutExplorer(w.VBox):
         super().__init__([self.summary, self.figure, w.HBox([self.items, right])])
         self.add_class("ckptlab-layout-explorer")
 
-    def _span_nbytes(self, item: int) -> int:
-        lo, hi = self.bytemap.item_span(item)
-        return hi - lo
+    def _fill_items(self, around: int | None = None) -> None:
+        """List the items in the map's view (at most MAX_LISTED, always ``around``)."""
+        lo, hi = self.figure.layout.meta["x_range"]
+        self._refilling = True  # a new option list may move the value: not a user's pick
+        try:
+            self.items.options = item_options(self.bytemap, lo, hi, around=around)
+            self.items.value = around
+        finally:
+            self._refilling = False
 
     # -- map -> list --------------------------------------------------------------------------
     def _on_click(self, trace: Any, points: Any, state: Any) -> None:
@@ -111,10 +116,11 @@ class LayoutExplorer(w.VBox):
             self.figure.data[0].update(**data)
             self.figure.layout.meta = {**self.figure.layout.meta, **meta}
             self.figure.layout.xaxis.range = meta["x_range"]
+        self._fill_items(around=self.selected)
 
     # -- list -> map --------------------------------------------------------------------------
     def _on_item(self, change: dict[str, Any]) -> None:
-        if change["new"] is not None and change["new"] != self.selected:
+        if not self._refilling and change["new"] is not None and change["new"] != self.selected:
             self.select(change["new"])
 
     def select(self, item: int) -> None:
@@ -123,7 +129,10 @@ class LayoutExplorer(w.VBox):
             raise InvalidArgumentError(
                 f"item must be an int in 0..{len(self.bytemap.item_names) - 1}, got {item!r}")
         self.selected = item
-        self.items.value = item
+        if item in {i for _, i in self.items.options}:
+            self.items.value = item
+        else:
+            self._fill_items(around=item)
         lo, hi = self.bytemap.item_span(item)
         name = self.bytemap.item_names[item]
         self.figure.layout.shapes = [dict(

@@ -49,6 +49,9 @@ def test_initial_state(app, sample_layout):
     fig = app.map_pane.object
     assert fig.layout.meta == bytemap_figure(sample_layout).layout.meta
     assert fig.layout.title.text == bytemap_figure(sample_layout).layout.title.text
+    assert app.overhead_pane.object is None  # drawn when its tab opens
+    for tab in (1, 2, 3):
+        app.tabs.active = tab
     assert app.cost_pane.object.layout.meta["current"] == 64
     assert app.cost_pane.object.layout.meta["alignments"] == list(DEFAULT_ALIGNMENTS)
     assert app.tensor_pane.object.layout.meta["kind"] == "storages"
@@ -148,9 +151,11 @@ def test_alignment_control_shows_the_what_if_layout(app, sample_layout):
     assert fig.layout.title.text.endswith(f"({delta:+,} B)")
     lo, hi = app.bytemap.item_span(5)  # the selection follows the item to its new place
     assert [(sh.x0, sh.x1) for sh in fig.layout.shapes] == [(lo, hi)]
+    app.tabs.active = 2
     assert app.cost_pane.object.layout.meta["current"] == 4096
     assert list(app.cost_pane.object.data[0].marker.line.width) == [
         3 if a == 4096 else 0 for a in DEFAULT_ALIGNMENTS]
+    app.tabs.active = 1
     assert app.overhead_pane.object.layout.meta["columns"] == len(app.bytemap.item_names)
     assert f"{len(want.records)} records" in app.summary.object
     assert app.details.object.startswith(f"<b>#5 {app.bytemap.item_names[5]}</b> · bytes [{lo:,}")
@@ -186,6 +191,7 @@ def test_show_alignment_called_directly(app, sample_layout):
     app.show_alignment(1)
     assert app.current.storage_alignment == 1
     assert app.current.padding_nbytes == 0
+    app.tabs.active = 2
     assert app.cost_pane.object.layout.meta["current"] == 1
     assert app.alignment.value == 64  # the control is not moved by the method
 
