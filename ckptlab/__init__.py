@@ -50,6 +50,7 @@ __all__ = [
     "alignment_costs",
     "archive_name_for",
     "errors",
+    "gds",
     "inspect",
     "predict_layout",
     "realign",
@@ -59,11 +60,12 @@ __all__ = [
     "widgets",
 ]
 
-_UI_MODULES = ("viz", "widgets")  # need the [widgets] extra: imported on first use
+# imported on first use: viz and widgets need the [widgets] extra, gds imports torch
+_LAZY_MODULES = ("gds", "viz", "widgets")
 
 
 def __getattr__(name: str) -> object:
-    if name in _UI_MODULES:
+    if name in _LAZY_MODULES:
         import importlib
 
         return importlib.import_module(f"ckptlab.{name}")

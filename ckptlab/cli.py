@@ -80,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("path", nargs="?", help="checkpoint file (default: the embedded sample)")
     rep.add_argument("-o", "--output", default="report.html",
                      help="HTML file to write (default report.html)")
+    rdy = sub.add_parser("readiness",
+                         help="is a checkpoint ready for GPUDirect Storage / O_DIRECT reads?")
+    rdy.add_argument("path")
+    rdy.add_argument("--json", action="store_true", help="print one JSON object")
     srv = sub.add_parser("serve", help="serve the interactive workbench (panel) on 127.0.0.1")
     srv.add_argument("path", nargs="?", help="checkpoint file (default: the embedded sample)")
     srv.add_argument("--port", type=int, default=5006, help="port (default 5006)")
@@ -87,6 +91,29 @@ def _parser() -> argparse.ArgumentParser:
                      help="address to listen on (default 127.0.0.1: this machine only)")
     srv.add_argument("--show", action="store_true", help="open a browser tab")
     return p
+
+
+def _render_readiness(r: Any) -> str:
+    yes = {True: "yes", False: "no"}
+    lines = [
+        f"{r.path}: {'READY' if r.ready else 'NOT READY'} for 4 KiB-aligned direct reads"
+        + (" (GPU direct possible)" if r.gds else ""),
+        f"  storages 4 KiB aligned  {r.storages_4k_aligned} of {r.storages}"
+        + (f" (storage_alignment {r.storage_alignment})" if r.storage_alignment else ""),
+        f"  size at alignment 64    {r.file_nbytes_at_64:,} B",
+        f"  size at alignment 4096  {r.file_nbytes_at_4096:,} B "
+        f"(+{r.padding_cost_nbytes:,} B of padding)",
+        f"  filesystem              {r.filesystem} on {r.mount_point}",
+        f"  O_DIRECT                {yes[r.o_direct]}: {r.o_direct_reason}",
+        f"  nvidia-fs driver        {yes[r.nvidia_fs]}",
+        f"  libcufile               {yes[r.cufile]}",
+        f"  torch.cuda.gds          {yes[r.torch_gds]}: {r.torch_gds_reason}",
+        f"  kvikio                  {yes[r.kvikio]}: {r.kvikio_reason}",
+    ]
+    if r.unaligned_keys and r.storages_4k_aligned < r.storages:
+        lines.append("  fix: save with torch.utils.serialization.config.save.storage_alignment "
+                     "= 4096 (or ckptlab.gds.save)")
+    return "\n".join(lines)
 
 
 def _path_or_sample(path: str | None) -> str:
@@ -135,6 +162,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise CkptlabError(f"{args.output}: cannot write the report: "
                                    f"{exc.strerror or exc}") from None
             print(args.output)
+        elif args.verb == "readiness":
+            from ckptlab.gds.readiness import readiness
+
+            r = readiness(args.path)
+            if args.json:
+                print(json.dumps(r.to_dict()))
+            else:
+                print(_render_readiness(r))
         elif args.verb == "serve":
             from ckptlab.widgets.app import serve
 

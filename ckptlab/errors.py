@@ -17,6 +17,7 @@ __all__ = [
     "CorruptArchiveError",
     "InvalidArgumentError",
     "PlanError",
+    "StorageIOError",
     "TruncatedArchiveError",
     "UnsupportedFormatError",
     "WriterError",
@@ -107,6 +108,25 @@ class WriterError(CkptlabError, RuntimeError):
 
 class BackendUnavailableError(CkptlabError, RuntimeError):
     """A requested I/O backend cannot run here (no CUDA, no cuFile, O_DIRECT refused, ...)."""
+
+
+class StorageIOError(CkptlabError, OSError):
+    """Reading or writing storage bytes failed (disk full, read past the end, I/O error).
+
+    ``path``, ``offset`` and ``nbytes`` say which bytes; ``errno`` is the OS error number
+    when the OS reported one.
+    """
+
+    def __init__(self, message: str, *, path: str, offset: int, nbytes: int,
+                 errno: int | None = None) -> None:
+        self.path, self.offset, self.nbytes = path, offset, nbytes
+        text = f"{path}: {message} (bytes [{offset}, {offset + nbytes}))"
+        super().__init__(text)
+        self.errno = errno  # set after OSError.__init__, which would reset them
+        self.strerror = text
+
+    def __str__(self) -> str:
+        return self.strerror if self.errno is None else f"[Errno {self.errno}] {self.strerror}"
 
 
 class InvalidArgumentError(CkptlabError, ValueError):

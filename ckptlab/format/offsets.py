@@ -85,7 +85,9 @@ def storage_offsets(source: str | os.PathLike[str] | BinaryIO | bytes, *,
     descriptor flag of every storage, and the header offset of the record after the last
     storage. A writer that kept every header offset of torch's layout but changed local extra
     fields and descriptor lengths to compensate would not be detected; no known writer does
-    that.
+    that. The local headers' bytes are not read (that is the point), so a file whose headers
+    were overwritten (say by a storage write padded to 4096 bytes) still gets its offsets:
+    use :func:`inspect` to validate a file.
     """
     with ByteSource(source, cache=True) as src:
         try:

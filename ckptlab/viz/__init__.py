@@ -7,6 +7,7 @@ widgets) can check the data without a browser.
 from ckptlab.viz._style import KIND_COLORS, KIND_LABELS
 from ckptlab.viz.alignment import alignment_figure
 from ckptlab.viz.bytemap import ByteMap, bytemap_figure, bytemap_trace, overhead_figure
+from ckptlab.viz.gds import block_classes, blockmap_figure, transfer_figure
 from ckptlab.viz.hexview import hex_html
 from ckptlab.viz.report import report_html
 from ckptlab.viz.tensors import storage_figure, tensor_span
@@ -16,6 +17,8 @@ __all__ = [
     "KIND_LABELS",
     "ByteMap",
     "alignment_figure",
+    "block_classes",
+    "blockmap_figure",
     "bytemap_figure",
     "bytemap_trace",
     "hex_html",
@@ -23,4 +26,5 @@ __all__ = [
     "report_html",
     "storage_figure",
     "tensor_span",
+    "transfer_figure",
 ]

@@ -1,0 +1,402 @@
+"""The byte movers behind :func:`ckptlab.gds.open`: POSIX, O_DIRECT, torch.cuda.gds, kvikio.
+
+Each backend writes and reads exactly the payload's bytes: nothing outside ``[offset, offset +
+nbytes)`` changes, which matters because a storage's last 4 KiB block also holds its zip data
+descriptor and the next record's header.
+"""
+
+from __future__ import annotations
+
+import errno as errno_
+import os
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+from ckptlab.errors import BackendUnavailableError, StorageIOError
+from ckptlab.gds._buffers import address_of, aligned_buffer
+
+BLOCK = 4096  # O_DIRECT granularity used here (ext4/xfs need 512 or 4096; 4096 covers both)
+CHUNK = 32 << 20  # bounce buffer for unaligned sources and for reads
+
+GDS, COMPAT, ODIRECT, POSIX = "GDS", "cuFile compat", "O_DIRECT", "POSIX"
+
+
+def _reopen_flags(flags: int) -> int:
+    """Flags for a second descriptor on a file the first one already created/truncated."""
+    return flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC)
+
+
+class PosixBackend:
+    """``pwrite`` / ``preadv`` through the page cache: works on every filesystem."""
+
+    name = "posix"
+
+    def __init__(self, path: str, flags: int, *, reason: str = "requested") -> None:
+        self.path = path
+        self.io_path = POSIX
+        self.reason = reason
+        self.direct_nbytes = 0
+        self.buffered_nbytes = 0
+        try:
+            self.fd = os.open(path, flags, 0o644)
+        except OSError as exc:
+            raise StorageIOError(f"cannot open: {exc.strerror}", path=path, offset=0, nbytes=0,
+                                 errno=exc.errno) from None
+
+    def write(self, view: memoryview, offset: int) -> None:
+        _pwrite_all(self.fd, view, offset, self.path)
+        self.buffered_nbytes += len(view)
+
+    def read_into(self, view: memoryview, offset: int) -> None:
+        _check_inside(self.fd, offset, len(view), self.path)
+        _pread_all(self.fd, view, offset, self.path)
+        self.buffered_nbytes += len(view)
+
+    def fsync(self) -> None:
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class ODirectBackend(PosixBackend):
+    """Aligned blocks with O_DIRECT (no page cache); the partial blocks at either end of a
+    payload go through the page cache, so no byte outside the payload is ever written.
+
+    The aligned middle is written straight from the source when its address is 4096-aligned
+    (zero copy) and through a reused page-aligned bounce buffer otherwise. If the filesystem
+    refuses O_DIRECT (EINVAL at open or at the first transfer) the handle falls back to
+    POSIX for good and says why.
+    """
+
+    name = "odirect"
+
+    def __init__(self, path: str, flags: int, *, reason: str = "requested") -> None:
+        super().__init__(path, flags, reason=reason)
+        self.io_path = ODIRECT
+        self._bounce: tuple[memoryview, memoryview] | None = None
+        self._io: ThreadPoolExecutor | None = None
+        self.direct_fd = -1
+        try:
+            self.direct_fd = os.open(path, _reopen_flags(flags) | os.O_DIRECT)
+        except OSError as exc:
+            if exc.errno != errno_.EINVAL:
+                super().close()
+                raise StorageIOError(f"cannot open with O_DIRECT: {exc.strerror}", path=path,
+                                     offset=0, nbytes=0, errno=exc.errno) from None
+            self._fall_back(f"the filesystem refused O_DIRECT at open ({exc.strerror})")
+
+    def _fall_back(self, why: str) -> None:
+        self.io_path = POSIX
+        self.reason = f"{self.reason}; {why}: using POSIX pwrite/pread"
+        if self.direct_fd >= 0:
+            os.close(self.direct_fd)
+        self.direct_fd = -1
+
+    def _pipeline(self) -> tuple[tuple[memoryview, memoryview], ThreadPoolExecutor]:
+        """Two page-aligned bounce buffers and one I/O thread: while the thread moves one
+        buffer to or from the disk (the syscall releases the GIL), the caller copies the
+        other, so copying costs (almost) no time on top of the disk."""
+        if self._bounce is None or self._io is None:
+            self._bounce = (aligned_buffer(CHUNK), aligned_buffer(CHUNK))
+            self._io = ThreadPoolExecutor(1, thread_name_prefix="ckptlab-odirect")
+        return self._bounce, self._io
+
+    def write(self, view: memoryview, offset: int) -> None:
+        end = offset + len(view)
+        lo = -(-offset // BLOCK) * BLOCK
+        hi = end // BLOCK * BLOCK
+        if self.direct_fd < 0 or hi <= lo:
+            return super().write(view, offset)
+        if lo > offset:
+            super().write(view[: lo - offset], offset)
+        try:
+            self._write_direct(view[lo - offset : hi - offset], lo)
+        except OSError as exc:
+            if exc.errno != errno_.EINVAL:
+                raise StorageIOError(f"O_DIRECT write failed: {exc.strerror}", path=self.path,
+                                     offset=lo, nbytes=hi - lo, errno=exc.errno) from None
+            self._fall_back(f"the filesystem refused an O_DIRECT write ({exc.strerror})")
+            super().write(view[lo - offset : hi - offset], lo)
+        if end > hi:
+            super().write(view[hi - offset :], hi)
+
+    def _write_direct(self, view: memoryview, offset: int) -> None:
+        if address_of(view) % BLOCK == 0:
+            _pwrite_all(self.direct_fd, view, offset, self.path, raw=True)
+        else:
+            buffers, io = self._pipeline()
+            pending: list[Future | None] = [None, None]
+            try:
+                for i, start in enumerate(range(0, len(view), CHUNK)):
+                    slot = i % 2
+                    if pending[slot] is not None:
+                        pending[slot].result()  # that buffer's write is done: reuse it
+                    part = view[start : start + CHUNK]
+                    buf = buffers[slot]
+                    buf[: len(part)] = part
+                    pending[slot] = io.submit(_pwrite_all, self.direct_fd, buf[: len(part)],
+                                              offset + start, self.path, raw=True)
+            finally:
+                errors = []
+                for fut in pending:
+                    if fut is not None:
+                        try:
+                            fut.result()
+                        except OSError as exc:
+                            errors.append(exc)
+                if errors:
+                    raise errors[0]
+        self.direct_nbytes += len(view)
+
+    def read_into(self, view: memoryview, offset: int) -> None:
+        if self.direct_fd < 0 or len(view) == 0:
+            return super().read_into(view, offset)
+        _check_inside(self.fd, offset, len(view), self.path)
+        end = offset + len(view)
+        lo = offset // BLOCK * BLOCK
+        hi = -(-end // BLOCK) * BLOCK
+        try:
+            if lo == offset and hi == end and address_of(view) % BLOCK == 0:
+                _pread_all(self.direct_fd, view, offset, self.path, raw=True)
+            else:
+                buffers, io = self._pipeline()
+                starts = list(range(lo, hi, CHUNK))
+
+                def fetch(i: int) -> Future:
+                    want = min(CHUNK, hi - starts[i])
+                    return io.submit(os.preadv, self.direct_fd, [buffers[i % 2][:want]],
+                                     starts[i])
+
+                ahead = fetch(0)
+                for i, start in enumerate(starts):
+                    got = ahead.result()
+                    if i + 1 < len(starts):
+                        ahead = fetch(i + 1)  # the disk reads the next chunk while we copy
+                    want = min(CHUNK, hi - start)
+                    a, b = max(start, offset), min(start + got, end)
+                    if b < min(start + want, end):  # the size was checked: a shrinking file
+                        raise StorageIOError("file ends before the payload", path=self.path,
+                                             offset=offset, nbytes=len(view))
+                    view[a - offset : b - offset] = buffers[i % 2][a - start : b - start]
+        except OSError as exc:
+            if isinstance(exc, StorageIOError) or exc.errno != errno_.EINVAL:
+                raise
+            self._fall_back(f"the filesystem refused an O_DIRECT read ({exc.strerror})")
+            return super().read_into(view, offset)
+        self.direct_nbytes += len(view)
+
+    def close(self) -> None:
+        if self.direct_fd >= 0:
+            os.close(self.direct_fd)
+            self.direct_fd = -1
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
+        if self._bounce is not None:
+            for buf in self._bounce:
+                buf.release()
+            self._bounce = None
+        super().close()
+
+
+@contextmanager
+def _as_storage_error(path: str, offset: int, nbytes: int, what: str) -> Iterator[None]:
+    """cuFile and kvikio report I/O errors as RuntimeError: say which file and bytes."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise StorageIOError(f"{what} failed: {exc}", path=path, offset=offset,
+                             nbytes=nbytes) from exc
+
+
+def _check_inside(fd: int, offset: int, nbytes: int, path: str) -> None:
+    size = os.fstat(fd).st_size
+    if offset < 0 or offset + nbytes > size:
+        raise StorageIOError(f"read past the end of the file ({size} bytes)", path=path,
+                             offset=offset, nbytes=nbytes)
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int, path: str, *, raw: bool = False) -> None:
+    done = 0
+    while done < len(view):
+        try:
+            n = os.pwrite(fd, view[done:], offset + done)
+        except OSError as exc:
+            if raw:
+                raise
+            raise StorageIOError(f"write failed: {exc.strerror}", path=path,
+                                 offset=offset + done, nbytes=len(view) - done,
+                                 errno=exc.errno) from None
+        if n == 0:
+            raise StorageIOError("write made no progress", path=path, offset=offset + done,
+                                 nbytes=len(view) - done)
+        done += n
+
+
+def _pread_all(fd: int, view: memoryview, offset: int, path: str, *, raw: bool = False) -> None:
+    done = 0
+    while done < len(view):
+        try:
+            n = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as exc:
+            if raw:
+                raise
+            raise StorageIOError(f"read failed: {exc.strerror}", path=path,
+                                 offset=offset + done, nbytes=len(view) - done,
+                                 errno=exc.errno) from None
+        if n == 0:
+            raise StorageIOError("file ends before the payload", path=path,
+                                 offset=offset + done, nbytes=len(view) - done)
+        done += n
+
+
+# -- GPU backends (need CUDA; exercised by the `gpu` tests) ------------------------------------
+def torch_gds_status() -> tuple[bool, str]:
+    """Whether torch.cuda.gds can run here, and why not.
+
+    On CPU builds ``torch._C._gds_*`` exist but are Python stubs that raise, so ``hasattr`` is
+    no detection: the real ones are C functions.
+    """
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return False, "torch is not installed"
+    fn = getattr(torch._C, "_gds_register_handle", None)
+    if fn is None or not type(fn).__name__.startswith("builtin"):
+        return False, "this torch build has no cuFile bindings (torch._C._gds_* are stubs)"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    return True, "torch.cuda.gds bindings and a CUDA device"
+
+
+def kvikio_status() -> tuple[bool, str]:
+    """Whether kvikio can run here (installed and a CUDA device present)."""
+    try:
+        import kvikio  # noqa: F401
+    except Exception as exc:  # kvikio raises more than ImportError without libcuda
+        return False, f"kvikio is not importable ({type(exc).__name__}: {exc})"
+    import torch
+
+    if not torch.cuda.is_available():
+        return False, "kvikio is installed but there is no CUDA device"
+    return True, "kvikio and a CUDA device"
+
+
+class TorchGdsBackend:
+    """torch.cuda.gds.GdsFile (cuFile). CUDA storages only; cuFile is synchronous and not
+    stream-ordered, so the device is synchronized before each call."""
+
+    name = "torch"
+
+    def __init__(self, path: str, flags: int, *, reason: str = "requested") -> None:
+        ok, why = torch_gds_status()
+        if not ok:
+            raise BackendUnavailableError(f"backend 'torch' cannot run: {why}")
+        import torch
+
+        self.path, self.reason = path, reason
+        self._torch = torch
+        # GdsFile opens with O_DIRECT; register_handle fails without the cuFile driver
+        self.file = torch.cuda.gds.GdsFile(path, flags)
+        self.io_path = GDS if os.path.exists("/proc/driver/nvidia-fs") else COMPAT
+        self.direct_nbytes = 0
+        self.buffered_nbytes = 0
+
+    def save_storage(self, storage: Any, offset: int) -> None:
+        self._torch.cuda.synchronize()
+        with _as_storage_error(self.path, offset, storage.nbytes(), "cuFileWrite"):
+            self.file.save_storage(storage, offset)
+        self.direct_nbytes += storage.nbytes()
+
+    def load_storage(self, storage: Any, offset: int) -> None:
+        _check_inside(self.file.fd, offset, storage.nbytes(), self.path)  # cuFile reads short
+        self._torch.cuda.synchronize()
+        with _as_storage_error(self.path, offset, storage.nbytes(), "cuFileRead"):
+            self.file.load_storage(storage, offset)
+        self.direct_nbytes += storage.nbytes()
+
+    def fsync(self) -> None:
+        os.fsync(self.file.fd)
+
+    def close(self) -> None:
+        if getattr(self, "file", None) is not None:
+            if self.file.handle is not None:
+                self.file.deregister_handle()
+            os.close(self.file.fd)
+            self.file.fd = os.open(os.devnull, os.O_RDONLY)  # GdsFile.__del__ closes it again
+            self.file = None
+
+
+def _kvikio_compat(kvikio: Any, file: Any) -> bool:
+    """Whether kvikio will use its POSIX compat mode for this file (versions differ)."""
+    preferred = getattr(file, "is_compat_mode_preferred", None)
+    if callable(preferred):
+        return bool(preferred())
+    defaults = kvikio.defaults
+    if hasattr(defaults, "is_compat_mode_preferred"):
+        return bool(defaults.is_compat_mode_preferred())
+    getter = getattr(defaults, "get", None)
+    mode = getter("compat_mode") if callable(getter) else getattr(defaults, "compat_mode", None)
+    mode = mode() if callable(mode) else mode
+    name = getattr(mode, "name", str(mode)).upper()
+    return name not in ("OFF", "FALSE", "0")  # ON, or AUTO without a way to ask: say compat
+
+
+class KvikioBackend:
+    """kvikio.CuFile: cuFile with its own compat mode (POSIX underneath when GDS is absent)."""
+
+    name = "kvikio"
+
+    def __init__(self, path: str, flags: int, *, reason: str = "requested") -> None:
+        ok, why = kvikio_status()
+        if not ok:
+            raise BackendUnavailableError(f"backend 'kvikio' cannot run: {why}")
+        import kvikio
+        import kvikio.defaults
+
+        self.path, self.reason = path, reason
+        if flags & os.O_CREAT or flags & os.O_TRUNC:  # create / truncate as os.open would
+            os.close(os.open(path, flags & (os.O_CREAT | os.O_TRUNC | os.O_EXCL) | os.O_WRONLY,
+                             0o644))
+        self.file = kvikio.CuFile(path, "r" if flags & os.O_ACCMODE == os.O_RDONLY else "r+")
+        self.io_path = COMPAT if _kvikio_compat(kvikio, self.file) else GDS
+        self.direct_nbytes = 0
+        self.buffered_nbytes = 0
+
+    def _tensor(self, storage: Any) -> Any:
+        import torch
+
+        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
+            storage, 0, (storage.nbytes(),), (1,))
+
+    def save_storage(self, storage: Any, offset: int) -> None:
+        buf = self._tensor(storage)
+        with _as_storage_error(self.path, offset, buf.numel(), "kvikio pwrite"):
+            self.file.pwrite(buf, buf.numel(), offset).get()
+        self.direct_nbytes += buf.numel()
+
+    def load_storage(self, storage: Any, offset: int) -> None:
+        buf = self._tensor(storage)
+        with _as_storage_error(self.path, offset, buf.numel(), "kvikio pread"):
+            got = self.file.pread(buf, buf.numel(), offset).get()
+        if got != buf.numel():
+            raise StorageIOError("file ends before the payload", path=self.path, offset=offset,
+                                 nbytes=buf.numel())
+        self.direct_nbytes += buf.numel()
+
+    def fsync(self) -> None:
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        if getattr(self, "file", None) is not None:
+            self.file.close()
+            self.file = None

@@ -1,0 +1,53 @@
+"""Byte views of storages and page-aligned host buffers, without copies where possible."""
+
+from __future__ import annotations
+
+import mmap
+from typing import Any
+
+import numpy as np
+
+from ckptlab.errors import InvalidArgumentError
+
+
+def aligned_buffer(nbytes: int) -> memoryview:
+    """A writable, zero-filled host buffer whose address is page aligned (anonymous mmap).
+
+    ``torch.empty`` buffers are only 64-byte aligned, which O_DIRECT refuses (EINVAL).
+    """
+    if nbytes <= 0:
+        raise InvalidArgumentError(f"buffer size must be positive, got {nbytes}")
+    return memoryview(mmap.mmap(-1, nbytes))
+
+
+def address_of(view: memoryview) -> int:
+    """The address of the first byte of a contiguous memoryview (read-only ones too)."""
+    if view.nbytes == 0:
+        return 0
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def storage_view(storage: Any) -> memoryview:
+    """A writable byte view of a CPU ``torch.UntypedStorage`` (shares its memory).
+
+    Raises
+    ------
+    InvalidArgumentError
+        For a storage that is not on the CPU (copy it to the host first).
+    """
+    import torch
+
+    if not isinstance(storage, torch.UntypedStorage):
+        if hasattr(storage, "untyped") and callable(storage.untyped):
+            storage = storage.untyped()
+        else:
+            raise InvalidArgumentError(
+                f"expected a torch.UntypedStorage, got {type(storage).__name__}")
+    if storage.device.type != "cpu":
+        raise InvalidArgumentError(
+            f"a byte view needs a CPU storage, got one on {storage.device}")
+    nbytes = storage.nbytes()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
+    return memoryview(flat.numpy()).cast("B")
