@@ -54,6 +54,7 @@ lint: setup
 bench: setup chromium
 	$(BIN)/python benchmarks/offsets.py
 	$(BIN)/python benchmarks/bytemap.py --browser
+	$(BIN)/python benchmarks/gds.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

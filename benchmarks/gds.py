@@ -6,11 +6,13 @@ Run from the repository root::
                                        [--dir bench-out/gds] [--json out.json]
 
 One run builds a state dict of ``--size-mb`` MiB of float32 tensors (``--tensor-mb`` each,
-seeded random values) and measures, all on the same disk (``--dir``), each row the median
-of ``--repeat`` runs with the file deleted in between:
+seeded random values) and measures, all on the same disk (``--dir``), in ``--repeat``
+interleaved rounds (every row once per round; files deleted in between); the table shows the
+median, best and worst:
 
-- raw disk: write the same number of bytes from a page-aligned buffer with O_DIRECT in 32 MiB
-  requests, then fsync; read them back with O_DIRECT (the limit for everything else);
+- raw disk: the same bytes (staged untimed in one page-aligned buffer: incompressible, as the
+  checkpoint's) written with O_DIRECT in 32 MiB requests, then fsync, and read back with
+  O_DIRECT (the limit for everything else);
 - ``torch.save`` + fsync at alignment 64 with CRC (torch's default) and at 4096 without CRC;
 - ``ckptlab.gds.save`` with each host backend (``odirect``, ``posix``; fsync included), and
   ``odirect`` with ``fix_crc=True``;
@@ -70,17 +72,28 @@ def drop_cache(path: Path) -> None:
         os.close(fd)
 
 
-def raw_write(path: Path, nbytes: int) -> float:
-    buf = aligned_buffer(CHUNK)
-    buf[:] = os.urandom(1024) * (CHUNK // 1024)
+def staged_payload(sd: dict[str, torch.Tensor]) -> memoryview:
+    """The state dict's bytes, back to back in one page-aligned buffer (staged untimed), so
+    the raw disk row writes the same incompressible data as the checkpoint writers."""
+    nbytes = sum(t.nbytes for t in sd.values())
+    buf = aligned_buffer(-(-nbytes // 4096) * 4096)
+    at = 0
+    for t in sd.values():
+        buf[at : at + t.nbytes] = memoryview(t.numpy()).cast("B")
+        at += t.nbytes
+    return buf
+
+
+def raw_write(path: Path, payload: memoryview) -> float:
+    """O_DIRECT writes of ``payload`` in 32 MiB requests, then fsync."""
     t = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     try:
-        done = 0
-        while done < nbytes:
-            n = min(CHUNK, nbytes - done)
-            n -= n % 4096
-            done += os.pwrite(fd, buf[: n or 4096], done)
+        for start in range(0, len(payload), CHUNK):
+            part = payload[start : start + CHUNK]
+            done = 0
+            while done < len(part):
+                done += os.pwrite(fd, part[done:], start + done)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -118,19 +131,23 @@ def equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k].cpu(), b[k].cpu()) for k in a)
 
 
-def median_of(repeat: int, setup: Callable[[], Any], run: Callable[[Any], float]) -> float:
-    times = []
+Row = tuple[str, Callable[[], Any], Callable[[Any], float]]  # label, setup, timed run
+
+
+def run_rounds(rows: list[Row], repeat: int) -> dict[str, list[float]]:
+    """Every row once per round, ``repeat`` rounds: a noisy disk hits all rows alike."""
+    times: dict[str, list[float]] = {label: [] for label, _, _ in rows}
     for _ in range(repeat):
-        state = setup()
-        times.append(run(state))
-    return statistics.median(times)
+        for label, setup, run in rows:
+            times[label].append(run(setup()))
+    return times
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size-mb", type=int, default=1024)
     ap.add_argument("--tensor-mb", type=int, default=32)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--dir", type=Path, default=REPO / "bench-out" / "gds")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -138,102 +155,121 @@ def main() -> int:
     sd = state_dict(args.size_mb, args.tensor_mb)
     nbytes = sum(t.nbytes for t in sd.values())
     free = shutil.disk_usage(args.dir).free
-    if free < 3 * nbytes:
-        print(f"need {3 * nbytes / 1e9:.1f} GB free in {args.dir}, have {free / 1e9:.1f} GB")
+    if free < 5 * nbytes:
+        print(f"need {5 * nbytes / 1e9:.1f} GB free in {args.dir}, have {free / 1e9:.1f} GB")
         return 1
     fs, mount = filesystem_of(args.dir)
     print(f"python {platform.python_version()} · torch {torch.__version__} · ckptlab "
           f"{ckptlab.__version__} · {os.cpu_count()} cpus · load {os.getloadavg()[0]:.2f} · "
-          f"{fs} on {mount} · payload {nbytes / 2**20:.0f} MiB in {len(sd)} tensors")
+          f"{fs} on {mount} · payload {nbytes / 2**20:.0f} MiB in {len(sd)} tensors · "
+          f"{args.repeat} interleaved rounds")
     for status in gds.backend_status():
         print(f"  backend {status.name:8} {'yes' if status.available else 'no ':3} "
               f"{status.reason}")
-    path = args.dir / "bench.pt"
-    rows: dict[str, float] = {}
+    out = args.dir / "bench.pt"
+    raw = args.dir / "raw.bin"
+    payload = staged_payload(sd)
 
     def clean() -> None:
-        if path.exists():
-            path.unlink()
+        for f in (out, raw):
+            if f.exists():
+                f.unlink()
 
-    rows["raw O_DIRECT write"] = median_of(args.repeat, clean, lambda _: raw_write(path, nbytes))
-    rows["raw O_DIRECT read"] = median_of(args.repeat, lambda: drop_cache(path),
-                                          lambda _: raw_read(path))
-    for label, alignment, crc in (("torch.save (64, crc)", 64, True),
-                                  ("torch.save (4096, no crc)", 4096, False)):
-        rows[label] = median_of(args.repeat, clean, lambda _, a=alignment, c=crc:
-                                torch_save(sd, path, a, c))
-        assert equal(sd, torch.load(path, weights_only=True)), label
-        drop_cache(path)
-        tag = "64" if alignment == 64 else "4096"
-        shutil.copyfile(path, args.dir / f"torch-{tag}.pt")
-        drop_cache(args.dir / f"torch-{tag}.pt")
     backends = [s.name for s in gds.backend_status() if s.available and s.name in
                 ("odirect", "posix")]
-    paths_taken = {}
-    for backend in backends:
-        label = f"ckptlab.gds.save ({backend})"
+    paths_taken: dict[str, str] = {}
 
-        def run(_: Any, b: str = backend) -> float:
-            report = gds.save(sd, path, backend=b)
-            paths_taken[b] = report.io_path
+    def gds_save(backend: str, fix_crc: bool = False) -> Callable[[Any], float]:
+        def run(_: Any) -> float:
+            report = gds.save(sd, out, backend=backend, fix_crc=fix_crc)
+            paths_taken[backend] = report.io_path
             return report.seconds
+        return run
 
-        rows[label] = median_of(args.repeat, clean, run)
-        assert equal(sd, torch.load(path, weights_only=True)), label
-    rows["ckptlab.gds.save (odirect, fix_crc)"] = median_of(
-        args.repeat, clean, lambda _: gds.save(sd, path, backend="odirect", fix_crc=True).seconds)
-    gds_file = args.dir / "gds.pt"
-    shutil.copyfile(path, gds_file)
-    for tag in ("64", "4096"):
-        f = args.dir / f"torch-{tag}.pt"
+    saves: list[Row] = [
+        ("raw O_DIRECT write", clean, lambda _: raw_write(raw, payload)),
+        ("torch.save (64, crc)", clean, lambda _: torch_save(sd, out, 64, True)),
+        ("torch.save (4096, no crc)", clean, lambda _: torch_save(sd, out, 4096, False)),
+        *[(f"ckptlab.gds.save ({b})", clean, gds_save(b)) for b in backends],
+        ("ckptlab.gds.save (odirect, fix_crc)", clean, gds_save("odirect", True)),
+    ]
+    times = run_rounds(saves, args.repeat)
+    # every writer's output loads with plain torch.load and equals the state dict
+    for label, setup, run in saves[1:]:
+        setup()
+        run(None)
+        assert equal(sd, torch.load(out, weights_only=True)), label
+    clean()
+    files = {}
+    for tag, alignment, crc in (("64", 64, True), ("4096", 4096, False)):
+        files[tag] = args.dir / f"torch-{tag}.pt"
+        torch_save(sd, files[tag], alignment, crc)
+    files["gds"] = args.dir / "gds.pt"
+    gds.save(sd, files["gds"], fix_crc=True)
+    raw_write(raw, payload)
 
-        def load_torch(_: Any, f: Path = f) -> float:
+    def load_torch(f: Path) -> Callable[[Any], float]:
+        def run(_: Any) -> float:
             t = time.perf_counter()
-            out = torch.load(f, weights_only=True)
+            obj = torch.load(f, weights_only=True)
             elapsed = time.perf_counter() - t
-            assert equal(sd, out)
+            assert equal(sd, obj)
             return elapsed
+        return run
 
-        rows[f"torch.load ({tag})"] = median_of(args.repeat, lambda f=f: drop_cache(f),
-                                                load_torch)
-    for backend in backends:
-        def load_gds(_: Any, b: str = backend) -> float:
-            obj, report = gds.load(gds_file, "cpu", backend=b)
+    def load_gds(backend: str) -> Callable[[Any], float]:
+        def run(_: Any) -> float:
+            obj, report = gds.load(files["gds"], "cpu", backend=backend)
             assert equal(sd, obj)
             return report.seconds
+        return run
 
-        rows[f"ckptlab.gds.load ({backend})"] = median_of(
-            args.repeat, lambda: drop_cache(gds_file), load_gds)
-    gpu_rows = gpu_benchmark(sd, args) if torch.cuda.is_available() else {}
-    rows.update(gpu_rows)
+    loads: list[Row] = [
+        ("raw O_DIRECT read", lambda: drop_cache(raw), lambda _: raw_read(raw)),
+        ("torch.load (64)", lambda: drop_cache(files["64"]), load_torch(files["64"])),
+        ("torch.load (4096)", lambda: drop_cache(files["4096"]), load_torch(files["4096"])),
+        *[(f"ckptlab.gds.load ({b})", lambda: drop_cache(files["gds"]), load_gds(b))
+          for b in backends],
+    ]
+    times.update(run_rounds(loads, args.repeat))
+    if torch.cuda.is_available():
+        times.update(gpu_benchmark(sd, args))
+    rows = {k: statistics.median(v) for k, v in times.items()}
 
-    print(f"\n{'row':40} {'seconds':>8} {'GB/s':>7}")
+    print(f"\n{'row':40} {'median s':>9} {'GB/s':>6} {'best GB/s':>9} {'worst GB/s':>10}")
     for label, seconds in rows.items():
-        print(f"{label:40} {seconds:>8.3f} {nbytes / seconds / 1e9:>7.2f}")
+        ts = times[label]
+        print(f"{label:40} {seconds:>9.3f} {nbytes / seconds / 1e9:>6.2f} "
+              f"{nbytes / min(ts) / 1e9:>9.2f} {nbytes / max(ts) / 1e9:>10.2f}")
     gbps = {k: nbytes / v / 1e9 for k, v in rows.items()}
-    save_best = max(v for k, v in gbps.items() if k.startswith("ckptlab.gds.save (odirect)"))
-    vs_torch = save_best / gbps["torch.save (64, crc)"]
-    vs_raw = save_best / gbps["raw O_DIRECT write"]
-    load_best = gbps.get("ckptlab.gds.load (odirect)", 0.0)
+    save = gbps["ckptlab.gds.save (odirect)"]
+    vs_torch = save / gbps["torch.save (64, crc)"]
+    vs_raw = save / gbps["raw O_DIRECT write"]
+    load = gbps.get("ckptlab.gds.load (odirect)", 0.0)
     print(f"\nckptlab.gds.save (odirect, {paths_taken.get('odirect')}): {vs_torch:.2f}x "
           f"torch.save default (target >= 2x: {'met' if vs_torch >= 2 else 'MISSED'}), "
           f"{100 * vs_raw:.0f}% of raw O_DIRECT write (target >= 80%: "
           f"{'met' if vs_raw >= 0.8 else 'MISSED'})")
-    print(f"ckptlab.gds.load (odirect): {load_best / gbps['torch.load (64)']:.2f}x torch.load "
-          f"default, {100 * load_best / gbps['raw O_DIRECT read']:.0f}% of raw O_DIRECT read")
-    if not gpu_rows:
+    print(f"ckptlab.gds.load (odirect): {load / gbps['torch.load (64)']:.2f}x torch.load "
+          f"default, {100 * load / gbps['raw O_DIRECT read']:.0f}% of raw O_DIRECT read")
+    if not torch.cuda.is_available():
         print("no CUDA device: GPU rows not run")
     if args.json:
-        args.json.write_text(json.dumps({"nbytes": nbytes, "seconds": rows, "gbps": gbps,
+        args.json.write_text(json.dumps({"nbytes": nbytes, "seconds": times, "gbps": gbps,
                                          "load": os.getloadavg(), "fs": fs}, indent=1))
-    for f in args.dir.glob("*.pt"):
+    for f in args.dir.glob("*"):
         f.unlink()
     return 0
 
 
-def gpu_benchmark(sd: dict, args: argparse.Namespace) -> dict[str, float]:
+def run_rounds_one(repeat: int, setup: Callable[[], Any],
+                   run: Callable[[Any], float]) -> list[float]:
+    return [run(setup()) for _ in range(repeat)]
+
+
+def gpu_benchmark(sd: dict, args: argparse.Namespace) -> dict[str, list[float]]:
     """GPU rows: torch backend (cuFile) vs torch.save/torch.load of CUDA tensors."""
-    rows: dict[str, float] = {}
+    rows: dict[str, list[float]] = {}
     ok = next(s for s in gds.backend_status() if s.name == "torch")
     cuda_sd = {k: v.cuda() for k, v in sd.items()}
     torch.cuda.synchronize()
@@ -243,7 +279,7 @@ def gpu_benchmark(sd: dict, args: argparse.Namespace) -> dict[str, float]:
         if path.exists():
             path.unlink()
 
-    rows["GPU torch.save (64, crc)"] = median_of(
+    rows["GPU torch.save (64, crc)"] = run_rounds_one(
         args.repeat, clean, lambda _: torch_save(cuda_sd, path, 64, True))
     drop_cache(path)
 
@@ -255,11 +291,11 @@ def gpu_benchmark(sd: dict, args: argparse.Namespace) -> dict[str, float]:
         assert equal(sd, out)
         return elapsed
 
-    rows["GPU torch.load (64)"] = median_of(args.repeat, lambda: drop_cache(path), load_torch)
+    rows["GPU torch.load (64)"] = run_rounds_one(args.repeat, lambda: drop_cache(path), load_torch)
     if not ok.available:
         print(f"GPU: torch backend unavailable ({ok.reason}); only the torch rows ran")
         return rows
-    rows["GPU ckptlab.gds.save (torch)"] = median_of(
+    rows["GPU ckptlab.gds.save (torch)"] = run_rounds_one(
         args.repeat, clean, lambda _: gds.save(cuda_sd, path, backend="torch").seconds)
     assert equal(sd, torch.load(path, weights_only=True))
 
@@ -268,7 +304,7 @@ def gpu_benchmark(sd: dict, args: argparse.Namespace) -> dict[str, float]:
         assert equal(sd, obj)
         return report.seconds
 
-    rows["GPU ckptlab.gds.load (torch)"] = median_of(args.repeat, lambda: drop_cache(path),
+    rows["GPU ckptlab.gds.load (torch)"] = run_rounds_one(args.repeat, lambda: drop_cache(path),
                                                      load_gds)
     from torch.cuda.gds import gds_deregister_buffer, gds_register_buffer
 
@@ -276,7 +312,7 @@ def gpu_benchmark(sd: dict, args: argparse.Namespace) -> dict[str, float]:
     for s in storages:
         gds_register_buffer(s)
     try:
-        rows["GPU ckptlab.gds.save (torch, registered)"] = median_of(
+        rows["GPU ckptlab.gds.save (torch, registered)"] = run_rounds_one(
             args.repeat, clean, lambda _: gds.save(cuda_sd, path, backend="torch").seconds)
     finally:
         for s in storages:

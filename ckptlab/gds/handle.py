@@ -151,15 +151,19 @@ class GdsHandle:
         staged = torch.frombuffer(host, dtype=torch.uint8) if nbytes else torch.empty(0)
         storage.copy_(staged.untyped_storage())
 
-    def write_bytes(self, data: bytes | bytearray | memoryview, offset: int) -> None:
+    def write_bytes(self, data: Any, offset: int) -> None:
         """Write raw bytes at ``offset`` (host backends only; for tests and patch-ups)."""
         impl = self._open_impl()
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise InvalidArgumentError(f"data must be bytes-like, got {type(data).__name__}")
+        try:
+            view = memoryview(data).cast("B")
+        except TypeError:
+            raise InvalidArgumentError(
+                f"data must support the buffer protocol (bytes, bytearray, mmap, numpy, ...), "
+                f"got {type(data).__name__}") from None
         _check_offset(offset)
         if not hasattr(impl, "write"):
             raise InvalidArgumentError(f"backend {self.backend!r} writes storages only")
-        impl.write(memoryview(data).cast("B"), offset)
+        impl.write(view, offset)
 
     def read_bytes(self, offset: int, nbytes: int) -> bytes:
         """Read ``nbytes`` raw bytes at ``offset`` (host backends only)."""

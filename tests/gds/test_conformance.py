@@ -699,8 +699,8 @@ class TestODirectFallback:
             assert "refused an O_DIRECT write" in h.reason
             assert (h.direct_nbytes, h.buffered_nbytes) == (0, total)
         # no O_DIRECT write is tried after the fallback (the bounce pipeline may have had
-        # its second buffer in flight when the first one failed)
-        assert 1 <= len(failures) <= 2
+        # every buffer of its ring in flight when the first one failed)
+        assert 1 <= len(failures) <= _backends.DEPTH
         assert_same_bytes((tmp_path / "f.bin").read_bytes(), want)
 
     def test_fallback_after_einval_leaks_no_descriptor(self, tmp_path: Path,
@@ -730,7 +730,7 @@ class TestODirectFallback:
             assert storage_bytes(dest) == data[offset:offset + nbytes]
             assert h.io_path == "POSIX" and "refused an O_DIRECT read" in h.reason
             assert h.read_bytes(3, BLOCK) == data[3:BLOCK + 3]
-        assert 1 <= len(failures) <= 2  # the read-ahead may have been in flight
+        assert 1 <= len(failures) <= _backends.DEPTH  # the read-ahead may have been in flight
 
     def test_other_errors_are_reported_not_hidden(self, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
