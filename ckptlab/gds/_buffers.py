@@ -51,3 +51,32 @@ def storage_view(storage: Any) -> memoryview:
         return memoryview(bytearray())
     flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
     return memoryview(flat.numpy()).cast("B")
+
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+
+
+def populate(storage: Any) -> bool:
+    """Fault in a CPU storage's pages ahead of use (``madvise(MADV_POPULATE_WRITE)``).
+
+    Fresh ``torch.empty`` memory is faulted page by page on first write, which costs as much
+    as the disk read on some machines; doing it on another thread while the disk works takes
+    it off the critical path. Returns False where the kernel cannot (the copy then faults the
+    pages itself, as it would anyway).
+    """
+    import ctypes
+
+    nbytes = storage.nbytes()
+    if storage.device.type != "cpu" or nbytes < (1 << 20):
+        return False
+    start = -(-storage.data_ptr() // 4096) * 4096
+    end = (storage.data_ptr() + nbytes) // 4096 * 4096
+    if end <= start:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise(start, end - start, _MADV_POPULATE_WRITE) == 0

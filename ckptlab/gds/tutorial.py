@@ -16,6 +16,7 @@ import struct
 import time
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +25,7 @@ from ckptlab.errors import CorruptArchiveError
 from ckptlab.format._source import ByteSource
 from ckptlab.format.archive import archive_prefix, read_central_directory
 from ckptlab.format.offsets import storage_offsets
-from ckptlab.gds._buffers import storage_view
+from ckptlab.gds._buffers import populate, storage_view
 from ckptlab.gds.handle import open as gds_open
 
 __all__ = ["GDS_ALIGNMENT", "TransferReport", "load", "save", "storages_in_save_order"]
@@ -251,7 +252,10 @@ def load(path: str | os.PathLike[str], device: Any = "cpu", *, backend: str = "a
     pairs = _match(path, storages_in_save_order(obj), offsets, entries, prefix)
     phases["offsets"] = time.perf_counter() - t
     t = time.perf_counter()
-    with gds_open(path, os.O_RDONLY, backend=backend) as handle:
+    # fault in the fresh host storages on another thread, ahead of the reads that fill them
+    with ThreadPoolExecutor(1, thread_name_prefix="ckptlab-populate") as pool, \
+            gds_open(path, os.O_RDONLY, backend=backend) as handle:
+        pool.map(populate, [s for _, s, _ in pairs])
         for _, storage, offset in pairs:
             handle.load_storage(storage, offset)
         phases["read"] = time.perf_counter() - t
