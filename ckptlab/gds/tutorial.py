@@ -109,6 +109,13 @@ def _records(path: str) -> tuple[str, dict[str, Any]]:
     return prefix, {e.name: e for e in entries}
 
 
+def _plan(path: str, obj: Any) -> tuple[list[tuple[str, Any, int]], dict[str, Any], str]:
+    """Each non-empty storage of ``obj`` with its data offset in the file at ``path``."""
+    offsets = storage_offsets(path).offsets
+    prefix, entries = _records(path)
+    return _match(path, storages_in_save_order(obj), offsets, entries, prefix), entries, prefix
+
+
 def _match(path: str, storages: list[Any], offsets: dict[str, int],
            entries: dict[str, Any], prefix: str) -> list[tuple[str, Any, int]]:
     """(key, storage, data offset) for every non-empty storage, checked against its record.
@@ -175,9 +182,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, backend: str = "auto",
         torch.save(obj, path)
     phases["skeleton"] = time.perf_counter() - t
     t = time.perf_counter()
-    offsets = storage_offsets(path).offsets
-    prefix, entries = _records(path)
-    pairs = _match(path, storages_in_save_order(obj), offsets, entries, prefix)
+    pairs, entries, prefix = _plan(path, obj)
     phases["offsets"] = time.perf_counter() - t
     t = time.perf_counter()
     with gds_open(path, os.O_RDWR, backend=backend) as handle:
@@ -247,9 +252,7 @@ def load(path: str | os.PathLike[str], device: Any = "cpu", *, backend: str = "a
         obj = torch.load(path, map_location=device, weights_only=weights_only)
     phases["skeleton"] = time.perf_counter() - t
     t = time.perf_counter()
-    offsets = storage_offsets(path).offsets
-    prefix, entries = _records(path)
-    pairs = _match(path, storages_in_save_order(obj), offsets, entries, prefix)
+    pairs, entries, prefix = _plan(path, obj)
     phases["offsets"] = time.perf_counter() - t
     t = time.perf_counter()
     # fault in the fresh host storages on another thread, ahead of the reads that fill them
