@@ -252,7 +252,7 @@ def load(path: str | os.PathLike[str], device: Any = "cpu", *, backend: str = "a
         obj = torch.load(path, map_location=device, weights_only=weights_only)
     phases["skeleton"] = time.perf_counter() - t
     t = time.perf_counter()
-    pairs, entries, prefix = _plan(path, obj)
+    pairs, _, _ = _plan(path, obj)
     phases["offsets"] = time.perf_counter() - t
     t = time.perf_counter()
     # fault in the fresh host storages on another thread, ahead of the reads that fill them
