@@ -4,6 +4,7 @@ The public API is what ``__all__`` lists; everything else is private.
 """
 
 from ckptlab import errors, samples
+from ckptlab._inspect import inspect
 from ckptlab.errors import (
     ArchiveError,
     CkptlabError,
@@ -23,7 +24,6 @@ from ckptlab.format import (
     TensorInfo,
     alignment_costs,
     archive_name_for,
-    inspect,
     predict_layout,
     realign,
     storage_offsets,
@@ -52,6 +52,7 @@ __all__ = [
     "errors",
     "gds",
     "inspect",
+    "plan",
     "predict_layout",
     "realign",
     "samples",
@@ -61,7 +62,7 @@ __all__ = [
 ]
 
 # imported on first use: viz and widgets need the [widgets] extra, gds imports torch
-_LAZY_MODULES = ("gds", "viz", "widgets")
+_LAZY_MODULES = ("gds", "plan", "viz", "widgets")
 
 
 def __getattr__(name: str) -> object:

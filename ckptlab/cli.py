@@ -12,8 +12,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ckptlab._inspect import inspect
 from ckptlab.errors import CkptlabError
-from ckptlab.format import ArchiveLayout, inspect, storage_offsets
+from ckptlab.format import ArchiveLayout, storage_offsets
+from ckptlab.plan.metadata import DcpLayout
 
 __all__ = ["main"]
 
@@ -61,10 +63,26 @@ def render_layout(layout: ArchiveLayout) -> str:
     return "\n".join(out)
 
 
+def render_dcp(layout: DcpLayout) -> str:
+    """Readable summary of a DCP directory: files, then one row per item."""
+    out = [f"{layout.path}: DCP checkpoint, {layout.file_nbytes:,} bytes in "
+           f"{len(layout.files)} data files + .metadata ({layout.metadata_nbytes:,} B), "
+           f"{len(layout.items)} items, {len(layout.tensors)} tensors"]
+    out.append(_table([(name, n) for name, n in layout.files], ("file", "bytes"), {1}))
+    rows = [(i.fqn, i.kind, "x".join(map(str, i.chunk_sizes)) or "-",
+             ",".join(map(str, i.chunk_offsets)) or "-", i.file, i.offset, i.nbytes,
+             "-" if i.data_offset is None else i.data_offset,
+             "-" if i.data_alignment is None else i.data_alignment) for i in layout.items]
+    out.append(_table(rows, ("fqn", "kind", "chunk", "at", "file", "offset", "nbytes",
+                             "data offset", "aligned"), {5, 6, 7, 8}))
+    return "\n".join(out)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ckptlab", description="See inside PyTorch checkpoints.")
     sub = p.add_subparsers(dest="verb", required=True)
-    ins = sub.add_parser("inspect", help="layout of a torch.save archive or .safetensors file")
+    ins = sub.add_parser("inspect", help="layout of a torch.save archive, .safetensors file or "
+                                         "DCP checkpoint directory")
     ins.add_argument("path", nargs="?", help="checkpoint file (default: the embedded sample)")
     ins.add_argument("--json", action="store_true", help="print one JSON object")
     off = sub.add_parser("offsets", help="storage data offsets, computed without random reads")
@@ -133,7 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.json:
                 print(json.dumps(layout.to_dict(), default=str))
             else:
-                print(render_layout(layout))
+                print(render_dcp(layout) if isinstance(layout, DcpLayout)
+                      else render_layout(layout))
         elif args.verb == "offsets":
             result = storage_offsets(args.path, scan=args.scan)
             if args.json:

@@ -8,7 +8,9 @@ import sys
 import ckptlab as cl
 
 UI_MODULES = ("ipywidgets", "panel", "plotly", "IPython", "anywidget", "bokeh")
-CORE = ("ckptlab", "ckptlab.format", "ckptlab.errors", "ckptlab.samples", "ckptlab.cli")
+CORE = ("ckptlab", "ckptlab.format", "ckptlab.errors", "ckptlab.samples", "ckptlab.cli",
+        "ckptlab.gds", "ckptlab.gds.handle", "ckptlab.gds.tutorial", "ckptlab.gds.readiness",
+        "ckptlab.gds._backends", "ckptlab.plan", "ckptlab.plan.metadata", "ckptlab.plan.ranks")
 
 
 def test_core_never_imports_ui_libraries():

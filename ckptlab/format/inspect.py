@@ -71,8 +71,9 @@ def inspect(source: str | os.PathLike[str] | BinaryIO | bytes) -> ArchiveLayout:
     TruncatedArchiveError, CorruptArchiveError
         The file is damaged (the message names the file, record and offset).
     UnsupportedFormatError
-        A legacy torch file, a TorchScript archive, a plain pickle, a DCP directory (not yet
-        supported) or an unknown format; the message says which.
+        A legacy torch file, a TorchScript archive, a plain pickle, a DCP directory (read
+        those with ``ckptlab.inspect``, which dispatches to :func:`ckptlab.plan.inspect_dcp`)
+        or an unknown format; the message says which.
 
     Notes
     -----
@@ -81,8 +82,8 @@ def inspect(source: str | os.PathLike[str] | BinaryIO | bytes) -> ArchiveLayout:
     """
     if isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
         if os.path.exists(os.path.join(source, ".metadata")):
-            raise UnsupportedFormatError("a torch.distributed.checkpoint directory; DCP "
-                                         "inspection is not available in this version",
+            raise UnsupportedFormatError("a torch.distributed.checkpoint directory: use "
+                                         "ckptlab.inspect or ckptlab.plan.inspect_dcp",
                                          path=source)
         raise ArchiveError("is a directory, not a checkpoint file", path=source)
     with ByteSource(source) as src:
