@@ -1,11 +1,12 @@
 """torch.distributed.checkpoint (DCP): real checkpoint directories read safely.
 
-Planning primitives, the plan cache, resharding and the N-rank simulation come next
-(issue 4); this package starts with the inspector.
+The inspector, real gloo ranks and resharding read items are here; the rest of planning (write
+items, plan cache, validation, the N-rank simulation) comes next (issue 4).
 """
 
 from ckptlab.plan.metadata import DcpItem, DcpLayout, inspect_dcp, is_dcp_dir, load_metadata
 from ckptlab.plan.ranks import RankError, run_ranks
+from ckptlab.plan.reshard import Chunk, ReadItem, read_items, sweep_dimension
 
-__all__ = ["DcpItem", "DcpLayout", "RankError", "inspect_dcp", "is_dcp_dir", "load_metadata",
-           "run_ranks"]
+__all__ = ["Chunk", "DcpItem", "DcpLayout", "RankError", "ReadItem", "inspect_dcp",
+           "is_dcp_dir", "load_metadata", "read_items", "run_ranks", "sweep_dimension"]
