@@ -379,3 +379,20 @@ def save_configs(*, alignment: st.SearchStrategy[int] | None = None,
                                   is not None else st.booleans()),
     )
 
+
+
+@st.composite
+def chunk_grids(draw: st.DrawFn, shape: Sequence[int], max_cuts: int = 4) -> list[Any]:
+    """A grid chunking of ``shape`` (``ckptlab.plan.Chunk`` boxes): random split points per
+    dimension, so shards are uneven, as DTensor / FSDP shardings can be."""
+    import itertools
+
+    from ckptlab.plan.reshard import Chunk
+
+    cuts = []
+    for n in shape:
+        points = draw(st.sets(st.integers(1, max(n - 1, 1)), max_size=min(max_cuts, n - 1))) \
+            if n > 1 else set()
+        cuts.append(list(itertools.pairwise([0, *sorted(points), n])))
+    return [Chunk(tuple(a for a, _ in box), tuple(b - a for a, b in box))
+            for box in itertools.product(*cuts)]

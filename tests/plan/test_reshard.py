@@ -3,8 +3,6 @@ copying by them rebuilds every wanted chunk bit for bit."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from hypothesis import given
@@ -18,25 +16,13 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from ckptlab.errors import InvalidArgumentError
 from ckptlab.plan.reshard import Chunk, read_items, sweep_dimension
-
-
-@st.composite
-def grids(draw, shape: tuple[int, ...]) -> list[Chunk]:
-    """A grid chunking of ``shape``: random split points per dimension (uneven shards)."""
-    cuts = []
-    for n in shape:
-        points = draw(st.sets(st.integers(1, max(n - 1, 1)), max_size=min(4, n - 1))) \
-            if n > 1 else set()
-        edges = [0, *sorted(points), n]
-        cuts.append(list(itertools.pairwise(edges)))
-    return [Chunk(tuple(a for a, _ in box), tuple(b - a for a, b in box))
-            for box in itertools.product(*cuts)]
+from ckptlab.testing.strategies import chunk_grids
 
 
 @st.composite
 def reshard_cases(draw):
     shape = tuple(draw(st.lists(st.integers(1, 9), min_size=1, max_size=3)))
-    return shape, draw(grids(shape)), draw(grids(shape))
+    return shape, draw(chunk_grids(shape)), draw(chunk_grids(shape))
 
 
 def _torch_items(fqn, shape, saved, wanted):
