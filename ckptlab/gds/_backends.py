@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ckptlab.errors import BackendUnavailableError, StorageIOError
-from ckptlab.gds._buffers import address_of, aligned_buffer
+from ckptlab.gds._buffers import address_of, aligned_buffer, byte_tensor
 
 BLOCK = 4096  # O_DIRECT granularity used here (ext4/xfs need 512 or 4096; 4096 covers both)
 CHUNK = 16 << 20  # one bounce buffer: large O_DIRECT requests, small enough to overlap copies
@@ -439,20 +439,14 @@ class KvikioBackend:
         self.direct_nbytes = 0
         self.buffered_nbytes = 0
 
-    def _tensor(self, storage: Any) -> Any:
-        import torch
-
-        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
-            storage, 0, (storage.nbytes(),), (1,))
-
     def save_storage(self, storage: Any, offset: int) -> None:
-        buf = self._tensor(storage)
+        buf = byte_tensor(storage)
         with _as_storage_error(self.path, offset, buf.numel(), "kvikio pwrite"):
             self.file.pwrite(buf, buf.numel(), offset).get()
         self.direct_nbytes += buf.numel()
 
     def load_storage(self, storage: Any, offset: int) -> None:
-        buf = self._tensor(storage)
+        buf = byte_tensor(storage)
         with _as_storage_error(self.path, offset, buf.numel(), "kvikio pread"):
             got = self.file.pread(buf, buf.numel(), offset).get()
         if got != buf.numel():

@@ -38,19 +38,25 @@ def storage_view(storage: Any) -> memoryview:
     import torch
 
     if not isinstance(storage, torch.UntypedStorage):
-        if hasattr(storage, "untyped") and callable(storage.untyped):
-            storage = storage.untyped()
+        if isinstance(storage, torch.TypedStorage):
+            storage = storage._untyped_storage  # .untyped() warns that TypedStorage is deprecated
         else:
             raise InvalidArgumentError(
                 f"expected a torch.UntypedStorage, got {type(storage).__name__}")
     if storage.device.type != "cpu":
         raise InvalidArgumentError(
             f"a byte view needs a CPU storage, got one on {storage.device}")
-    nbytes = storage.nbytes()
-    if nbytes == 0:
+    if storage.nbytes() == 0:
         return memoryview(bytearray())
-    flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
-    return memoryview(flat.numpy()).cast("B")
+    return memoryview(byte_tensor(storage).numpy()).cast("B")
+
+
+def byte_tensor(storage: Any) -> Any:
+    """A 1-D uint8 tensor over all of ``storage`` (any device), sharing its memory."""
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
+        storage, 0, (storage.nbytes(),), (1,))
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14

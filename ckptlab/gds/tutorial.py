@@ -15,9 +15,7 @@ import pickle
 import struct
 import time
 import zlib
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,18 +86,6 @@ def storages_in_save_order(obj: Any) -> list[Any]:
 
     _Order(_Discard(), protocol=2).dump(obj)
     return list(seen.values())
-
-
-@contextmanager
-def _storage_alignment(alignment: int) -> Iterator[None]:
-    from torch.utils.serialization import config
-
-    before = config.save.storage_alignment
-    config.save.storage_alignment = alignment
-    try:
-        yield
-    finally:
-        config.save.storage_alignment = before
 
 
 def _records(path: str) -> tuple[str, dict[str, Any]]:
@@ -178,7 +164,9 @@ def save(obj: Any, path: str | os.PathLike[str], *, backend: str = "auto",
     path = os.fspath(path)
     phases: dict[str, float] = {}
     t = time.perf_counter()
-    with _storage_alignment(alignment), torch.serialization.skip_data():
+    from torch.utils.serialization import config
+
+    with config.patch({"save.storage_alignment": alignment}), torch.serialization.skip_data():
         torch.save(obj, path)
     phases["skeleton"] = time.perf_counter() - t
     t = time.perf_counter()

@@ -12,6 +12,7 @@ boundaries.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right, insort
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,10 +31,7 @@ class Chunk:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.sizes:
-            n *= s
-        return n
+        return math.prod(self.sizes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +48,7 @@ class ReadItem:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.lengths:
-            n *= s
-        return n
+        return math.prod(self.lengths)
 
 
 def _check(chunks: Sequence[Chunk], what: str, ndim: int | None) -> int:

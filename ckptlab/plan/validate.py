@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right, insort
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,9 +63,7 @@ def validate_chunks(fqn: str, size: Sequence[int], chunks: Sequence[Chunk], *,
                     problems.append(ChunkProblem(fqn, "overlap", (min(i, j), max(i, j)),
                                                  f"chunks {min(i, j)} and {max(i, j)}"))
             insort(active, (c.offsets[d] + c.sizes[d], i))
-    tensor_volume = 1
-    for n in size:
-        tensor_volume *= n
+    tensor_volume = math.prod(size)
     if check_volume and volume != tensor_volume:
         problems.append(ChunkProblem(fqn, "volume", (),
                                      f"chunks hold {volume} elements, the tensor {tensor_volume}"))

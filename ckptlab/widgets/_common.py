@@ -43,6 +43,7 @@ def item_tensor_rows(layout: ArchiveLayout, record_name: str) -> list[list[Any]]
              t.storage_offset] for t in layout.tensors if t.storage_key in keys]
 
 
+HEX_NBYTES = 512  # bytes of a selected item shown in the hex view (its header and first data)
 MAX_LISTED = 1000  # an item list longer than this is a chore to scroll and slow to send
 
 

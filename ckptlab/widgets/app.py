@@ -23,6 +23,7 @@ from ckptlab.viz import (
 )
 from ckptlab.viz._style import html_table, human_nbytes
 from ckptlab.widgets._common import (
+    HEX_NBYTES,
     LayoutSource,
     as_layout,
     item_options,
@@ -32,7 +33,6 @@ from ckptlab.widgets._common import (
 
 __all__ = ["LayoutApp", "serve"]
 
-HEX_NBYTES = 512
 
 
 def _alignment_options(layout: ArchiveLayout) -> list[int]:

@@ -23,6 +23,7 @@ from ckptlab.format.predict import DEFAULT_ALIGNMENTS
 from ckptlab.viz import ByteMap, alignment_figure, bytemap_figure, bytemap_trace, hex_html
 from ckptlab.viz._style import html_table, human_nbytes
 from ckptlab.widgets._common import (
+    HEX_NBYTES,
     LayoutSource,
     as_layout,
     item_options,
@@ -32,7 +33,6 @@ from ckptlab.widgets._common import (
 
 __all__ = ["AlignmentExplorer", "LayoutExplorer"]
 
-HEX_NBYTES = 512  # bytes of a selected item shown in the hex view (its header and first data)
 _SELECTION_COLOR = "rgba(0, 0, 0, 0.9)"
 
 
