@@ -1,14 +1,44 @@
-"""torch.distributed.checkpoint (DCP): real checkpoint directories read safely.
+"""torch.distributed.checkpoint (DCP): planning, resharding and real checkpoint directories.
 
-The inspector, real gloo ranks and resharding read items are here; the rest of planning (write
-items, plan cache, validation, the N-rank simulation) comes next (issue 4).
+- :mod:`~ckptlab.plan.items`: write items (Tensor / DTensor / ShardedTensor / bytes) and
+  per-rank :class:`LocalPlan` values; :func:`shard_chunk`, DTensor's box arithmetic.
+- :mod:`~ckptlab.plan.planning`: the coordinator's global step (dedup, metadata, validation),
+  incremental re-planning (:class:`PlanBook`), plan comparison and delta merge.
+- :mod:`~ckptlab.plan.cache`: :class:`PlanCache`, keyed by namespace + structure fingerprint.
+- :mod:`~ckptlab.plan.reshard` / :mod:`~ckptlab.plan.validate`: read items and chunk checks.
+- :mod:`~ckptlab.plan.simulate`: N-rank local plans from LLM config tables.
+- :mod:`~ckptlab.plan.metadata`: the DCP inspector (restricted unpickler for ``.metadata``).
+- :mod:`~ckptlab.plan.ranks`: run a function on real gloo ranks.
 """
 
+from ckptlab.plan.cache import CacheEvent, PlanCache, structure_fingerprint
+from ckptlab.plan.items import (
+    LocalPlan,
+    WriteItem,
+    local_plan,
+    parse_placements,
+    shard_chunk,
+    write_items,
+)
 from ckptlab.plan.metadata import DcpItem, DcpLayout, inspect_dcp, is_dcp_dir, load_metadata
+from ckptlab.plan.planning import (
+    GlobalPlan,
+    PlanBook,
+    PlanDiff,
+    TensorEntry,
+    compare_plans,
+    global_plan,
+    merge_delta,
+)
 from ckptlab.plan.ranks import RankError, run_ranks
 from ckptlab.plan.reshard import Chunk, ReadItem, read_items, sweep_dimension
+from ckptlab.plan.simulate import CONFIGS, ModelConfig, TensorSpec, simulate_plans, state_shapes
 from ckptlab.plan.validate import ChunkProblem, require_valid, validate_chunks
 
-__all__ = ["Chunk", "ChunkProblem", "DcpItem", "DcpLayout", "RankError", "ReadItem",
-           "inspect_dcp", "is_dcp_dir", "load_metadata", "read_items", "require_valid",
-           "run_ranks", "sweep_dimension", "validate_chunks"]
+__all__ = ["CONFIGS", "CacheEvent", "Chunk", "ChunkProblem", "DcpItem", "DcpLayout",
+           "GlobalPlan", "LocalPlan", "ModelConfig", "PlanBook", "PlanCache", "PlanDiff",
+           "RankError", "ReadItem", "TensorEntry", "TensorSpec", "WriteItem", "compare_plans",
+           "global_plan", "inspect_dcp", "is_dcp_dir", "load_metadata", "local_plan",
+           "merge_delta", "parse_placements", "read_items", "require_valid", "run_ranks",
+           "shard_chunk", "simulate_plans", "state_shapes", "structure_fingerprint",
+           "sweep_dimension", "validate_chunks", "write_items"]

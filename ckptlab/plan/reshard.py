@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right, insort
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ckptlab.errors import InvalidArgumentError
 
@@ -28,10 +28,10 @@ class Chunk:
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
+    numel: int = field(init=False, repr=False, compare=False)  # elements in the box
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.sizes)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "numel", math.prod(self.sizes))
 
 
 @dataclass(frozen=True, slots=True)

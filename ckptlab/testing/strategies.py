@@ -396,3 +396,49 @@ def chunk_grids(draw: st.DrawFn, shape: Sequence[int], max_cuts: int = 4) -> lis
         cuts.append(list(itertools.pairwise([0, *sorted(points), n])))
     return [Chunk(tuple(a for a, _ in box), tuple(b - a for a, b in box))
             for box in itertools.product(*cuts)]
+
+
+@st.composite
+def local_plan_sets(draw: st.DrawFn, *, max_world: int = 6, max_tensors: int = 4,
+                    broken: bool = False) -> list[Any]:
+    """Random local plans of one save (``ckptlab.plan.LocalPlan`` per rank).
+
+    Each tensor is cut into a grid of chunks (:func:`chunk_grids`); each chunk goes to one
+    rank or, as a replica, to several; 0-d tensors and pickled objects are held by random
+    subsets of ranks. With ``broken``, one chunk may be dropped, shifted or duplicated under
+    another offset, so the plan can be invalid.
+    """
+    from ckptlab.plan.items import WriteItem, local_plan
+    from ckptlab.plan.reshard import Chunk
+
+    world = draw(st.integers(1, max_world))
+    per_rank: list[list[Any]] = [[] for _ in range(world)]
+    ranks = st.integers(0, world - 1)
+    for t in range(draw(st.integers(1, max_tensors))):
+        fqn = f"t{t}"
+        dtype = draw(st.sampled_from(["float32", "bfloat16", "int64"]))
+        shape = tuple(draw(st.lists(st.integers(0, 6), min_size=0, max_size=3)))
+        chunks = draw(chunk_grids(shape)) if shape else [Chunk((), ())]
+        if broken and shape and chunks and draw(st.booleans()):
+            i = draw(st.integers(0, len(chunks) - 1))
+            c = chunks[i]
+            how = draw(st.sampled_from(["drop", "shift", "grow"]))
+            d = draw(st.integers(0, len(shape) - 1))
+            if how == "drop":
+                chunks.pop(i)
+            elif how == "shift":
+                chunks[i] = Chunk(tuple(o + (k == d) for k, o in enumerate(c.offsets)), c.sizes)
+            else:
+                chunks[i] = Chunk(c.offsets, tuple(s + (k == d) for k, s in enumerate(c.sizes)))
+        kind = "shard" if len(chunks) > 1 else draw(st.sampled_from(["tensor", "shard"]))
+        for c in chunks:
+            holders = draw(st.sets(ranks, min_size=1, max_size=min(world, 3)))
+            for r in holders:
+                per_rank[r].append(WriteItem(fqn, kind, c, shape, dtype))
+    for o in range(draw(st.integers(0, 2))):
+        for r in draw(st.sets(ranks, min_size=1, max_size=world)):
+            per_rank[r].append(WriteItem(f"obj{o}", "bytes"))
+    for items in per_rank:  # ranks list their items in any order
+        perm = draw(st.permutations(items))
+        items[:] = perm
+    return [local_plan(r, items) for r, items in enumerate(per_rank)]

@@ -1,0 +1,133 @@
+"""A save-plan cache that is an object you hold, keyed by what is being saved.
+
+torch's planner caches in class-level dictionaries keyed by the planner's class name, so a
+model planner and an optimizer planner saving alternately evict each other on every save, and
+one changed rank recomputes the whole global plan. Here the cache is an explicit
+:class:`PlanCache`; an entry is keyed by a **namespace** (``"model"``, ``"optim"``) and a
+**fingerprint of the structure** (every rank's plan fingerprint), and:
+
+- a **hit** (same namespace, same structure) returns the stored :class:`GlobalPlan`;
+- a **delta** (same namespace and world size, some ranks changed) re-plans only what changed
+  (:meth:`PlanBook.update`);
+- a **miss** plans from scratch.
+
+Every lookup is recorded in :attr:`PlanCache.events` (for the cache timeline view).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ckptlab.errors import InvalidArgumentError, PlanError
+from ckptlab.plan.items import LocalPlan
+from ckptlab.plan.planning import GlobalPlan, PlanBook, raise_problems
+
+__all__ = ["CacheEvent", "PlanCache", "structure_fingerprint"]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEvent:
+    """One lookup: its namespace, outcome (``"hit"``, ``"delta"`` or ``"miss"``), the ranks
+    re-planned, and the time it took."""
+
+    namespace: str
+    status: str
+    changed_ranks: tuple[int, ...]
+    world_size: int
+    seconds: float
+    started: float  # time.perf_counter() at the start
+
+
+def structure_fingerprint(fingerprints: Sequence[str]) -> str:
+    """One fingerprint for a whole set of per-rank plan fingerprints."""
+    h = hashlib.blake2b(digest_size=16)
+    for fp in fingerprints:
+        h.update(fp.encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+class PlanCache:
+    """Global plans by namespace and structure, re-planned incrementally.
+
+    Parameters
+    ----------
+    max_entries
+        How many (namespace, structure) results to keep (least recently used go first).
+
+    Examples
+    --------
+    >>> cache = PlanCache()
+    >>> plan = cache.plan("model", local_plans)        # miss: plans from scratch
+    >>> plan = cache.plan("model", local_plans)        # hit
+    >>> plan = cache.plan("optim", optim_plans)        # its own entry: no eviction
+    """
+
+    def __init__(self, max_entries: int = 16) -> None:
+        if max_entries < 1:
+            raise InvalidArgumentError(f"max_entries must be >= 1, got {max_entries}")
+        self.max_entries = max_entries
+        self._results: OrderedDict[tuple[str, str], tuple[GlobalPlan, tuple[str, ...]]] = \
+            OrderedDict()
+        self._books: dict[str, PlanBook] = {}  # the latest planning state per namespace
+        self.events: list[CacheEvent] = []
+
+    def plan(self, namespace: str, local_plans: Sequence[LocalPlan | str], *,
+             validate: bool = True) -> GlobalPlan:
+        """The global plan for ``local_plans`` under ``namespace``.
+
+        An entry may be a rank's fingerprint (``str``) instead of its plan: the rank's plan
+        did not change since the namespace's last plan.
+
+        Raises
+        ------
+        PlanError
+            If the plan is invalid (and ``validate``), or a rank sent a fingerprint the cache
+            does not hold.
+        """
+        t0 = time.perf_counter()
+        fps = tuple(p if isinstance(p, str) else p.fingerprint for p in local_plans)
+        key = (namespace, structure_fingerprint(fps))
+        stored = self._results.get(key)
+        book = self._books.get(namespace)
+        if stored is not None:
+            self._results.move_to_end(key)
+            result, status, changed = stored[0], "hit", ()
+            if book is not None and book.plans and tuple(
+                    p.fingerprint for p in book.plans) != fps:
+                self._books.pop(namespace)  # the book is for another structure now
+        elif book is not None and len(book.plans) == len(fps):
+            try:
+                diff = book.update(local_plans)
+            except BaseException:
+                self._books.pop(namespace)  # a half-applied update: plan afresh next time
+                raise
+            result, status, changed = book.result, "delta", diff.changed
+        else:
+            plans = [p for p in local_plans if isinstance(p, LocalPlan)]
+            if len(plans) != len(local_plans):
+                raise PlanError(f"{namespace}: a rank sent only a fingerprint but the cache "
+                                "holds no plan for this namespace and world size")
+            book = self._books[namespace] = PlanBook(plans)
+            result, status, changed = book.result, "miss", tuple(range(len(plans)))
+        if status != "hit":
+            self._results[key] = (result, fps)
+            while len(self._results) > self.max_entries:
+                self._results.popitem(last=False)
+        self.events.append(CacheEvent(namespace, status, changed, len(fps),
+                                      time.perf_counter() - t0, t0))
+        if validate:
+            raise_problems(result)
+        return result
+
+    def __len__(self) -> int:
+        return len(self._results)
+
+    def clear(self) -> None:
+        """Forget every entry (the events stay)."""
+        self._results.clear()
+        self._books.clear()

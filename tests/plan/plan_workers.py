@@ -1,0 +1,39 @@
+"""Rank functions for the write-item tests (module level: spawn imports them)."""
+
+from __future__ import annotations
+
+
+def write_items_vs_torch(rank: int, world_size: int) -> tuple[list, list]:
+    """ckptlab's write items and torch's local save plan for DTensors on a 2-D mesh, a
+    ShardedTensor, plain tensors and objects; both as plain tuples."""
+    import torch
+    from torch.distributed._shard import sharded_tensor  # noqa: F401
+    from torch.distributed._shard.api import _shard_tensor
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from ckptlab.plan.items import write_items
+    from ckptlab.plan.torch_plans import from_torch_plan
+
+    mesh = init_device_mesh("cpu", (2, world_size // 2))
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(9, 7, generator=g)
+    spec = ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(world_size)])
+    state = {
+        "a": distribute_tensor(full, mesh, [Shard(0), Shard(1)]),
+        "b": distribute_tensor(full.to(torch.bfloat16), mesh, [Replicate(), Shard(0)]),
+        "c": distribute_tensor(full[:3, 0].clone(), mesh, [Shard(0), Shard(0)]),
+        "st": _shard_tensor(torch.arange(21, dtype=torch.int64).reshape(7, 3), spec),
+        "plain": torch.ones(2, 2),
+        "nested": {"lr": 0.1, "t": torch.zeros(3, dtype=torch.int32)},
+        "step": 3,
+    }
+    mine = write_items(state)
+    flat, _ = flatten_state_dict(state)
+    theirs = from_torch_plan(create_default_local_save_plan(flat, rank == 0), rank).items
+    as_rows = lambda items: [(i.fqn, i.kind, i.chunk and (i.chunk.offsets, i.chunk.sizes),  # noqa: E731
+                              i.size, i.dtype) for i in items]
+    return as_rows(mine), as_rows(theirs)
