@@ -11,7 +11,7 @@
 - :mod:`~ckptlab.plan.ranks`: run a function on real gloo ranks.
 """
 
-from ckptlab.plan.cache import CacheEvent, PlanCache, structure_fingerprint
+from ckptlab.plan.cache import CacheEvent, PlanCache, structure_fingerprint, write_metadata
 from ckptlab.plan.items import (
     LocalPlan,
     WriteItem,
@@ -41,4 +41,4 @@ __all__ = ["CONFIGS", "CacheEvent", "Chunk", "ChunkProblem", "DcpItem", "DcpLayo
            "global_plan", "inspect_dcp", "is_dcp_dir", "load_metadata", "local_plan",
            "merge_delta", "parse_placements", "read_items", "require_valid", "run_ranks",
            "shard_chunk", "simulate_plans", "state_shapes", "structure_fingerprint",
-           "sweep_dimension", "validate_chunks", "write_items"]
+           "sweep_dimension", "validate_chunks", "write_items", "write_metadata"]

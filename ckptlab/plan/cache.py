@@ -17,16 +17,18 @@ Every lookup is recorded in :attr:`PlanCache.events` (for the cache timeline vie
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from ckptlab.errors import InvalidArgumentError, PlanError
+from ckptlab.errors import InvalidArgumentError, PlanError, StorageIOError
 from ckptlab.plan.items import LocalPlan
 from ckptlab.plan.planning import GlobalPlan, PlanBook, raise_problems
 
-__all__ = ["CacheEvent", "PlanCache", "structure_fingerprint"]
+__all__ = ["CacheEvent", "PlanCache", "structure_fingerprint", "write_metadata"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +76,7 @@ class PlanCache:
         self._results: OrderedDict[tuple[str, str], tuple[GlobalPlan, tuple[str, ...]]] = \
             OrderedDict()
         self._books: dict[str, PlanBook] = {}  # the latest planning state per namespace
+        self._metadata: OrderedDict[tuple[str, str], bytes] = OrderedDict()
         self.events: list[CacheEvent] = []
 
     def plan(self, namespace: str, local_plans: Sequence[LocalPlan | str], *,
@@ -124,6 +127,36 @@ class PlanCache:
             raise_problems(result)
         return result
 
+    def metadata(self, namespace: str, result_fingerprints: Sequence[str],
+                 build: Callable[[], bytes]) -> bytes:
+        """The serialized checkpoint metadata for a save's write results, cached.
+
+        The finish step gathers every rank's write results (file, offset, length per item)
+        and pickles the metadata; with the same plan and the same item sizes the results
+        repeat from save to save. Each rank sends a fingerprint of its results; when they
+        all match a stored entry, its bytes are returned and ``build`` is not called.
+        Recorded in :attr:`events` with status ``"hit"`` or ``"miss"`` (namespace suffixed
+        ``/metadata``).
+        """
+        t0 = time.perf_counter()
+        key = (namespace + "/metadata", structure_fingerprint(result_fingerprints))
+        data = self._metadata.get(key)
+        status = "hit"
+        if data is None:
+            data = build()
+            if not isinstance(data, bytes):
+                raise InvalidArgumentError(f"build() must return bytes, got "
+                                           f"{type(data).__name__}")
+            self._metadata[key] = data
+            status = "miss"
+            while len(self._metadata) > self.max_entries:
+                self._metadata.popitem(last=False)
+        else:
+            self._metadata.move_to_end(key)
+        self.events.append(CacheEvent(key[0], status, (), len(result_fingerprints),
+                                      time.perf_counter() - t0, t0))
+        return data
+
     def __len__(self) -> int:
         return len(self._results)
 
@@ -131,3 +164,29 @@ class PlanCache:
         """Forget every entry (the events stay)."""
         self._results.clear()
         self._books.clear()
+        self._metadata.clear()
+
+
+def write_metadata(directory: str | os.PathLike[str], data: bytes,
+                   name: str = ".metadata") -> Path:
+    """Write a checkpoint's metadata atomically: a temporary file, fsync, rename, then fsync
+    of the directory, so a reader sees the old metadata or the new one, never a part."""
+    directory = Path(directory)
+    final = directory / name
+    tmp = directory / f"{name}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise StorageIOError(f"could not write the metadata ({len(data)} bytes): "
+                             f"{e.strerror or e}", path=str(final), offset=0,
+                             nbytes=len(data), errno=e.errno) from e
+    return final

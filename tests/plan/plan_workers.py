@@ -37,3 +37,38 @@ def write_items_vs_torch(rank: int, world_size: int) -> tuple[list, list]:
     as_rows = lambda items: [(i.fqn, i.kind, i.chunk and (i.chunk.offsets, i.chunk.sizes),  # noqa: E731
                               i.size, i.dtype) for i in items]
     return as_rows(mine), as_rows(theirs)
+
+
+def cached_planner_saves(rank: int, world_size: int, root: str) -> list[tuple[str, str]]:
+    """Four dcp.saves with one CachedSavePlanner cache per process: a first save (miss),
+    the same state again (hit), rank 1 adds an entry (delta), and an optimizer namespace in
+    between that must not evict the model's entry. Returns rank 0's cache events."""
+    import os
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from ckptlab.plan import PlanCache
+    from ckptlab.plan.planner import CachedSavePlanner
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(7, 5, generator=g), torch.randn(9, generator=g)
+    state = {"w": distribute_tensor(w, mesh, [Shard(0)]),
+             "b": distribute_tensor(b, mesh, [Replicate()]),
+             "plain": torch.arange(4), "cfg": {"lr": 0.5, "name": "t"}}
+    optim = {"m": distribute_tensor(w * 2, mesh, [Shard(1)]), "step": 3}
+    cache = PlanCache()
+    dcp.save(state, checkpoint_id=os.path.join(root, "s1"),
+             planner=CachedSavePlanner(cache, "model"))
+    dcp.save(optim, checkpoint_id=os.path.join(root, "o1"),
+             planner=CachedSavePlanner(cache, "optim"))
+    dcp.save(state, checkpoint_id=os.path.join(root, "s2"),
+             planner=CachedSavePlanner(cache, "model"))
+    if rank == 1:
+        state = {**state, "extra.rank1": torch.ones(2)}
+    dcp.save(state, checkpoint_id=os.path.join(root, "s3"),
+             planner=CachedSavePlanner(cache, "model"))
+    return [(e.namespace, e.status) for e in cache.events] if rank == 0 else []

@@ -88,3 +88,23 @@ def test_errors_and_limits():
         PlanCache(max_entries=0)
     cache.clear()
     assert len(cache) == 0 and cache.events
+
+
+def test_metadata_bytes_cached_and_written_atomically(tmp_path):
+    from ckptlab.errors import StorageIOError
+    from ckptlab.plan import write_metadata
+
+    cache = PlanCache()
+    built = []
+    build = lambda: built.append(1) or b"payload"  # noqa: E731
+    assert cache.metadata("m", ["a", "b"], build) == b"payload"
+    assert cache.metadata("m", ["a", "b"], build) == b"payload"
+    assert cache.metadata("m", ["a", "c"], build) == b"payload"
+    assert len(built) == 2
+    assert [e.status for e in cache.events] == ["miss", "hit", "miss"]
+    path = write_metadata(tmp_path, b"xyz")
+    assert path.read_bytes() == b"xyz" and not (tmp_path / ".metadata.tmp").exists()
+    with pytest.raises(InvalidArgumentError, match="must return bytes"):
+        cache.metadata("m", ["z"], lambda: "text")
+    with pytest.raises(StorageIOError, match="could not write the metadata"):
+        write_metadata(tmp_path / "missing", b"xyz")
