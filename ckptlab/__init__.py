@@ -59,10 +59,11 @@ __all__ = [
     "storage_offsets",
     "viz",
     "widgets",
+    "write",
 ]
 
 # imported on first use: viz and widgets need the [widgets] extra, gds imports torch
-_LAZY_MODULES = ("gds", "plan", "viz", "widgets")
+_LAZY_MODULES = ("gds", "plan", "viz", "widgets", "write")
 
 
 def __getattr__(name: str) -> object:

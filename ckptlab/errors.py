@@ -99,9 +99,14 @@ class PlanError(CkptlabError, ValueError):
 
 
 class WriterError(CkptlabError, RuntimeError):
-    """A checkpoint writer failed; ``failures`` maps each failed worker to its exception."""
+    """A checkpoint writer failed; ``failures`` maps each failed worker to its error.
 
-    def __init__(self, message: str, failures: dict[object, BaseException] | None = None) -> None:
+    Keys name the worker ("rank 0 bucket 1 (__0_1.distcp)", "rank 1", "commit"); values are
+    the real exception raised in this process, or the error text another rank reported.
+    """
+
+    def __init__(self, message: str,
+                 failures: dict[object, BaseException | str] | None = None) -> None:
         self.failures = dict(failures or {})
         super().__init__(message)
 

@@ -10,7 +10,13 @@ import ckptlab as cl
 UI_MODULES = ("ipywidgets", "panel", "plotly", "IPython", "anywidget", "bokeh")
 CORE = ("ckptlab", "ckptlab.format", "ckptlab.errors", "ckptlab.samples", "ckptlab.cli",
         "ckptlab.gds", "ckptlab.gds.handle", "ckptlab.gds.tutorial", "ckptlab.gds.readiness",
-        "ckptlab.gds._backends", "ckptlab.plan", "ckptlab.plan.metadata", "ckptlab.plan.ranks")
+        "ckptlab.gds._backends", "ckptlab.plan", "ckptlab.plan.metadata", "ckptlab.plan.ranks",
+        "ckptlab.plan.items", "ckptlab.plan.planning", "ckptlab.plan.cache",
+        "ckptlab.plan.simulate", "ckptlab.write", "ckptlab.write.buckets",
+        "ckptlab.write.timeline")
+# core modules that need torch at import time: still no UI library
+CORE_WITH_TORCH = ("ckptlab.plan.planner", "ckptlab.plan.torch_plans", "ckptlab.write.writer",
+                   "ckptlab.write._io", "ckptlab.write._blob")
 
 
 def test_core_never_imports_ui_libraries():
@@ -25,6 +31,17 @@ def test_core_never_imports_ui_libraries():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"  # inspecting does not even need torch imported
+
+
+def test_core_with_torch_never_imports_ui_libraries():
+    code = (
+        "import sys\n"
+        f"for m in {CORE_WITH_TORCH!r}: __import__(m)\n"
+        f"bad = [m for m in {UI_MODULES!r} if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_public_api_is_all():
