@@ -35,10 +35,19 @@ from ckptlab.plan.reshard import Chunk, ReadItem, read_items, sweep_dimension
 from ckptlab.plan.simulate import CONFIGS, ModelConfig, TensorSpec, simulate_plans, state_shapes
 from ckptlab.plan.validate import ChunkProblem, require_valid, validate_chunks
 
-__all__ = ["CONFIGS", "CacheEvent", "Chunk", "ChunkProblem", "DcpItem", "DcpLayout",
+__all__ = ["CONFIGS", "CacheEvent", "CachedSavePlanner", "Chunk", "ChunkProblem", "DcpItem", "DcpLayout",
            "GlobalPlan", "LocalPlan", "ModelConfig", "PlanBook", "PlanCache", "PlanDiff",
            "RankError", "ReadItem", "TensorEntry", "TensorSpec", "WriteItem", "compare_plans",
            "global_plan", "inspect_dcp", "is_dcp_dir", "load_metadata", "local_plan",
            "merge_delta", "parse_placements", "read_items", "require_valid", "run_ranks",
            "shard_chunk", "simulate_plans", "state_shapes", "structure_fingerprint",
            "sweep_dimension", "validate_chunks", "write_items", "write_metadata"]
+
+
+def __getattr__(name: str) -> object:
+    # CachedSavePlanner subclasses torch's planner: imported (with torch) on first use
+    if name == "CachedSavePlanner":
+        from ckptlab.plan.planner import CachedSavePlanner
+
+        return CachedSavePlanner
+    raise AttributeError(f"module 'ckptlab.plan' has no attribute {name!r}")
