@@ -28,3 +28,20 @@ __all__ = [
     "tensor_span",
     "transfer_figure",
 ]
+
+# async writing views (ckptlab.write)
+from ckptlab.viz.write import bucket_figure, timeline_figure
+
+__all__ += ["bucket_figure", "timeline_figure"]
+
+# distributed planning views (ckptlab.plan)
+from ckptlab.viz.plan import (  # noqa: E402
+    cache_timeline_figure,
+    rank_bytes_figure,
+    rank_colors,
+    reshard_figure,
+    shard_map_figure,
+)
+
+__all__ += ["cache_timeline_figure", "rank_bytes_figure", "rank_colors", "reshard_figure",
+            "shard_map_figure"]

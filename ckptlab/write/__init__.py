@@ -14,11 +14,18 @@ Examples
 
 from typing import Any
 
-from ckptlab.write.buckets import Bucket, BucketAssignment, SizedItem, assign_buckets, item_nbytes
+from ckptlab.write.buckets import (
+    Bucket,
+    BucketAssignment,
+    SizedItem,
+    assign_buckets,
+    item_nbytes,
+    sized_items,
+)
 from ckptlab.write.timeline import PHASES, Timeline, TimelineEvent
 
 __all__ = ["PHASES", "AsyncWriter", "Bucket", "BucketAssignment", "SaveHandle", "SizedItem",
-           "Timeline", "TimelineEvent", "assign_buckets", "item_nbytes"]
+           "Timeline", "TimelineEvent", "assign_buckets", "item_nbytes", "sized_items"]
 
 _LAZY = {"AsyncWriter", "SaveHandle"}
 

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ckptlab.errors import InvalidArgumentError
+from ckptlab.format._dtypes import DTYPE_ITEMSIZE
+from ckptlab.plan.simulate import CONFIGS, ModelConfig, state_shapes
 
-__all__ = ["Bucket", "BucketAssignment", "SizedItem", "assign_buckets", "item_nbytes"]
+__all__ = ["Bucket", "BucketAssignment", "SizedItem", "assign_buckets", "item_nbytes",
+           "sized_items"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +133,15 @@ def _fill(items: Sequence[Any], n: int) -> list[tuple[list[Any], int]]:
     return [(contents[b], loads[b]) for b in range(n)]
 
 
+def _split(n: int, group_nbytes: list[int]) -> list[int]:
+    """Buckets per group (each >= 1): minimise the larger ideal share, ties to an even split."""
+    a, b = group_nbytes
+    if a + b == 0:
+        return [n - n // 2, n // 2]
+    return list(min(((k, n - k) for k in range(1, n)),
+                    key=lambda c: (max(a / c[0], b / c[1]), abs(c[0] - c[1]))))
+
+
 def assign_buckets(items: Sequence[Any], n: int,
                    separation_hint: str | None = None) -> BucketAssignment:
     """Spread write items over ``n`` buckets so that the fullest one is as small as possible.
@@ -143,9 +155,11 @@ def assign_buckets(items: Sequence[Any], n: int,
     separation_hint
         A key prefix. Items whose key starts with it (for example ``"optim."``) form a second
         group with buckets of its own, so that they end up in separate files. With a hint
-        that matches some but not all items, group 0 gets ``n - n // 2`` buckets and group 1
-        ``n // 2`` (``n`` must then be at least 2); a hint that matches nothing or everything
-        leaves one group with all ``n`` buckets.
+        that matches some but not all items, the ``n`` buckets (``n`` must then be at least
+        2) are split between the groups in proportion to their bytes: the split that makes
+        the larger of the two ideal shares smallest (Adam's float32 state is about four
+        times bf16 weights, so it gets about four fifths of the buckets); a hint that matches
+        nothing or everything leaves one group with all ``n`` buckets.
 
     Returns
     -------
@@ -182,7 +196,7 @@ def assign_buckets(items: Sequence[Any], n: int,
                     f"a separation hint ({separation_hint!r}) that splits the items needs at "
                     f"least 2 buckets, got {n}")
             groups = [first, second]
-    counts = [n] if len(groups) == 1 else [n - n // 2, n // 2]
+    counts = [n] if len(groups) == 1 else _split(n, [sum(map(item_nbytes, g)) for g in groups])
     group_ids = [0] if len(groups) == 1 else [0, 1]
     if len(groups) == 1 and separation_hint is not None and items and \
             all(item_key(i).startswith(separation_hint) for i in items):
@@ -192,3 +206,73 @@ def assign_buckets(items: Sequence[Any], n: int,
         for contents, load in _fill(members, count):
             out.append(Bucket(len(out), group, tuple(contents), load))
     return BucketAssignment(tuple(out), separation_hint)
+
+
+def _flatten(obj: Any, prefix: str, out: list[SizedItem]) -> None:
+    """DCP's flattening: nested dicts and lists become dotted keys; other leaves are objects."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        out.append(SizedItem(prefix, obj.numel() * obj.element_size()))
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+    elif isinstance(obj, (list, tuple)) and obj and not hasattr(obj, "_fields"):
+        for i, v in enumerate(obj):
+            _flatten(v, f"{prefix}.{i}" if prefix else str(i), out)
+    else:
+        out.append(SizedItem(prefix, 0, is_tensor=False))
+
+
+def sized_items(source: Mapping[str, Any] | ModelConfig | str, *, optimizer: bool = True,
+                dtype: str = "bfloat16") -> list[SizedItem]:
+    """The write items of one rank holding a whole state dict, as :class:`SizedItem` s.
+
+    Parameters
+    ----------
+    source
+        A state dict (nested dicts and lists are flattened to dotted keys as DCP does;
+        every tensor is one item of ``numel * element_size`` bytes, every other leaf a
+        bytes item), or a model config: a :class:`~ckptlab.plan.ModelConfig` or a name in
+        :data:`ckptlab.plan.CONFIGS` (its parameters from :func:`ckptlab.plan.state_shapes`,
+        none of them sharded: the whole model on one rank).
+    optimizer
+        For a config: add Adam's state (``optim.state.*``: ``exp_avg`` and ``exp_avg_sq``
+        in float32, a 0-d ``step``) and the pickled ``optim.param_groups``.
+    dtype
+        For a config: the parameters' dtype.
+
+    Returns
+    -------
+    list of SizedItem
+        In state-dict order, ready for :func:`ckptlab.write.assign_buckets`.
+
+    Raises
+    ------
+    InvalidArgumentError
+        For an unknown config name or dtype, or a source of another type.
+
+    Examples
+    --------
+    >>> items = sized_items("tiny", optimizer=False)
+    >>> items[0]
+    SizedItem(key='model.embed_tokens.weight', nbytes=128000, is_tensor=True)
+    """
+    if isinstance(source, (str, ModelConfig)):
+        if isinstance(source, str) and source not in CONFIGS:
+            raise InvalidArgumentError(
+                f"unknown model config {source!r}; expected one of {sorted(CONFIGS)}")
+        tensors, objects = state_shapes(source, optimizer=optimizer, dtype=dtype)
+        out = []
+        for t in tensors:
+            if t.dtype not in DTYPE_ITEMSIZE:
+                raise InvalidArgumentError(f"unknown dtype {t.dtype!r} for {t.fqn}")
+            out.append(SizedItem(t.fqn, math.prod(t.shape) * DTYPE_ITEMSIZE[t.dtype]))
+        return out + [SizedItem(name, 0, is_tensor=False) for name in objects]
+    if isinstance(source, Mapping):
+        items: list[SizedItem] = []
+        _flatten(source, "", items)
+        return items
+    raise InvalidArgumentError(
+        "expected a state dict, a ckptlab.plan.ModelConfig or a config name, got "
+        f"{type(source).__name__}")

@@ -88,6 +88,8 @@ class _Recorder:
     files: dict[int, tuple[str, int, str]] = field(default_factory=dict)
     returned_s: float | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    written_nbytes: int = 0  # bytes of the "write" events so far
+    total_nbytes: int = 0  # bytes the save's data files will take in writes (0: not known)
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -97,6 +99,8 @@ class _Recorder:
         event = TimelineEvent(bucket, phase, start_s, self.now(), nbytes, file)
         with self.lock:
             self.events.append(event)
+            if phase == "write":
+                self.written_nbytes += nbytes
 
     def add_span(self, bucket: int | None, phase: str, start_s: float, end_s: float,
                  nbytes: int = 0, file: str = "") -> None:

@@ -132,10 +132,13 @@ class _Save:
         self.error = err
         return err
 
+    def snapshot(self) -> Timeline:
+        """The events so far (not stored: only :meth:`freeze` sets the final timeline)."""
+        return self.recorder.freeze(self.assignment, committed=self.committed,
+                                    error=None if self.error is None else str(self.error))
+
     def freeze(self) -> Timeline:
-        self.timeline = self.recorder.freeze(
-            self.assignment, committed=self.committed,
-            error=None if self.error is None else str(self.error))
+        self.timeline = self.snapshot()
         return self.timeline
 
 
@@ -172,12 +175,24 @@ class SaveHandle:
         """
         return self._writer._wait_save(self._save, timeout)
 
+    def progress(self) -> tuple[int, int]:
+        """(bytes written so far, bytes the save writes in all) for this rank's data files.
+
+        Cheap enough to poll; the total is known once ``write_data`` has placed the items
+        (0 before). Writes cover whole 4096-byte blocks, so the total is each file's size
+        rounded up to 4096.
+        """
+        rec = self._save.recorder
+        with rec.lock:
+            return rec.written_nbytes, rec.total_nbytes
+
     @property
     def timeline(self) -> Timeline:
         """The events so far (final once :meth:`done`)."""
         save = self._save
-        return save.timeline if save.timeline is not None and save.finished.is_set() \
-            else save.freeze()
+        if save.timeline is not None and save.finished.is_set():
+            return save.timeline
+        return save.snapshot()  # in flight: a snapshot must never replace the final one
 
 
 class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
@@ -498,6 +513,8 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
             except BaseException:
                 save.staged = False
                 raise
+            # every write covers whole 4096-byte blocks; the file is truncated after
+            save.recorder.total_nbytes = sum(-(-job.nbytes // 4096) * 4096 for job in jobs)
             for job in jobs:  # the workers start on what is copied while the rest is copied
                 fut = self._pool.submit(self._bucket_fn(job, save))
                 save.futures.append((job.bucket, job.name, fut))

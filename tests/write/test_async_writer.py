@@ -287,3 +287,19 @@ def test_two_gloo_ranks_round_trip(tmp_path: Path) -> None:
     for item in inspect_dcp(path).items:
         if item.kind == "tensor":
             assert item.data_offset % 4096 == 0
+
+
+def test_progress_counts_up_to_the_total(tmp_path: Path) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ckptlab.write import AsyncWriter
+
+    state = {"a": torch.arange(5000, dtype=torch.float32), "b": torch.ones(3, 3), "n": 1}
+    with AsyncWriter(tmp_path / "c") as writer:
+        dcp.save(state, storage_writer=writer, no_dist=True)
+        handle = writer.last
+        timeline = handle.wait()
+        written, total = handle.progress()
+    assert written == total == timeline.nbytes > 20000
+    assert total % 4096 == 0

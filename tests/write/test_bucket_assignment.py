@@ -53,8 +53,21 @@ def test_separation_hint_keeps_groups_apart(items, n) -> None:
     for b in a.buckets:
         members = {id(i) in hinted for i in b.items}
         assert members <= {b.group == 1}
-    if hinted and len(hinted) < len(items):
-        assert len(a.group_buckets(0)) == n - n // 2 and len(a.group_buckets(1)) == n // 2
+    if hinted and len(hinted) < len(items):  # the bucket split follows the groups' bytes
+        k0, k1 = len(a.group_buckets(0)), len(a.group_buckets(1))
+        assert k0 >= 1 and k1 >= 1 and k0 + k1 == n
+        b0 = sum(i.nbytes for i in items if id(i) not in hinted and i.is_tensor)
+        b1 = sum(i.nbytes for i in items if id(i) in hinted and i.is_tensor)
+        best = min(max(b0 / k, b1 / (n - k)) for k in range(1, n)) if b0 + b1 else 0
+        assert (max(b0 / k0, b1 / k1) if b0 + b1 else 0) == best
+
+
+def test_separation_split_follows_bytes() -> None:
+    items = [SizedItem(f"w{i}", 2) for i in range(4)] + \
+        [SizedItem(f"optim.{i}", 8) for i in range(4)]
+    a = assign_buckets(items, 5, separation_hint="optim.")
+    assert (len(a.group_buckets(0)), len(a.group_buckets(1))) == (1, 4)
+    assert max(a.bucket_nbytes) == 8
     for g in (0, 1):
         tensors = [i for b in a.group_buckets(g) for i in b.items if i.is_tensor]
         largest = max((i.nbytes for i in tensors), default=0)
