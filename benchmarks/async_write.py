@@ -50,6 +50,8 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _rawdisk import odirect_write  # benchmarks/ is the script's directory
+
 import ckptlab
 from ckptlab.write import AsyncWriter
 
@@ -119,16 +121,7 @@ def raw_odirect(path: str, buf: memoryview) -> tuple[float, float]:
 
 
 def _write_part(path: str, view: memoryview) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    try:
-        for off in range(0, len(view), CHUNK):
-            part = view[off:off + CHUNK]
-            done = 0
-            while done < len(part):
-                done += os.pwrite(fd, part[done:], off + done)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    odirect_write(path, view, CHUNK)
 
 
 def _halves(buf: memoryview) -> list[memoryview]:

@@ -45,6 +45,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+from _rawdisk import odirect_write  # benchmarks/ is the script's directory
 from torch.utils.serialization import config as ser_config
 
 import ckptlab
@@ -87,16 +88,7 @@ def staged_payload(sd: dict[str, torch.Tensor]) -> memoryview:
 def raw_write(path: Path, payload: memoryview) -> float:
     """O_DIRECT writes of ``payload`` in 32 MiB requests, then fsync."""
     t = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    try:
-        for start in range(0, len(payload), CHUNK):
-            part = payload[start : start + CHUNK]
-            done = 0
-            while done < len(part):
-                done += os.pwrite(fd, part[done:], start + done)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    odirect_write(path, payload, CHUNK)
     return time.perf_counter() - t
 
 

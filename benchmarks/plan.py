@@ -16,6 +16,8 @@ objects for torch). Then, on the same plans:
 - **torch 1 changed**: one rank sends a changed plan (one extra pickled entry); torch merges
   and recomputes the whole global plan;
 - **ckptlab uncached**: :func:`ckptlab.plan.global_plan` (dedup, metadata, validation);
+  **no-reuse**: the same with ``reuse_validation=False`` (each tensor validated on its own,
+  not once per shape and sharding);
 - **ckptlab hit** / **1 changed**: :class:`ckptlab.plan.PlanCache` with unchanged ranks sent
   as fingerprints, then the same one changed rank (an incremental re-plan);
 - **finish**: torch's ``FileSystemWriter.finish`` (gathers every rank's write results into
@@ -98,6 +100,7 @@ def measure(n: int, args: argparse.Namespace) -> tuple:
 
     # ckptlab
     t_ck, mine = timed(lambda: global_plan(plans), args.repeat)
+    t_ck_nomemo, _ = timed(lambda: global_plan(plans, reuse_validation=False), args.repeat)
     cache = PlanCache()
     cache.plan("model", plans)
     fps = [p.fingerprint for p in plans]
@@ -151,7 +154,7 @@ def measure(n: int, args: argparse.Namespace) -> tuple:
             d, cache.metadata("model", res_fps, lambda: payload)), args.repeat)
     ratio = lambda a, b: "—" if a is None or b is None else f"{a / b:,.1f}"  # noqa: E731
     return (n, n_items, fmt(t_torch), fmt(t_torch_hit), fmt(t_torch_delta), fmt(t_ck),
-            fmt(t_ck_hit), fmt(t_ck_delta), ratio(t_torch, t_ck),
+            fmt(t_ck_nomemo), fmt(t_ck_hit), fmt(t_ck_delta), ratio(t_torch, t_ck),
             ratio(t_torch, t_torch_hit), ratio(t_torch_delta, t_ck_delta),
             fmt(t_fin_torch), fmt(t_fin_ck))
 
@@ -165,7 +168,7 @@ def main() -> int:
     args = ap.parse_args()
 
     header = ("ranks", "items", "torch ms", "torch hit", "torch 1chg", "ckptlab ms",
-              "ckpt hit", "ckpt 1chg", "uncached x", "hit/unc x", "1chg x", "fin torch",
+              "ckpt no-reuse", "ckpt hit", "ckpt 1chg", "uncached x", "hit/unc x", "1chg x", "fin torch",
               "fin ckpt")
     print(" | ".join(header), flush=True)
     for n in args.ranks:

@@ -183,7 +183,8 @@ class PlanBook:
     holding them, so planning from scratch is one dictionary lookup per item.
     """
 
-    def __init__(self, local_plans: Sequence[LocalPlan]) -> None:
+    def __init__(self, local_plans: Sequence[LocalPlan], *, reuse_validation: bool = True
+                 ) -> None:
         n = len(local_plans)
         if n == 0:
             raise InvalidArgumentError("no local plans")
@@ -200,6 +201,7 @@ class PlanBook:
         self._mismatch: dict[Key, list[int]] = {}  # replicas that differ: key -> ranks
         self._problems: dict[str, list[ChunkProblem]] = {}
         self._valid: set[tuple] = set()  # (size, chunks) already found valid
+        self._reuse_validation = reuse_validation
         self._copied: set[str] = set()
         chunks, objects, replicas, info = self._chunks, self._objects, self._replicas, self._info
         mismatch = self._mismatch
@@ -357,7 +359,7 @@ class PlanBook:
             memo = (size, chunks)  # tensors of one shape often share a sharding: check once
             if memo not in self._valid:
                 found = validate_chunks(fqn, size, chunks, check_volume=len(self._plans) > 1)
-                if not found:
+                if not found and self._reuse_validation:
                     self._valid.add(memo)
                 problems = [_by_rank(p, entries) for p in found]
         problems += self._mismatch_problems(fqn)
@@ -513,8 +515,12 @@ class PlanBook:
         return tuple(self._plans)
 
 
-def global_plan(local_plans: Sequence[LocalPlan], *, validate: bool = True) -> GlobalPlan:
+def global_plan(local_plans: Sequence[LocalPlan], *, validate: bool = True,
+                reuse_validation: bool = True) -> GlobalPlan:
     """Dedup, metadata and validation for one set of local plans (no cache).
+
+    With ``reuse_validation`` (the default) tensors with the same shape and the same chunks
+    (the layers of a model) are validated once; without it each tensor is swept on its own.
 
     Raises
     ------
@@ -523,7 +529,7 @@ def global_plan(local_plans: Sequence[LocalPlan], *, validate: bool = True) -> G
         out of bounds; the message names the first problems. Without it, the problems are in
         :attr:`GlobalPlan.problems`.
     """
-    result = PlanBook(local_plans).result
+    result = PlanBook(local_plans, reuse_validation=reuse_validation).result
     if validate:
         raise_problems(result)
     return result

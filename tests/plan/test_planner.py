@@ -17,6 +17,9 @@ from ckptlab.plan.planner import CachedSavePlanner
 sys.path.insert(0, str(Path(__file__).parent))
 import plan_workers
 
+# dcp.load/save without a process group says it assumes a single process: that is the point
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
 
 @pytest.fixture(scope="module")
 def saves(tmp_path_factory):

@@ -209,3 +209,11 @@ def test_simulated_llm_plan_matches_torch():
         {f: sorted(e.chunks, key=lambda c: c.offsets) for f, e in mine.tensors.items()}
     written_once(mine, plans)
     assert mine.imbalance < 1.05
+
+
+@given(local_plan_sets(broken=True))
+def test_reusing_validation_changes_nothing(plans):
+    a = global_plan(plans, validate=False)
+    b = global_plan(plans, validate=False, reuse_validation=False)
+    assert sorted(map(str, a.problems)) == sorted(map(str, b.problems))
+    assert chunk_sets(a) == chunk_sets(b)
