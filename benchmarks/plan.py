@@ -57,6 +57,13 @@ TORCH_CACHES = ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan",
                 "_cached_metadata", "_cached_final_save_plan")
 
 
+def scratch() -> Path:
+    """bench-out/plan in the repository (git ignores bench-out/)."""
+    path = Path(__file__).resolve().parents[1] / "bench-out" / "plan"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def clear_torch_cache() -> None:
     for name in TORCH_CACHES:
         getattr(SavePlanner, name, {}).clear()
@@ -138,7 +145,7 @@ def measure(n: int, args: argparse.Namespace) -> tuple:
         t_torch_delta, _ = timed(lambda: planner.create_global_plan(delta))
         clear_torch_cache()
         results = write_results(gplans)
-        with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as d:
+        with tempfile.TemporaryDirectory(dir=scratch()) as d:
             writer = FileSystemWriter(d)
             writer.set_up_storage_writer(True, rank=0, use_collectives=True)
             t_fin_torch, _ = timed(lambda: writer.finish(md, results))
@@ -149,7 +156,7 @@ def measure(n: int, args: argparse.Namespace) -> tuple:
     if t_fin_torch is None:
         payload = pickle.dumps(to_torch_metadata(mine))
     cache.metadata("model", res_fps, lambda: payload)
-    with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as d:
+    with tempfile.TemporaryDirectory(dir=scratch()) as d:
         t_fin_ck, _ = timed(lambda: write_metadata(
             d, cache.metadata("model", res_fps, lambda: payload)), args.repeat)
     ratio = lambda a, b: "—" if a is None or b is None else f"{a / b:,.1f}"  # noqa: E731
