@@ -20,6 +20,17 @@ def aligned_buffer(nbytes: int) -> memoryview:
     return memoryview(mmap.mmap(-1, nbytes))
 
 
+ALIGNED_STORAGE_MIN = 1 << 20  # smaller storages keep torch's allocation (one mmap each costs)
+
+
+def aligned_storage(nbytes: int) -> Any:
+    """A CPU ``torch.UntypedStorage`` of ``nbytes`` over page-aligned memory (an anonymous
+    mmap the storage keeps alive), so O_DIRECT can read into it with no bounce copy."""
+    import torch
+
+    return torch.frombuffer(aligned_buffer(nbytes), dtype=torch.uint8).untyped_storage()
+
+
 def address_of(view: memoryview) -> int:
     """The address of the first byte of a contiguous memoryview (read-only ones too)."""
     if view.nbytes == 0:
