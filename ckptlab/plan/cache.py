@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ckptlab.errors import InvalidArgumentError, PlanError, StorageIOError
 from ckptlab.plan.items import LocalPlan
@@ -77,6 +78,10 @@ class PlanCache:
             OrderedDict()
         self._books: dict[str, PlanBook] = {}  # the latest planning state per namespace
         self._metadata: OrderedDict[tuple[str, str], bytes] = OrderedDict()
+        # what CachedSavePlanner keeps between saves, per namespace: this process's last plan
+        # as a rank, and the coordinator's last answers (ckptlab.plan.planner)
+        self.rank_states: dict[str, Any] = {}
+        self.coordinator_states: dict[str, Any] = {}
         self.events: list[CacheEvent] = []
 
     def plan(self, namespace: str, local_plans: Sequence[LocalPlan | str], *,

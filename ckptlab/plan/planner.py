@@ -79,12 +79,10 @@ class CachedSavePlanner(DefaultSavePlanner):
 
     # state lives in the cache object, which outlives planners
     def _rank_state(self) -> _RankState:
-        states = self.cache.__dict__.setdefault("_planner_ranks", {})
-        return states.setdefault(self.namespace, _RankState())
+        return self.cache.rank_states.setdefault(self.namespace, _RankState())
 
     def _coordinator_state(self) -> _CoordinatorState:
-        states = self.cache.__dict__.setdefault("_planner_coordinator", {})
-        return states.setdefault(self.namespace, _CoordinatorState())
+        return self.cache.coordinator_states.setdefault(self.namespace, _CoordinatorState())
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()

@@ -22,7 +22,6 @@ change does not reshuffle everyone's plans.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -148,15 +147,11 @@ def _fp(plan: LocalPlan | str) -> str:
     return plan if isinstance(plan, str) else plan.fingerprint
 
 
-def _key(it: WriteItem) -> Key:
-    return (it.fqn, None if it.chunk is None else it.chunk.offsets)
-
-
 def _first_items(plan: LocalPlan) -> dict[Key, WriteItem]:
     """key -> item of a plan (a key listed twice: its first item)."""
     out: dict[Key, WriteItem] = {}
     for it in plan.items:
-        out.setdefault(_key(it), it)
+        out.setdefault(it.key, it)
     return out
 
 
@@ -268,7 +263,7 @@ class PlanBook:
                 if where is None:
                     where = firsts[r0] = {}
                     for k, it in enumerate(local_plans[r0].items):
-                        where.setdefault(_key(it), k)
+                        where.setdefault(it.key, k)
                 lost.setdefault(r0, []).append(where[key])
         self._dedup_plans = list(local_plans)
         for r, gone in lost.items():
@@ -542,7 +537,3 @@ def raise_problems(result: GlobalPlan) -> None:
         more = f" (+{len(result.problems) - 5} more)" if len(result.problems) > 5 else ""
         raise PlanError(f"invalid global plan: {shown}{more}")
 
-
-def heaviest_ranks(result: GlobalPlan, k: int = 5) -> list[tuple[int, int]]:
-    """The ``k`` ranks writing the most bytes, as (rank, nbytes)."""
-    return heapq.nlargest(k, enumerate(result.rank_nbytes), key=lambda p: p[1])
