@@ -9,7 +9,12 @@ import plotly.graph_objects as go
 
 from ckptlab.errors import InvalidArgumentError
 from ckptlab.viz._style import human_nbytes
-from ckptlab.write.buckets import BucketAssignment, SizedItem, item_key, item_nbytes
+from ckptlab.write.buckets import (
+    BucketAssignment,
+    item_is_tensor,
+    item_key,
+    item_nbytes,
+)
 from ckptlab.write.timeline import PHASES, Timeline
 
 __all__ = ["ITEM_COLORS", "PHASE_COLORS", "bucket_figure", "timeline_figure"]
@@ -188,13 +193,6 @@ def timeline_figure(timeline: Timeline) -> go.Figure:
     return fig
 
 
-def _is_tensor(item: Any) -> bool:
-    """A SizedItem's ``is_tensor``; for a DCP WriteItem, whether it has tensor data."""
-    if isinstance(item, SizedItem):
-        return item.is_tensor
-    return getattr(item, "tensor_data", None) is not None
-
-
 def _item_color(key: str) -> str:
     return ITEM_COLORS[zlib.crc32(key.encode()) % len(ITEM_COLORS)]
 
@@ -253,7 +251,7 @@ def bucket_figure(assignment: BucketAssignment) -> go.Figure:
                 n_items += 1
                 nbytes = item_nbytes(item)
                 key = item_key(item)
-                if not _is_tensor(item):
+                if not item_is_tensor(item):
                     n_byte_items += 1
                 if nbytes == 0:
                     continue
@@ -287,8 +285,8 @@ def bucket_figure(assignment: BucketAssignment) -> go.Figure:
     ideal_of = {g["group"]: g["ideal_nbytes"] for g in groups}
     totals_hover = []
     for b in assignment.buckets:
-        objects = sum(1 for i in b.items if not _is_tensor(i))
-        empty = sum(1 for i in b.items if _is_tensor(i) and item_nbytes(i) == 0)
+        objects = sum(1 for i in b.items if not item_is_tensor(i))
+        empty = sum(1 for i in b.items if item_is_tensor(i) and item_nbytes(i) == 0)
         share = b.nbytes / ideal_of[b.group] if ideal_of[b.group] > 0 else 1.0
         totals_hover.append(
             f"<b>bucket {b.index}</b> (group {b.group})<br>{human_nbytes(b.nbytes)} "

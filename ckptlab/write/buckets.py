@@ -15,8 +15,8 @@ from ckptlab.errors import InvalidArgumentError
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.plan.simulate import CONFIGS, ModelConfig, state_shapes
 
-__all__ = ["Bucket", "BucketAssignment", "SizedItem", "assign_buckets", "item_nbytes",
-           "sized_items"]
+__all__ = ["Bucket", "BucketAssignment", "SizedItem", "assign_buckets", "item_is_tensor",
+           "item_nbytes", "sized_items"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +28,9 @@ class SizedItem:
     is_tensor: bool = True  # False: a pickled object (DCP ``BYTE_IO``)
 
 
-def _is_tensor(item: Any) -> bool:
+def item_is_tensor(item: Any) -> bool:
+    """A :class:`SizedItem`'s ``is_tensor``; for a DCP ``WriteItem``, whether it has tensor
+    data (``BYTE_IO`` items have none)."""
     if isinstance(item, SizedItem):
         return item.is_tensor
     return getattr(item, "tensor_data", None) is not None
@@ -118,11 +120,11 @@ def _fill(items: Sequence[Any], n: int) -> list[tuple[list[Any], int]]:
     buckets: list[tuple[list[Any], int]] = [([], 0) for _ in range(n)]
     contents = [b[0] for b in buckets]
     loads = [0] * n
-    byte_items = [i for i in items if not _is_tensor(i)]
+    byte_items = [i for i in items if not item_is_tensor(i)]
     for k, item in enumerate(byte_items):
         contents[k % n].append(item)
     # sort is stable: equal sizes keep their plan order, so the result is deterministic
-    tensors = sorted((i for i in items if _is_tensor(i)), key=item_nbytes, reverse=True)
+    tensors = sorted((i for i in items if item_is_tensor(i)), key=item_nbytes, reverse=True)
     heap = [(0, b) for b in range(n)]  # (load, bucket index): ties go to the lower index
     for item in tensors:
         load, b = heapq.heappop(heap)
