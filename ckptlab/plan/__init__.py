@@ -11,7 +11,12 @@
 - :mod:`~ckptlab.plan.ranks`: run a function on real gloo ranks.
 """
 
-from ckptlab.plan.cache import CacheEvent, PlanCache, structure_fingerprint, write_metadata
+from ckptlab.plan.cache import (
+    CacheEvent,
+    PlanCache,
+    structure_fingerprint,
+    write_metadata,
+)
 from ckptlab.plan.items import (
     LocalPlan,
     WriteItem,

@@ -16,6 +16,7 @@ Every lookup is recorded in :attr:`PlanCache.events` (for the cache timeline vie
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
@@ -29,7 +30,7 @@ from ckptlab.errors import InvalidArgumentError, PlanError, StorageIOError
 from ckptlab.plan.items import LocalPlan
 from ckptlab.plan.planning import GlobalPlan, PlanBook, raise_problems
 
-__all__ = ["CacheEvent", "PlanCache", "structure_fingerprint", "write_metadata"]
+__all__ = ["CacheEvent", "PlanCache", "fsync_dir", "structure_fingerprint", "write_metadata"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,10 +173,24 @@ class PlanCache:
         self._metadata.clear()
 
 
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """fsync a directory, so the renames and new names in it are durable."""
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_metadata(directory: str | os.PathLike[str], data: bytes,
-                   name: str = ".metadata") -> Path:
+                   name: str = ".metadata", *, sync: bool = True) -> Path:
     """Write a checkpoint's metadata atomically: a temporary file, fsync, rename, then fsync
-    of the directory, so a reader sees the old metadata or the new one, never a part."""
+    of the directory, so a reader sees the old metadata or the new one, never a part.
+
+    Without ``sync`` the fsyncs are skipped (the rename stays atomic, not durable). On
+    failure the temporary file is removed and :class:`~ckptlab.errors.StorageIOError` says
+    which file, how many bytes and why.
+    """
     directory = Path(directory)
     final = directory / name
     tmp = directory / f"{name}.tmp"
@@ -183,14 +198,14 @@ def write_metadata(directory: str | os.PathLike[str], data: bytes,
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
         os.replace(tmp, final)
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        if sync:
+            fsync_dir(directory)
     except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise StorageIOError(f"could not write the metadata ({len(data)} bytes): "
                              f"{e.strerror or e}", path=str(final), offset=0,
                              nbytes=len(data), errno=e.errno) from e

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ckptlab.errors import InvalidArgumentError, StorageIOError, WriterError
+from ckptlab.plan.cache import fsync_dir, write_metadata
 from ckptlab.write._blob import BlobTemplates
 from ckptlab.write._io import (
     FileJob,
@@ -55,14 +56,6 @@ class _AsyncPrefix:
     prefix: str  # data files are f"{prefix}{bucket}.distcp"
     token: str  # the same on every rank of one save (set by the coordinator)
     world: int  # ranks taking part; > 1 means ranks report completion through marker files
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_small(path: str, data: bytes, *, sync: bool) -> None:
@@ -474,7 +467,7 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
                         "overwrite=False: pick a new directory or pass overwrite=True")
                 os.unlink(meta_path)  # never leave the old metadata over new data
                 if self.sync_files:
-                    _fsync_dir(self.path)
+                    fsync_dir(self.path)
             for name in os.listdir(self.path):  # stale markers of an earlier failed save
                 if name.startswith(MARKER) and self.use_collectives:
                     try:
@@ -798,22 +791,14 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
                         pass
                 return
             t = rec.now()
-            meta = os.path.join(save.path, save.metadata_name)
-            tmp = meta + ".tmp"
             try:
                 if self.io_hook is not None:
                     self.io_hook(None, "commit", save.metadata_name, 0, len(blob))
-                _write_small(tmp, blob, sync=self.sync_files)
-                os.replace(tmp, meta)
-                if self.sync_files:
-                    _fsync_dir(save.path)
+                write_metadata(save.path, blob, save.metadata_name, sync=self.sync_files)
             except Exception as exc:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
+                meta = os.path.join(save.path, save.metadata_name)
                 io_err = exc if not isinstance(exc, OSError) or isinstance(exc, StorageIOError) \
-                    else StorageIOError(f"commit failed: {exc.strerror or exc}", path=tmp,
+                    else StorageIOError(f"commit failed: {exc.strerror or exc}", path=meta,
                                         offset=0, nbytes=len(blob), errno=exc.errno)
                 save.fail(self._message(save, {"commit": io_err}), {"commit": io_err})
                 if prefix is not None and prefix.world > 1:
