@@ -1,77 +1,43 @@
-"""A safe scanner for torch.save's ``data.pkl``: it interprets the pickle, never runs it.
+"""torch's pickles read safely: which storages, which tensors, and what else the file holds.
 
-The scanner is the pure-Python unpickler from the standard library with ``find_class`` replaced:
-every global the pickle names resolves to an inert stand-in built by this module (a recorder of
-arguments), to one of a handful of harmless constructors (``OrderedDict``, ``set``,
-``frozenset``, ``complex``, latin-1 ``_codecs.encode``), and nothing is ever imported.
-Storages come from ``persistent_load`` and tensors from stand-ins of torch's rebuild functions.
+The opcodes are interpreted by :mod:`ckptlab.format._unpickle` (bounded, never imports or runs
+anything). This module gives that interpreter *handlers* for torch's rebuild functions, which
+return inert records instead of tensors:
 
-Why the pure-Python unpickler and not the C one: on Python 3.11 the C unpickler sizes its memo
-array from the index of a ``LONG_BINPUT``/``PUT`` (16 bytes x index) and preallocates
-``BINBYTES`` payloads from their declared length, so a corrupt or hostile file can make it
-allocate gigabytes. The pure-Python unpickler keeps the memo in a dict and reads payloads from
-the data it has, so memory stays proportional to the pickle.
+- dense tensors (``_rebuild_tensor``/``_v2``/``_v3``, Parameters, meta tensors, tensors with
+  Python attributes or of a Tensor subclass, old ``Tensor.__setstate__`` pickles);
+- sparse COO/CSR/CSC/BSR/BSC (``_rebuild_sparse_tensor``): their component tensors are parts;
+- quantized (``_rebuild_qtensor``, per-tensor and per-channel): integer data plus scales;
+- nested (``_rebuild_nested_tensor`` strided, ``_rebuild_njt`` jagged) and wrapper subclasses
+  (``_rebuild_wrapper_subclass``), whose inner tensors are parts.
+
+:func:`scan_pickle` walks the result and names every tensor by its path from the root object,
+the way ``torch.load`` would reach it (``dd['k']`` for a ``defaultdict``), and collects the
+non-tensor values beside them.
 """
 
 from __future__ import annotations
 
 import collections
-import io
-import pickle
 import reprlib
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from ckptlab.errors import CorruptArchiveError
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE, STORAGE_DTYPE, canonical_dtype
+from ckptlab.format._unpickle import (
+    Global,
+    OpaqueKey,
+    PickleBudgetError,
+    PickleDataError,
+    Reduced,
+    failure_offset,
+    interpret,
+)
 from ckptlab.format.layout import TensorInfo
 
-__all__ = ["PickleScan", "scan_pickle"]
-
-
-
-class _Opaque:
-    """An object the pickle builds from a global ckptlab does not interpret."""
-
-    __slots__ = ("__weakref__", "args", "items", "state")
-    global_name = "?"
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> _Opaque:
-        self = object.__new__(cls)
-        self.args = args
-        self.state = None
-        self.items: list[Any] = []
-        return self
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def append(self, item: Any) -> None:
-        self.items.append(item)
-
-    def extend(self, items: Any) -> None:
-        self.items.extend(items)
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self.items.append((key, value))
-
-    def __repr__(self) -> str:
-        return f"<opaque {self.global_name}>"
-
-
-@dataclass(frozen=True, slots=True)
-class _StorageType:
-    name: str  # "FloatStorage", "UntypedStorage"
-
-
-@dataclass(frozen=True, slots=True)
-class _Dtype:
-    name: str  # canonical dtype name
+__all__ = ["PickleScan", "ScannedTensor", "StorageRef", "scan_pickle", "torch_handlers"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,16 +52,28 @@ class StorageRef:
     nbytes: int
 
 
+_repr = reprlib.Repr()
+_repr.maxstring = _repr.maxother = 60
+_repr.maxlevel = 4
+
+
+def _short(value: Any) -> str:
+    """A bounded repr for messages (the scanned objects can be huge or deeply nested)."""
+    try:
+        return _repr.repr(value)
+    except Exception:  # a repr must never be what fails
+        return f"<{type(value).__name__}>"
+
+
+def _bad(message: str) -> PickleDataError:
+    return PickleDataError(message)
+
+
 class _TensorRef:
-    __slots__ = (
-        "dtype",
-        "is_parameter",
-        "requires_grad",
-        "shape",
-        "storage",
-        "storage_offset",
-        "stride",
-    )
+    """A dense tensor over one storage (or a meta tensor without one)."""
+
+    __slots__ = ("attrs", "dtype", "is_parameter", "pending", "requires_grad", "shape",
+                 "storage", "storage_offset", "stride", "subclass")
 
     def __init__(self, storage: StorageRef | None, storage_offset: int, shape: tuple[int, ...],
                  stride: tuple[int, ...], requires_grad: bool, dtype: str) -> None:
@@ -106,262 +84,473 @@ class _TensorRef:
         self.requires_grad = requires_grad
         self.dtype = dtype
         self.is_parameter = False
+        self.subclass: str | None = None
+        self.attrs: Any = None
+        self.pending = False
 
-    def __setstate__(self, state: Any) -> None:  # torch never BUILDs a rebuilt tensor
-        raise _ScanError("BUILD applied to a rebuilt tensor")
-
-
-class _Call:
-    """A callable stand-in for one interpreted global; refuses BUILD and NEWOBJ."""
-
-    __slots__ = ("fn", "name")
-
-    def __init__(self, fn: Any, name: str) -> None:
-        self.fn = fn
-        self.name = name
-
-    def __call__(self, *args: Any) -> Any:
-        return self.fn(*args)
-
-    def __setstate__(self, state: Any) -> None:
-        raise pickle.UnpicklingError(f"BUILD applied to the global {self.name}")
-
-
-_repr = reprlib.Repr()
-_repr.maxstring = _repr.maxother = 60
+    def ckptlab_build(self, state: Any) -> None:
+        """``torch.Tensor.__setstate__``: only for a tensor made by ``copyreg._reconstructor``."""
+        if not self.pending:
+            raise _bad("BUILD applied to a rebuilt tensor")
+        if isinstance(state, tuple) and len(state) == 4:  # legacy (storage, offset, size, stride)
+            ref = _dense(state[0], state[1], state[2], state[3], False, None)
+        elif isinstance(state, tuple) and len(state) == 5 and isinstance(state[0], _TensorRef):
+            ref = state[0]  # legacy Variable: (data, ?, ?, requires_grad, hooks)
+            self.requires_grad = bool(state[3])
+        elif isinstance(state, tuple) and len(state) == 3:
+            self.requires_grad = bool(state[0])
+            return
+        else:
+            raise _bad(f"Tensor state of an unknown form: {_short(state)}")
+        for name in ("storage", "storage_offset", "shape", "stride", "dtype"):
+            setattr(self, name, getattr(ref, name))
+        self.pending = False
 
 
-def _short(value: Any) -> str:
-    """A bounded repr for messages (the scanned objects can be huge or deeply nested)."""
-    return _repr.repr(value)
+class _CompositeRef:
+    """A tensor made of several tensors: sparse, quantized, nested, wrapper subclass."""
+
+    __slots__ = ("dtype", "extra", "kind", "layout", "parts", "requires_grad", "shape",
+                 "stride", "subclass")
+
+    def __init__(self, kind: str, dtype: str, shape: tuple[int, ...] | None,
+                 parts: list[tuple[str, _TensorRef]], *, layout: str = "strided",
+                 stride: tuple[int, ...] | None = None, extra: dict[str, Any] | None = None,
+                 requires_grad: bool = False, subclass: str | None = None) -> None:
+        self.kind = kind
+        self.dtype = dtype
+        self.shape = shape
+        self.parts = parts
+        self.layout = layout
+        self.stride = stride
+        self.extra = extra or {}
+        self.requires_grad = requires_grad
+        self.subclass = subclass
+
+    def ckptlab_build(self, state: Any) -> None:
+        raise _bad("BUILD applied to a rebuilt tensor")
 
 
-class _ScanError(Exception):
-    """Raised inside the scan; turned into CorruptArchiveError with the position."""
+_TENSOR_REFS = (_TensorRef, _CompositeRef)
 
 
-def _as_int_tuple(value: Any, what: str) -> tuple[int, ...]:
-    if isinstance(value, tuple) and all(type(v) is int for v in value):
+@dataclass(frozen=True, slots=True)
+class ScannedTensor:
+    """One tensor as a user knows it, with the storage-backed tensors it is made of.
+
+    ``parts`` pairs a role (``"data"`` for a dense tensor; ``"indices"``/``"values"``,
+    ``"crow_indices"``, ``"scales"``, ``"buffer"``, an attribute name, ...) with a
+    :class:`TensorInfo` whose ``path`` is this tensor's path plus the role for composites.
+    """
+
+    path: tuple[Any, ...]
+    kind: str  # dense | sparse | quantized | nested | subclass
+    dtype: str
+    shape: tuple[int, ...] | None  # None where only the bytes know it (strided nested)
+    stride: tuple[int, ...] | None
+    requires_grad: bool
+    is_parameter: bool
+    layout: str  # torch layout name without prefix: strided, sparse_coo, sparse_csr, jagged...
+    parts: tuple[tuple[str, TensorInfo], ...]
+    subclass: str | None = None  # qualified name of a Tensor subclass
+    extra: tuple[tuple[str, Any], ...] = ()  # qscheme, scale, zero_point, axis, ragged_idx...
+
+
+def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
+    if isinstance(value, list):
+        value = tuple(value)
+    if isinstance(value, tuple) and all(type(v) is int and v >= 0 for v in value):
+        if len(value) > 64:
+            raise _bad(f"tensor {what} has {len(value)} dimensions")
         return value
-    if isinstance(value, _Opaque) and value.args and isinstance(value.args[0], tuple):
-        return _as_int_tuple(value.args[0], what)  # torch.Size((...)) under some protocols
-    raise _ScanError(f"tensor {what} is not a tuple of ints: {_short(value)}")
+    raise _bad(f"tensor {what} is not a tuple of non-negative ints: {_short(value)}")
 
 
 def _check_int(value: Any, what: str) -> int:
     if type(value) is not int or value < 0:
-        raise _ScanError(f"tensor {what} is not a non-negative int: {_short(value)}")
+        raise _bad(f"tensor {what} is not a non-negative int: {_short(value)}")
     return value
 
 
-class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
-    """The interpreter. One instance scans one pickle."""
+def _dtype_of(value: Any, what: str) -> str:
+    if isinstance(value, Global) and value.module == "torch":
+        name = canonical_dtype(value.name)
+        if name is not None:
+            return name
+    raise _bad(f"{what} is not a torch dtype: {_short(value)}")
 
-    def __init__(self, data: bytes) -> None:
-        self._stream = io.BytesIO(data)
-        super().__init__(self._stream)
+
+def _dense(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any,
+           dtype: str | None) -> _TensorRef:
+    if not isinstance(storage, StorageRef):
+        raise _bad(f"tensor rebuilt from a non-storage {_short(storage)}")
+    shape = _int_tuple(size, "shape")
+    strides = _int_tuple(stride, "stride")
+    if len(shape) != len(strides):
+        raise _bad(f"tensor shape {shape} and stride {strides} differ in length")
+    return _TensorRef(storage, _check_int(offset, "storage offset"), shape, strides,
+                      bool(requires_grad), dtype or storage.dtype)
+
+
+def _layout_name(value: Any) -> str:
+    if isinstance(value, str) and value.startswith("torch."):
+        return value[len("torch."):]
+    if isinstance(value, Global) and value.module == "torch":
+        return value.name
+    raise _bad(f"not a torch layout: {_short(value)}")
+
+
+class _TorchHandlers:
+    """Handlers for one scan: they share its storage table."""
+
+    def __init__(self) -> None:
         self.storages: dict[str, StorageRef] = {}
         self.storage_order: list[str] = []
-        self.globals_seen: list[str] = []
-        self._classes: dict[str, type] = {}
-        self._stand_ins = {
-            ("torch._utils", "_rebuild_tensor_v2"): _Call(self._rebuild_v2, "_rebuild_tensor_v2"),
-            ("torch._utils", "_rebuild_tensor"): _Call(self._rebuild_v2, "_rebuild_tensor"),
-            ("torch._utils", "_rebuild_tensor_v3"): _Call(self._rebuild_v3, "_rebuild_tensor_v3"),
-            ("torch._utils", "_rebuild_parameter"): _Call(self._rebuild_parameter, "_rebuild_parameter"),
-            ("torch._utils", "_rebuild_parameter_with_state"): _Call(
-                self._rebuild_parameter, "_rebuild_parameter_with_state"),
-            ("torch._utils", "_rebuild_from_type_v2"): _Call(self._rebuild_from_type, "_rebuild_from_type_v2"),
-            ("torch._utils", "_rebuild_from_type"): _Call(self._rebuild_from_type, "_rebuild_from_type"),
-            # tensors with Python attributes and Tensor subclasses reduce through torch._tensor
-            ("torch._tensor", "_rebuild_from_type_v2"): _Call(self._rebuild_from_type,
-                                                              "_rebuild_from_type_v2"),
-            ("torch._tensor", "_rebuild_from_type"): _Call(self._rebuild_from_type,
-                                                           "_rebuild_from_type"),
-            ("torch._utils", "_rebuild_meta_tensor_no_storage"): _Call(
-                self._rebuild_meta, "_rebuild_meta_tensor_no_storage"),
-            ("torch._utils", "_rebuild_device_tensor_from_cpu_tensor"): _Call(
-                self._rebuild_device_from_cpu, "_rebuild_device_tensor_from_cpu_tensor"),
-            ("torch", "Size"): _Call(self._size, "Size"),
-            ("collections", "OrderedDict"): collections.OrderedDict,
-            ("builtins", "set"): _Call(self._set(set), "set"),
-            ("builtins", "frozenset"): _Call(self._set(frozenset), "frozenset"),
-            ("builtins", "complex"): _Call(self._complex, "complex"),
-            ("_codecs", "encode"): _Call(self._encode, "encode"),
+        self.pending: list[_TensorRef] = []
+
+    def table(self) -> dict[tuple[str, str], Any]:
+        dense_v2 = self.rebuild_v2
+        from_type = self.rebuild_from_type
+        table: dict[tuple[str, str], Any] = {
+            ("torch._utils", "_rebuild_tensor_v2"): dense_v2,
+            ("torch._utils", "_rebuild_tensor"): self.rebuild_v1,
+            ("torch._utils", "_rebuild_tensor_v3"): self.rebuild_v3,
+            ("torch._utils", "_rebuild_parameter"): self.rebuild_parameter,
+            ("torch._utils", "_rebuild_parameter_with_state"): self.rebuild_parameter,
+            ("torch._utils", "_rebuild_from_type_v2"): from_type,
+            ("torch._utils", "_rebuild_from_type"): from_type,
+            ("torch._tensor", "_rebuild_from_type_v2"): from_type,
+            ("torch._tensor", "_rebuild_from_type"): from_type,
+            ("torch._utils", "_rebuild_meta_tensor_no_storage"): self.rebuild_meta,
+            ("torch._utils", "_rebuild_device_tensor_from_cpu_tensor"): self.rebuild_device,
+            ("torch._utils", "_rebuild_sparse_tensor"): self.rebuild_sparse,
+            ("torch._utils", "_rebuild_qtensor"): self.rebuild_qtensor,
+            ("torch._utils", "_rebuild_nested_tensor"): self.rebuild_nested,
+            ("torch._utils", "_rebuild_wrapper_subclass"): self.rebuild_wrapper_subclass,
+            ("torch.nested._internal.nested_tensor", "_rebuild_njt"): self.rebuild_njt,
+            ("torch", "Size"): self.size,
+            ("torch", "device"): self.device,
+            ("torch.serialization", "_get_layout"): self.layout,
+            ("collections", "OrderedDict"): self.ordered_dict,
+            ("builtins", "set"): self.set_of(set),
+            ("__builtin__", "set"): self.set_of(set),
+            ("builtins", "frozenset"): self.set_of(frozenset),
+            ("__builtin__", "frozenset"): self.set_of(frozenset),
+            ("builtins", "complex"): self.complex,
+            ("__builtin__", "complex"): self.complex,
+            ("_codecs", "encode"): self.encode,
+            ("copyreg", "_reconstructor"): self.reconstructor,
+            ("copy_reg", "_reconstructor"): self.reconstructor,
         }
+        self.dispatch = table
+        return table
 
-    # -- pickle hooks -------------------------------------------------------------------
-    def find_class(self, module: str, name: str) -> Any:
-        qualname = f"{module}.{name}"
-        self.globals_seen.append(qualname)
-        found = self._stand_ins.get((module, name))
-        if found is not None:
-            return found
-        if module in ("torch", "torch.storage") and name in STORAGE_DTYPE:
-            return _StorageType(name)  # v3 tensors pickle torch.storage.UntypedStorage
-        if module == "torch":
-            dtype = canonical_dtype(name)
-            if dtype is not None:
-                return _Dtype(dtype)
-        cls = self._classes.get(qualname)
-        if cls is None:
-            cls = type(name if name.isidentifier() else "global", (_Opaque,),
-                       {"__slots__": (), "global_name": qualname})
-            self._classes[qualname] = cls
-        return cls
-
+    # -- storages -----------------------------------------------------------------------
     def persistent_load(self, pid: Any) -> StorageRef:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise _ScanError(f"unexpected persistent id {_short(pid)}")
+            raise _bad(f"unexpected persistent id {_short(pid)}")
         _, storage_type, key, location, numel = pid
-        if not isinstance(storage_type, _StorageType):
-            raise _ScanError(f"persistent id names a non-storage type {_short(storage_type)}")
+        if not (isinstance(storage_type, Global) and storage_type.module in (
+                "torch", "torch.storage") and storage_type.name in STORAGE_DTYPE):
+            raise _bad(f"persistent id names a non-storage type {_short(storage_type)}")
         if not isinstance(key, str) or not isinstance(location, str):
-            raise _ScanError(f"persistent id key/location are not strings: {_short(pid)}")
+            raise _bad(f"persistent id key/location are not strings: {_short(pid)}")
         numel = _check_int(numel, "storage numel")
         dtype = STORAGE_DTYPE[storage_type.name]
+        nbytes = numel * DTYPE_ITEMSIZE[dtype]
         ref = self.storages.get(key)
         if ref is None:
-            ref = StorageRef(key, storage_type.name, dtype, location, numel,
-                             numel * DTYPE_ITEMSIZE[dtype])
+            ref = StorageRef(key, storage_type.name, dtype, location, numel, nbytes)
             self.storages[key] = ref
             self.storage_order.append(key)
-        elif ref.nbytes != numel * DTYPE_ITEMSIZE[dtype]:
+        elif ref.nbytes != nbytes:
             # torch may pickle one storage under two classes (a float8 weight and its uint8
             # view); only the byte size has to agree
-            raise _ScanError(
-                f"storage {_short(key)} declared twice with different sizes: "
-                f"{ref.storage_type}[{ref.numel}] and {storage_type.name}[{numel}]")
+            raise _bad(f"storage {_short(key)} declared twice with different sizes: "
+                       f"{ref.storage_type}[{ref.numel}] and {storage_type.name}[{numel}]")
         return ref
 
-    def _load_frame(self) -> None:
-        # FRAME (protocol 4+) only tells the reader how much to buffer; the framed bytes are
-        # the same opcodes, so reading straight through is exact. Only the length is checked.
-        (frame_nbytes,) = struct.unpack("<Q", self.read(8))
-        remaining = len(self._stream.getbuffer()) - self._stream.tell()
-        if frame_nbytes > remaining:
-            raise _ScanError(f"FRAME of {frame_nbytes} bytes with {remaining} bytes left")
+    # -- dense --------------------------------------------------------------------------
+    def rebuild_v1(self, storage: Any = None, offset: Any = None, size: Any = None,
+                   stride: Any = None, *rest: Any) -> _TensorRef:
+        return _dense(storage, offset, size, stride, False, None)
 
-    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
-    dispatch[pickle.FRAME[0]] = _load_frame
+    def rebuild_v2(self, storage: Any = None, offset: Any = None, size: Any = None,
+                   stride: Any = None, requires_grad: Any = False, *rest: Any) -> _TensorRef:
+        return _dense(storage, offset, size, stride, requires_grad, None)
 
-    def load(self) -> Any:  # the stdlib loop, reading the stream directly (see _load_frame)
-        self.metastack = []
-        self.stack = []
-        self.append = self.stack.append
-        self.proto = 0
-        self.read = read = self._stream.read
-        self.readline = self._stream.readline
-        self.readinto = self._stream.readinto
-        dispatch = self.dispatch
-        try:
-            while True:
-                key = read(1)
-                if not key:
-                    raise EOFError
-                dispatch[key[0]](self)
-        except pickle._Stop as stopinst:  # type: ignore[attr-defined]
-            return stopinst.value
+    def rebuild_v3(self, storage: Any = None, offset: Any = None, size: Any = None,
+                   stride: Any = None, requires_grad: Any = False, hooks: Any = None,
+                   dtype: Any = None, *rest: Any) -> _TensorRef:
+        return _dense(storage, offset, size, stride, requires_grad,
+                      _dtype_of(dtype, "_rebuild_tensor_v3's dtype"))
 
-    # -- stand-ins ----------------------------------------------------------------------
-    def _tensor(self, storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any,
-                dtype: str | None) -> _TensorRef:
-        if not isinstance(storage, StorageRef):
-            raise _ScanError(f"tensor rebuilt from a non-storage {_short(storage)}")
-        shape = _as_int_tuple(size, "shape")
-        strides = _as_int_tuple(stride, "stride")
-        if len(shape) != len(strides):
-            raise _ScanError(f"tensor shape {shape} and stride {strides} differ in length")
-        return _TensorRef(storage, _check_int(offset, "storage offset"), shape, strides,
-                          bool(requires_grad), dtype or storage.dtype)
+    def rebuild_parameter(self, data: Any = None, requires_grad: Any = False, hooks: Any = None,
+                          state: Any = None, *rest: Any) -> Any:
+        if isinstance(data, _TENSOR_REFS):
+            data.requires_grad = bool(requires_grad)
+            if isinstance(data, _TensorRef):
+                data.is_parameter = True
+                if state is not None:
+                    data.attrs = state
+        return data
 
-    def _rebuild_v2(self, storage: Any = None, offset: Any = None, size: Any = None,
-                    stride: Any = None, requires_grad: Any = False, *rest: Any) -> _TensorRef:
-        return self._tensor(storage, offset, size, stride, requires_grad, None)
+    def rebuild_meta(self, dtype: Any = None, size: Any = None, stride: Any = None,
+                     requires_grad: Any = False, *rest: Any) -> _TensorRef:
+        shape = _int_tuple(size, "shape")
+        return _TensorRef(None, 0, shape, _int_tuple(stride, "stride"), bool(requires_grad),
+                          _dtype_of(dtype, "meta tensor dtype"))
 
-    def _rebuild_v3(self, storage: Any = None, offset: Any = None, size: Any = None,
-                    stride: Any = None, requires_grad: Any = False, hooks: Any = None,
-                    dtype: Any = None, *rest: Any) -> _TensorRef:
-        if not isinstance(dtype, _Dtype):
-            raise _ScanError(f"_rebuild_tensor_v3 without a dtype: {_short(dtype)}")
-        return self._tensor(storage, offset, size, stride, requires_grad, dtype.name)
-
-    def _rebuild_parameter(self, data: Any = None, requires_grad: Any = False,
-                           *rest: Any) -> Any:
+    def rebuild_device(self, data: Any = None, dtype: Any = None, device: Any = None,
+                       requires_grad: Any = False, *rest: Any) -> Any:
         if isinstance(data, _TensorRef):
             data.requires_grad = bool(requires_grad)
-            data.is_parameter = True
         return data
 
-    def _rebuild_from_type(self, func: Any = None, new_type: Any = None, args: Any = (),
-                           state: Any = None) -> Any:
-        if isinstance(func, _Call) and isinstance(args, tuple):
-            return func(*args)
-        raise _ScanError(f"_rebuild_from_type with an uninterpreted function {_short(func)}")
+    def rebuild_from_type(self, func: Any = None, new_type: Any = None, args: Any = (),
+                          state: Any = None) -> Any:
+        handler = self.dispatch.get((func.module, func.name)) if isinstance(func, Global) \
+            else None
+        if handler is None or not isinstance(args, tuple):
+            raise _bad(f"_rebuild_from_type with an uninterpreted function {_short(func)}")
+        result = handler(*args)
+        if not isinstance(result, _TENSOR_REFS):
+            raise _bad(f"_rebuild_from_type of {_short(func)} gave no tensor")
+        if isinstance(new_type, Global):
+            qualname = new_type.qualname
+            if qualname in ("torch.nn.parameter.Parameter", "torch.nn.Parameter") and \
+                    isinstance(result, _TensorRef):
+                result.is_parameter = True
+            elif qualname not in ("torch.Tensor", "torch._tensor.Tensor"):
+                result.subclass = qualname
+        if isinstance(result, _CompositeRef) and result.kind == "subclass":
+            result.parts.extend(_state_tensors(state))
+        elif isinstance(result, _TensorRef) and state not in (None, {}):
+            result.attrs = state
+        return result
 
-    def _rebuild_meta(self, dtype: Any = None, size: Any = None, stride: Any = None,
-                      requires_grad: Any = False, *rest: Any) -> _TensorRef:
-        if not isinstance(dtype, _Dtype):
-            raise _ScanError(f"meta tensor without a dtype: {_short(dtype)}")
-        shape = _as_int_tuple(size, "shape")
-        return _TensorRef(None, 0, shape, _as_int_tuple(stride, "stride"), bool(requires_grad),
-                          dtype.name)
+    def reconstructor(self, cls: Any = None, base: Any = None, state: Any = None) -> Any:
+        if isinstance(cls, Global) and cls.qualname in (
+                "torch.Tensor", "torch._tensor.Tensor", "torch.nn.parameter.Parameter"):
+            ref = _TensorRef(None, 0, (), (), False, "float32")
+            ref.pending = True
+            ref.is_parameter = cls.name == "Parameter"
+            self.pending.append(ref)
+            return ref
+        if not isinstance(cls, Global):
+            raise _bad(f"copyreg._reconstructor of {_short(cls)}")
+        return Reduced(cls, ())
 
-    def _rebuild_device_from_cpu(self, data: Any = None, *rest: Any) -> Any:
-        return data
+    # -- composite ----------------------------------------------------------------------
+    def rebuild_sparse(self, layout: Any = None, data: Any = None) -> _CompositeRef:
+        name = _layout_name(layout)
+        if not isinstance(data, tuple):
+            raise _bad("sparse tensor data is not a tuple")
+        if name == "sparse_coo":
+            if len(data) == 3:
+                indices, values, size = data
+                coalesced = None
+            elif len(data) == 4:
+                indices, values, size, coalesced = data
+            else:
+                raise _bad(f"sparse COO data of {len(data)} items")
+            parts = [("indices", indices), ("values", values)]
+            extra = {"is_coalesced": coalesced}
+        elif name in ("sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc"):
+            if len(data) != 4:
+                raise _bad(f"sparse compressed data of {len(data)} items")
+            compressed, plain, values, size = data
+            row = name in ("sparse_csr", "sparse_bsr")
+            parts = [("crow_indices" if row else "ccol_indices", compressed),
+                     ("col_indices" if row else "row_indices", plain), ("values", values)]
+            extra = {}
+        else:
+            raise _bad(f"sparse layout {name!r} is not one torch saves")
+        for role, part in parts:
+            if not isinstance(part, _TensorRef) or part.pending:
+                raise _bad(f"sparse {role} is not a tensor: {_short(part)}")
+        values_ref = parts[-1][1]
+        return _CompositeRef("sparse", values_ref.dtype, _int_tuple(size, "size"), parts,
+                             layout=name, extra=extra)
+
+    def rebuild_qtensor(self, storage: Any = None, offset: Any = None, size: Any = None,
+                        stride: Any = None, qparams: Any = None, requires_grad: Any = False,
+                        *rest: Any) -> _CompositeRef:
+        data = _dense(storage, offset, size, stride, requires_grad, None)
+        if not (isinstance(qparams, tuple) and qparams and isinstance(qparams[0], Global)):
+            raise _bad(f"quantizer parameters of an unknown form: {_short(qparams)}")
+        scheme = qparams[0].name
+        parts: list[tuple[str, _TensorRef]] = [("data", data)]
+        extra: dict[str, Any] = {"qscheme": scheme}
+        if scheme == "per_tensor_affine" and len(qparams) == 3:
+            scale, zero_point = qparams[1], qparams[2]
+            if type(scale) is not float or type(zero_point) is not int:
+                raise _bad("per-tensor scale/zero point are not float/int")
+            extra.update(scale=scale, zero_point=zero_point)
+        elif scheme in ("per_channel_affine", "per_channel_affine_float_qparams") and \
+                len(qparams) == 4:
+            scales, zero_points, axis = qparams[1], qparams[2], qparams[3]
+            if type(axis) is not int or not 0 <= axis < len(data.shape):
+                raise _bad(f"per-channel axis {_short(axis)} out of range")
+            for role, value in (("scales", scales), ("zero_points", zero_points)):
+                if isinstance(value, _TensorRef):
+                    parts.append((role, value))
+                elif isinstance(value, list) and all(type(v) in (int, float) for v in value):
+                    extra[role] = tuple(value)
+                else:
+                    raise _bad(f"per-channel {role} is not a tensor or a list of numbers")
+            extra["axis"] = axis
+        else:
+            raise _bad(f"quantization scheme {scheme!r} with {len(qparams)} parameters")
+        return _CompositeRef("quantized", data.dtype, data.shape, parts, stride=data.stride,
+                             extra=extra, requires_grad=bool(requires_grad))
+
+    def rebuild_nested(self, buffer: Any = None, sizes: Any = None, strides: Any = None,
+                       offsets: Any = None) -> _CompositeRef:
+        parts = [("buffer", buffer), ("nested_sizes", sizes), ("nested_strides", strides),
+                 ("storage_offsets", offsets)]
+        for role, part in parts:
+            if not isinstance(part, _TensorRef):
+                raise _bad(f"nested tensor {role} is not a tensor: {_short(part)}")
+        if sizes.dtype != "int64" or len(sizes.shape) != 2:
+            raise _bad("nested tensor sizes are not a 2-D int64 tensor")
+        return _CompositeRef("nested", buffer.dtype, None, parts, layout="strided",
+                             extra={"ntensors": sizes.shape[0]})
+
+    def rebuild_njt(self, kwargs: Any = None) -> _CompositeRef:
+        if not isinstance(kwargs, dict):
+            raise _bad("_rebuild_njt without keyword arguments")
+        values, offsets = kwargs.get("values"), kwargs.get("offsets")
+        if not (isinstance(values, _TensorRef) and isinstance(offsets, _TensorRef)):
+            raise _bad("jagged nested tensor without values/offsets tensors")
+        parts = [("values", values), ("offsets", offsets)]
+        lengths = kwargs.get("lengths")
+        if isinstance(lengths, _TensorRef):
+            parts.append(("lengths", lengths))
+        ragged = kwargs.get("_ragged_idx", 1)
+        if type(ragged) is not int or not 1 <= ragged <= len(values.shape):
+            raise _bad(f"jagged nested tensor ragged index {_short(ragged)}")
+        cache = kwargs.get("_metadata_cache")
+        if isinstance(cache, dict):
+            for key in ("min_seqlen", "max_seqlen"):
+                if isinstance(cache.get(key), _TensorRef):
+                    parts.append((key, cache[key]))
+        if len(offsets.shape) != 1 or offsets.shape[0] < 1:
+            raise _bad("jagged nested tensor offsets are not 1-D")
+        batch = offsets.shape[0] - 1
+        # the ragged dimension has no fixed size: reported as -1, as torch prints 'j1'
+        shape = (batch, *values.shape[:ragged - 1], -1, *values.shape[ragged:])
+        return _CompositeRef("nested", values.dtype, shape, parts, layout="jagged",
+                             extra={"ragged_idx": ragged},
+                             subclass="torch.nested._internal.nested_tensor.NestedTensor")
+
+    def rebuild_wrapper_subclass(self, cls: Any = None, dtype: Any = None, size: Any = None,
+                                 stride: Any = None, storage_offset: Any = 0,
+                                 layout: Any = None, device: Any = None,
+                                 requires_grad: Any = False, *rest: Any) -> _CompositeRef:
+        if not isinstance(cls, Global):
+            raise _bad(f"wrapper subclass of {_short(cls)}")
+        return _CompositeRef("subclass", _dtype_of(dtype, "wrapper subclass dtype"),
+                             _int_tuple(size, "size"), [], stride=_int_tuple(stride, "stride"),
+                             layout=_layout_name(layout) if layout is not None else "strided",
+                             requires_grad=bool(requires_grad), subclass=cls.qualname,
+                             extra={"storage_offset": storage_offset,
+                                    "device": device if isinstance(device, str) else None})
+
+    # -- plain values -------------------------------------------------------------------
+    @staticmethod
+    def size(value: Any = ()) -> tuple[int, ...]:
+        return _int_tuple(value, "size")
 
     @staticmethod
-    def _size(value: Any = ()) -> tuple[int, ...]:
-        return _as_int_tuple(tuple(value) if isinstance(value, list) else value, "size")
+    def device(value: Any = "cpu", index: Any = None) -> str:
+        if not isinstance(value, str) or (index is not None and type(index) is not int):
+            raise _bad(f"torch.device({_short(value)})")
+        return value if index is None else f"{value}:{index}"
 
     @staticmethod
-    def _set(kind: type) -> Any:
+    def layout(value: Any = "") -> str:
+        if not isinstance(value, str) or not value.startswith("torch."):
+            raise _bad(f"_get_layout({_short(value)})")
+        return value
+
+    @staticmethod
+    def ordered_dict(items: Any = None) -> dict[Any, Any]:
+        if items not in (None, (), []):
+            raise _bad("OrderedDict() with arguments")
+        return collections.OrderedDict()
+
+    @staticmethod
+    def set_of(kind: type) -> Any:
         def build(items: Any = ()) -> Any:
             if not isinstance(items, (list, tuple)):
-                raise _ScanError(f"{kind.__name__}() of a {type(items).__name__}")
-            return kind(items)
+                raise _bad(f"{kind.__name__}() of a {type(items).__name__}")
+            return kind(i if type(i) in (str, int, float, bool, bytes) else OpaqueKey(i)
+                        for i in items)
         return build
 
     @staticmethod
-    def _complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
+    def complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
         if not all(type(v) in (int, float) for v in (real, imag)):
-            raise _ScanError("complex() of non-numbers")
+            raise _bad("complex() of non-numbers")
         return complex(real, imag)
 
     @staticmethod
-    def _encode(text: Any = "", encoding: Any = "latin1") -> bytes:
+    def encode(text: Any = "", encoding: Any = "latin1") -> bytes:
         if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-            raise _ScanError("_codecs.encode other than str -> latin1")
-        return text.encode("latin1")
+            raise _bad("_codecs.encode other than str -> latin1")
+        try:
+            return text.encode("latin1")
+        except UnicodeEncodeError:
+            raise _bad("_codecs.encode of text outside latin-1") from None
+
+
+def torch_handlers() -> tuple[_TorchHandlers, dict[tuple[str, str], Any]]:
+    """A fresh handler set (storage table included) for one torch pickle."""
+    handlers = _TorchHandlers()
+    return handlers, handlers.table()
+
+
+def _state_tensors(state: Any) -> list[tuple[str, _TensorRef]]:
+    """The inner tensors of a wrapper subclass's state, by attribute name."""
+    if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+        state = {**(state[0] if isinstance(state[0], dict) else {}), **state[1]}
+    if not isinstance(state, dict):
+        return []
+    return [(str(k), v) for k, v in state.items()
+            if isinstance(k, str) and isinstance(v, _TensorRef)]
 
 
 @dataclass(frozen=True, slots=True)
 class PickleScan:
-    """What a scan of data.pkl found."""
+    """What a scan of a torch pickle found."""
 
     storages: tuple[StorageRef, ...]  # in first-encounter (pickle) order
-    tensors: tuple[TensorInfo, ...]  # in tree-walk order from the root
+    tensors: tuple[TensorInfo, ...]  # storage-backed tensors (composites' parts too), walk order
     protocol: int
     globals: tuple[str, ...]  # every global the pickle named, in order (module.name)
-    root: Any  # the scanned object tree: containers, stand-ins, plain values
+    root: Any  # the scanned object tree: containers, inert records, plain values
+    logical: tuple[ScannedTensor, ...] = ()  # every tensor as a user knows it, walk order
+    objects: tuple[tuple[tuple[Any, ...], Any], ...] = ()  # (path, value) of non-tensor values
 
 
-MAX_DEPTH = 256  # object nesting the scanner follows; real checkpoints stay under ~20
-_CONTAINERS = (dict, list, tuple, set, frozenset, _Opaque)
+MAX_DEPTH = 256  # object nesting the walk follows; real checkpoints stay under ~20
+_CONTAINERS = (dict, list, tuple, set, frozenset, Reduced)
 
 
 def _children(obj: Any) -> Iterator[tuple[Any, Any]]:
     if isinstance(obj, dict):
         return iter(obj.items())
-    if isinstance(obj, (list, tuple, set, frozenset)):
+    if isinstance(obj, (list, tuple)):
         return enumerate(obj)
-    return _opaque_children(obj)
+    if isinstance(obj, (set, frozenset)):
+        return enumerate(v.value if isinstance(v, OpaqueKey) else v for v in obj)
+    return _reduced_children(obj)
 
 
-def _opaque_children(obj: _Opaque) -> Iterator[tuple[Any, Any]]:
-    """Constructor args, then state (attribute names when it is a dict), then appended items."""
-    for i, v in enumerate(obj.args):
-        yield f"args[{i}]", v
+def _reduced_children(obj: Reduced) -> Iterator[tuple[Any, Any]]:
+    """Mapping items (as torch would index them), attributes, constructor args, list items."""
+    yield from obj.pairs
     state = obj.state
     if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
         state = {**(state[0] if isinstance(state[0], dict) else {}), **state[1]}
@@ -369,51 +558,106 @@ def _opaque_children(obj: _Opaque) -> Iterator[tuple[Any, Any]]:
         yield from state.items()
     elif state is not None:
         yield "state", state
+    if not obj.pairs:  # a defaultdict's factory is not part of what users index
+        for i, v in enumerate(obj.args):
+            yield f"args[{i}]", v
     for i, v in enumerate(obj.items):
-        yield f"items[{i}]", v
+        yield i, v
 
 
-def _walk(root: Any) -> list[tuple[tuple[Any, ...], _TensorRef]]:
-    """Every tensor reachable from root with its path, depth first in container order.
+def _path_key(key: Any) -> Any:
+    """A path element that prints and serialises safely: plain keys as they are, others as a
+    bounded repr (a key can be any object, even a deep tuple)."""
+    if isinstance(key, OpaqueKey):
+        key = key.value
+    kind = type(key)
+    if kind is str or kind is bool or kind is float or key is None:
+        return key
+    if kind is int:
+        return key if -(1 << 64) < key < (1 << 64) else _short(key)
+    return _short(key)
 
-    Each container is entered once (a container reachable twice is listed under its first
-    path), so the walk is linear in the size of the object graph; paths are only built for
-    tensors.
+
+def _walk(root: Any) -> tuple[list[tuple[tuple[Any, ...], Any]],
+                              list[tuple[tuple[Any, ...], Any]]]:
+    """Every tensor reachable from root with its path, and the non-tensor values beside them.
+
+    Depth first in container order; each container is entered once (one reachable twice is
+    listed under its first path), so the walk is linear in the object graph. A value is
+    reported when no container above it is reported, and a container is reported whole when
+    it holds no tensor.
     """
-    if isinstance(root, _TensorRef):
-        return [((), root)]
+    if isinstance(root, _TENSOR_REFS):
+        return [((), root)], []
     if not isinstance(root, _CONTAINERS):
-        return []
-    found: list[tuple[tuple[Any, ...], _TensorRef]] = []
+        return [], [((), root)]
+    found: list[tuple[tuple[Any, ...], Any]] = []
+    visits: list[tuple[tuple[Any, ...], Any, int]] = []  # preorder: (path, value, container id)
+    holds_tensor: set[int] = set()
     seen = {id(root)}
     path: list[Any] = []  # keys from the root to the container on top of the stack
+    ids = [id(root)]
     stack = [_children(root)]
     while stack:
         for key, value in stack[-1]:
-            if isinstance(value, _TensorRef):
-                found.append(((*path, key), value))
-            elif isinstance(value, _CONTAINERS) and id(value) not in seen:
+            key = _path_key(key)
+            if isinstance(value, _TENSOR_REFS):
+                if not (isinstance(value, _TensorRef) and value.pending):
+                    found.append(((*path, key), value))
+                    holds_tensor.update(ids)
+                continue
+            is_container = isinstance(value, _CONTAINERS)
+            visits.append(((*path, key), value, id(value) if is_container else 0))
+            if is_container and id(value) not in seen:
                 seen.add(id(value))
                 if len(stack) >= MAX_DEPTH:
-                    raise _ScanError(f"objects nested deeper than {MAX_DEPTH} levels")
+                    raise _bad(f"objects nested deeper than {MAX_DEPTH} levels")
                 path.append(key)
+                ids.append(id(value))
                 stack.append(_children(value))
                 break
         else:
             stack.pop()
+            ids.pop()
             if path:
                 path.pop()
-    return found
+    objects: list[tuple[tuple[Any, ...], Any]] = []
+    reported_depth = 0  # 0: nothing reported above; else the path length of the last report
+    for vpath, value, cid in visits:
+        if reported_depth and len(vpath) > reported_depth:
+            continue  # inside a container reported whole
+        reported_depth = 0
+        if cid and cid in holds_tensor:
+            continue
+        objects.append((vpath, value))
+        if cid:
+            reported_depth = len(vpath)
+    return found, objects
+
+
+def _info(path: tuple[Any, ...], t: _TensorRef) -> TensorInfo:
+    return TensorInfo(path, t.storage.key if t.storage is not None else "", t.dtype, t.shape,
+                      t.stride, t.storage_offset, t.requires_grad, t.is_parameter)
+
+
+def _scanned(path: tuple[Any, ...], ref: Any) -> ScannedTensor:
+    if isinstance(ref, _TensorRef):
+        return ScannedTensor(path, "subclass" if ref.subclass else "dense", ref.dtype, ref.shape,
+                             ref.stride, ref.requires_grad, ref.is_parameter, "strided",
+                             (("data", _info(path, ref)),), ref.subclass)
+    parts = tuple((role, _info((*path, role), p)) for role, p in ref.parts)
+    return ScannedTensor(path, ref.kind, ref.dtype, ref.shape, ref.stride, ref.requires_grad,
+                         False, ref.layout, parts, ref.subclass, tuple(ref.extra.items()))
 
 
 def scan_pickle(data: bytes, *, path: str = "<bytes>", record: str = "data.pkl",
                 data_offset: int = 0) -> PickleScan:
-    """Interpret a torch.save pickle without importing or calling anything it names.
+    """Interpret a torch pickle without importing or calling anything it names.
 
     Parameters
     ----------
     data
-        The bytes of ``data.pkl``.
+        The bytes of ``data.pkl`` (or any torch pickle whose storages are persistent ids).
     path, record, data_offset
         Where the bytes came from, for error messages (offsets are reported in the file).
 
@@ -425,27 +669,26 @@ def scan_pickle(data: bytes, *, path: str = "<bytes>", record: str = "data.pkl",
     Raises
     ------
     CorruptArchiveError
-        The pickle is malformed, truncated, or rebuilds tensors from nonsense.
+        The pickle is malformed, truncated, over budget, or rebuilds tensors from nonsense.
     """
-    unpickler = _Unpickler(data)
+    handlers, table = torch_handlers()
     try:
-        root = unpickler.load()
-        end = unpickler._stream.tell()
-        tensors = [TensorInfo(tpath, t.storage.key if t.storage is not None else "", t.dtype,
-                              t.shape, t.stride, t.storage_offset, t.requires_grad,
-                              t.is_parameter) for tpath, t in _walk(root)]
-    except Exception as exc:  # nothing from the file runs, so any failure means bad data
-        where = unpickler._stream.tell()
-        reason = str(exc) or type(exc).__name__
-        if isinstance(exc, EOFError):
-            reason = "pickle ends without a STOP opcode"
-        raise CorruptArchiveError(f"cannot interpret the pickle: {reason}", path=path,
-                                  record=record, offset=data_offset + where) from None
-    if end != len(data):
+        result = interpret(data, handlers=table, persistent_load=handlers.persistent_load,
+                           buildable=_TENSOR_REFS)
+        found, values = _walk(result.root)
+    except PickleDataError as exc:
+        kind = "is over ckptlab's budget" if isinstance(exc, PickleBudgetError) \
+            else "cannot be interpreted"
+        raise CorruptArchiveError(f"the pickle {kind}: {exc}", path=path, record=record,
+                                  offset=data_offset + failure_offset(exc)) from None
+    if result.end != len(data):
         raise CorruptArchiveError("bytes after the pickle's STOP opcode", path=path,
-                                  record=record, offset=data_offset + end,
+                                  record=record, offset=data_offset + result.end,
                                   expected=f"{len(data)} bytes of pickle",
-                                  actual=f"STOP at byte {end}")
-    storages = tuple(unpickler.storages[k] for k in unpickler.storage_order)
-    return PickleScan(storages, tuple(tensors), unpickler.proto,
-                      tuple(unpickler.globals_seen), root)
+                                  actual=f"STOP at byte {result.end}")
+    logical = tuple(_scanned(p, ref) for p, ref in found)
+    tensors = tuple(info for t in logical for _, info in t.parts if info.storage_key or
+                    t.kind == "dense")
+    storages = tuple(handlers.storages[k] for k in handlers.storage_order)
+    return PickleScan(storages, tensors, result.protocol, tuple(result.globals), result.root,
+                      logical, tuple(values))

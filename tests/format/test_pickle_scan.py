@@ -284,7 +284,7 @@ def test_hostile_pickle_never_runs(kind: str, protocol: int, tmp_path: Path,
     assert isinstance(scan, PickleScan) and scan.tensors == () and scan.storages == ()
     assert scan.globals, "the scanner saw no global"
     # the root is the scanner's inert record of the call, not what the call would return
-    assert type(scan.root).__module__ == "ckptlab.format._pickle", type(scan.root)
+    assert type(scan.root).__module__.startswith("ckptlab.format._"), type(scan.root)
     for torch_writer, archive in archives.items():
         for fn in (ckptlab.inspect, lambda s: ckptlab.storage_offsets(s, scan=True),
                    ckptlab.storage_offsets):

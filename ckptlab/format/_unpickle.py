@@ -1,0 +1,754 @@
+"""One bounded pickle interpreter for every pickle ckptlab reads.
+
+``data.pkl`` of torch.save archives, the pickles of legacy-format files, TorchScript's
+``data.pkl``/``constants.pkl`` and DCP's ``.metadata`` all go through :func:`interpret`. It is
+an opcode loop of its own over the bytes (protocols 0-5), not a subclass of :mod:`pickle`'s
+unpicklers, so every rule below holds by construction rather than by overriding hooks:
+
+- **Nothing from the file runs or is imported.** A global is a :class:`Global` (module and
+  name, nothing more). Calling it (REDUCE, NEWOBJ, NEWOBJ_EX, OBJ, INST) runs the caller's
+  *handler* for that name, which is ckptlab code, or builds an inert :class:`Reduced` record.
+  EXT1/2/4 are refused without consulting :mod:`copyreg`'s process-wide extension registry.
+- **BUILD only fills ckptlab's own plain records** (:class:`Reduced`); applied to a global, a
+  handler's result or a built-in value it is an error. Nothing can be ``setattr``'d on a class.
+- **Memory is bounded by the input.** Every opcode charges an estimate of the memory it makes
+  live against a budget of :data:`MEMORY_PER_BYTE` bytes per input byte (plus a small floor);
+  declared lengths are checked against the bytes left before anything is read; the memo is a
+  list (dense indices, as picklers write them) with a dict only for sparse indices; ints are at
+  most :data:`MAX_INT_NBYTES` bytes (so ``str()`` of any of them works).
+- **Work is linear.** Each opcode consumes at least one input byte and does work amortised over
+  the bytes that pushed its operands. Repeated globals are one dictionary lookup.
+- **Nothing attacker-deep is hashed or compared.** Dict keys and set members that are not
+  simple values (str, bytes, bounded ints, floats, bools, None, a :class:`Global`, or a small
+  flat tuple of those) are wrapped in :class:`OpaqueKey`, which hashes by identity. Hashing a
+  150,000-deep nested tuple would recurse in C and kill the process.
+
+Why not the standard library: the C unpickler sizes its memo from a ``LONG_BINPUT`` index and
+preallocates ``BINBYTES`` from the declared length (GBs from a 9-byte pickle), resolves EXT
+codes through copyreg before ``find_class``, applies BUILD with ``setattr`` to whatever object
+is on the stack, and hashes dict keys of any depth; the pure-Python one shares the last three.
+"""
+
+from __future__ import annotations
+
+import codecs
+import struct
+from collections.abc import Callable
+from typing import Any
+
+__all__ = [
+    "MAX_INT_NBYTES",
+    "MEMORY_PER_BYTE",
+    "Global",
+    "Interpretation",
+    "OpaqueKey",
+    "PickleBudgetError",
+    "PickleDataError",
+    "Reduced",
+    "interpret",
+]
+
+MEMORY_PER_BYTE = 64  # bytes of live objects an input byte may cost
+MEMORY_FLOOR = 8 << 20  # a small pickle may always use this much
+MAX_INT_NBYTES = 512  # LONG1/LONG4 payload (about 1,233 decimal digits)
+MAX_KEY_LEAVES = 64  # a tuple dict key with more leaves (or any nesting) is hashed by identity
+_MAX_TEXT_LINE = 4096  # protocol-0 text arguments (INT, FLOAT, GLOBAL, ...)
+
+
+class PickleDataError(Exception):
+    """The pickle is malformed or does something ckptlab never allows (no position yet)."""
+
+
+class PickleBudgetError(PickleDataError):
+    """The pickle would make ckptlab use more memory than its budget allows."""
+
+
+class Global:
+    """A global the pickle names: ``module.name``. Never imported, never called."""
+
+    __slots__ = ("module", "name")
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module = module
+        self.name = name
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.module}.{self.name}"
+
+    def __repr__(self) -> str:
+        return f"<global {self.module}.{self.name}>"
+
+
+class Reduced:
+    """An object the pickle builds from a global no handler interprets: inert data only.
+
+    ``args``/``kwargs`` are the constructor arguments, ``state`` what BUILD gave it, ``items``
+    what APPEND(S) added and ``pairs`` what SETITEM(S) added (a ``defaultdict`` or an unknown
+    mapping class), in pickle order.
+    """
+
+    __slots__ = ("__weakref__", "args", "func", "items", "kwargs", "pairs", "state")
+
+    def __init__(self, func: Global, args: tuple[Any, ...] = (),
+                 kwargs: dict[Any, Any] | None = None) -> None:
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.state: Any = None
+        self.items: list[Any] = []
+        self.pairs: list[tuple[Any, Any]] = []
+
+    def __repr__(self) -> str:
+        return f"<{self.func.qualname} object>"
+
+
+class OpaqueKey:
+    """A dict key or set member that is not a simple value, hashed by identity."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return "<key>"
+
+
+Handler = Callable[..., Any]
+
+
+class Interpretation:
+    """What :func:`interpret` returns: the root object and what the pickle named."""
+
+    __slots__ = ("end", "globals", "protocol", "root")
+
+    def __init__(self, root: Any, protocol: int, globals_: list[str], end: int) -> None:
+        self.root = root
+        self.protocol = protocol
+        self.globals = globals_
+        self.end = end  # offset just past STOP
+
+
+class _Position(Exception):
+    def __init__(self, offset: int, error: PickleDataError) -> None:
+        self.offset = offset
+        self.error = error
+
+
+_SIMPLE_KEYS = frozenset({str, bytes, float, bool, type(None), Global})
+_CONTAINER_TYPES = (tuple, list, dict, set, frozenset)
+_unpack_i = struct.Struct("<i").unpack_from
+_unpack_I = struct.Struct("<I").unpack_from
+_unpack_H = struct.Struct("<H").unpack_from
+_unpack_Q = struct.Struct("<Q").unpack_from
+_unpack_d = struct.Struct(">d").unpack_from
+_INT64 = 1 << 64
+
+
+def _key(value: Any, cache: dict[int, tuple[Any, Any]]) -> Any:
+    """``value`` if hashing it is cheap and shallow, else an identity-hashed wrapper."""
+    kind = type(value)
+    if kind in _SIMPLE_KEYS:
+        return value
+    if kind is int:
+        return value if -_INT64 < value < _INT64 else OpaqueKey(value)
+    if kind is tuple:
+        hit = cache.get(id(value))
+        if hit is not None and hit[0] is value:
+            return hit[1]
+        ok = len(value) <= MAX_KEY_LEAVES and all(
+            type(v) in _SIMPLE_KEYS or (type(v) is int and -_INT64 < v < _INT64)
+            for v in value)
+        result = value if ok else OpaqueKey(value)
+        cache[id(value)] = (value, result)
+        return result
+    if kind is frozenset:  # members were keyed when it was built: hashing it does not recurse
+        return value
+    return OpaqueKey(value)
+
+
+def interpret(data: bytes | bytearray | memoryview, *,
+              handlers: dict[tuple[str, str], Handler] | None = None,
+              persistent_load: Callable[[Any], Any] | None = None,
+              buildable: tuple[type, ...] = (),
+              memory_per_byte: int = MEMORY_PER_BYTE) -> Interpretation:
+    """Interpret one pickle without importing or running anything it names.
+
+    Parameters
+    ----------
+    data
+        The pickle's bytes; it must end exactly at its STOP opcode (trailing bytes are an error
+        for the caller to report: see ``Interpretation.end``).
+    handlers
+        ``(module, name) -> callable``: ckptlab functions run when the pickle calls that
+        global; their result goes on the stack. Globals without a handler build a
+        :class:`Reduced` record when called.
+    persistent_load
+        Called with each persistent id (BINPERSID/PERSID); without it they are an error.
+    buildable
+        Extra ckptlab types (besides :class:`Reduced`) BUILD may fill: each must define
+        ``ckptlab_build(state)``.
+    memory_per_byte
+        Memory budget per input byte.
+
+    Raises
+    ------
+    PickleDataError
+        With ``.offset`` set to the position of the failing opcode (see :func:`failure_offset`).
+    """
+    view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
+    machine = _Machine(view, handlers or {}, persistent_load, buildable,
+                       max(MEMORY_FLOOR, memory_per_byte * len(view)))
+    try:
+        return machine.run()
+    except _Position as where:
+        where.error.offset = where.offset  # type: ignore[attr-defined]
+        raise where.error from None
+
+
+def failure_offset(error: PickleDataError) -> int:
+    """The pickle offset of the opcode an error from :func:`interpret` was raised at."""
+    return getattr(error, "offset", 0)
+
+
+class _Machine:
+    __slots__ = (
+        "budget",
+        "buildable",
+        "data",
+        "globals",
+        "handlers",
+        "keycache",
+        "memo",
+        "memo_sparse",
+        "n",
+        "persistent",
+        "pos",
+        "proto",
+        "seen_globals",
+    )
+
+    def __init__(self, data: Any, handlers: dict[tuple[str, str], Handler],
+                 persistent: Callable[[Any], Any] | None, buildable: tuple[type, ...],
+                 budget: int) -> None:
+        self.data = data
+        self.n = len(data)
+        self.pos = 0
+        self.handlers = handlers
+        self.persistent = persistent
+        self.buildable = (Reduced, *buildable)
+        self.budget = budget
+        self.memo: list[Any] = []
+        self.memo_sparse: dict[int, Any] = {}
+        self.globals: dict[tuple[str, str], Global] = {}
+        self.seen_globals: list[str] = []
+        self.keycache: dict[int, tuple[Any, Any]] = {}
+        self.proto = 0
+
+    # -- helpers ------------------------------------------------------------------------
+    def charge(self, nbytes: int) -> None:
+        self.budget -= nbytes
+        if self.budget < 0:
+            raise PickleBudgetError(
+                f"the pickle would need more than {MEMORY_PER_BYTE} bytes of memory per byte "
+                f"of input ({self.n:,} bytes in, budget exceeded); ckptlab refuses it")
+
+    def take(self, nbytes: int, what: str) -> Any:
+        start = self.pos
+        end = start + nbytes
+        if nbytes < 0 or end > self.n:
+            raise PickleDataError(
+                f"{what} declares {nbytes:,} bytes but only {self.n - start:,} are left")
+        self.pos = end
+        return self.data[start:end]
+
+    def line(self, what: str) -> str:
+        data, start = self.data, self.pos
+        limit = min(self.n, start + _MAX_TEXT_LINE)
+        end = bytes(data[start:limit]).find(b"\n")
+        if end < 0:
+            raise PickleDataError(f"{what}: no newline within {_MAX_TEXT_LINE} bytes")
+        self.pos = start + end + 1
+        return bytes(data[start:start + end]).decode("latin-1")
+
+    def memo_put(self, index: int, value: Any) -> None:
+        memo = self.memo
+        if index == len(memo):
+            memo.append(value)
+            self.charge(8)
+        elif index < len(memo):
+            memo[index] = value
+        else:
+            if index not in self.memo_sparse:
+                self.charge(100)
+            self.memo_sparse[index] = value
+
+    def memo_get(self, index: int) -> Any:
+        if index < len(self.memo):
+            return self.memo[index]
+        try:
+            return self.memo_sparse[index]
+        except KeyError:
+            raise PickleDataError(f"memo index {index} was never stored") from None
+
+    def global_(self, module: str, name: str) -> Global:
+        if type(module) is not str or type(name) is not str:
+            raise PickleDataError("STACK_GLOBAL of non-strings")
+        key = (module, name)
+        found = self.globals.get(key)
+        if found is None:
+            self.charge(160 + len(module) + len(name))
+            found = self.globals[key] = Global(module, name)
+            self.seen_globals.append(f"{module}.{name}")
+        return found
+
+    def call(self, func: Any, args: Any, kwargs: Any = None) -> Any:
+        if not isinstance(func, Global):
+            raise PickleDataError(f"call of a {type(func).__name__}, not a global")
+        if not isinstance(args, tuple):
+            raise PickleDataError(f"call of {func.qualname} with {type(args).__name__} args")
+        self.charge(160)
+        handler = self.handlers.get((func.module, func.name))
+        if handler is not None:
+            if kwargs:
+                raise PickleDataError(f"{func.qualname} called with keyword arguments")
+            return handler(*args)
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise PickleDataError(f"{func.qualname} called with non-dict kwargs")
+        return Reduced(func, args, kwargs)
+
+    def setitems(self, target: Any, flat: list[Any]) -> None:
+        if len(flat) % 2:
+            raise PickleDataError("SETITEMS with an odd number of items")
+        self.charge(40 * (len(flat) // 2 + 1))
+        if isinstance(target, dict):
+            cache = self.keycache
+            for i in range(0, len(flat), 2):
+                target[_key(flat[i], cache)] = flat[i + 1]
+        elif isinstance(target, Reduced):
+            target.pairs.extend(zip(flat[::2], flat[1::2]))
+        else:
+            raise PickleDataError(f"SETITEM on a {type(target).__name__}")
+
+    def appends(self, target: Any, items: list[Any]) -> None:
+        self.charge(8 * len(items) + 8)
+        if type(target) is list:
+            target.extend(items)
+        elif isinstance(target, Reduced):
+            target.items.extend(items)
+        else:
+            raise PickleDataError(f"APPEND on a {type(target).__name__}")
+
+    def build(self, target: Any, state: Any) -> None:
+        if not isinstance(target, self.buildable):
+            what = target.qualname if isinstance(target, Global) else type(target).__name__
+            raise PickleDataError(f"BUILD applied to {what}, which ckptlab never builds")
+        if isinstance(target, Reduced):
+            if target.state is not None:
+                raise PickleDataError(f"BUILD applied twice to a {target.func.qualname}")
+            target.state = state
+        else:
+            target.ckptlab_build(state)
+
+    def make_set(self, items: list[Any]) -> list[Any]:
+        self.charge(64 * len(items) + 216)
+        cache = self.keycache
+        return [_key(v, cache) for v in items]
+
+    def int_from_bytes(self, raw: Any) -> int:
+        if len(raw) > MAX_INT_NBYTES:
+            raise PickleDataError(f"an int of {len(raw):,} bytes (at most {MAX_INT_NBYTES})")
+        self.charge(32 + len(raw))
+        return int.from_bytes(raw, "little", signed=True)
+
+    def text_int(self, text: str) -> int:
+        text = text.strip().rstrip("L")
+        if len(text) > 2 * MAX_INT_NBYTES:
+            raise PickleDataError(f"an int of {len(text):,} digits")
+        try:
+            return int(text, 0) if text.startswith(("0x", "0X")) else int(text)
+        except ValueError:
+            raise PickleDataError(f"not an int: {text[:40]!r}") from None
+
+    # -- the loop -----------------------------------------------------------------------
+    def run(self) -> Interpretation:
+        data = self.data
+        n = self.n
+        stack: list[Any] = []
+        metastack: list[list[Any]] = []
+        push = stack.append
+        memo = self.memo
+        charge = self.charge
+        pos = 0
+        op = 0
+        try:
+            while True:
+                if pos >= n:
+                    raise PickleDataError("the pickle ends without a STOP opcode")
+                op = pos
+                code = data[pos]
+                pos += 1
+                self.pos = pos
+                # the hot opcodes of torch pickles first
+                if code == 0x71:  # BINPUT
+                    if pos >= n:
+                        raise PickleDataError("BINPUT without its index")
+                    idx = data[pos]
+                    pos += 1
+                    if not stack:
+                        raise PickleDataError("BINPUT with an empty stack")
+                    if idx == len(memo):
+                        memo.append(stack[-1])
+                        charge(8)
+                    else:
+                        self.memo_put(idx, stack[-1])
+                    continue
+                if code == 0x68:  # BINGET
+                    if pos >= n:
+                        raise PickleDataError("BINGET without its index")
+                    idx = data[pos]
+                    pos += 1
+                    push(memo[idx] if idx < len(memo) else self.memo_get(idx))
+                    charge(8)
+                    continue
+                if code == 0x58:  # BINUNICODE
+                    if pos + 4 > n:
+                        raise PickleDataError("BINUNICODE without its length")
+                    (length,) = _unpack_I(data, pos)
+                    pos += 4
+                    if pos + length > n:
+                        raise PickleDataError(
+                            f"BINUNICODE declares {length:,} bytes but only {n - pos:,} are left")
+                    push(str(data[pos:pos + length], "utf-8", "surrogatepass"))
+                    pos += length
+                    charge(56 + length)
+                    continue
+                if code == 0x4B:  # BININT1
+                    if pos >= n:
+                        raise PickleDataError("BININT1 without its value")
+                    push(data[pos])
+                    pos += 1
+                    charge(8)
+                    continue
+                if code == 0x28:  # MARK
+                    metastack.append(stack)
+                    stack = []
+                    push = stack.append
+                    charge(72)
+                    continue
+                if code == 0x74:  # TUPLE
+                    if not metastack:
+                        raise PickleDataError("TUPLE without a MARK")
+                    items = tuple(stack)
+                    stack = metastack.pop()
+                    push = stack.append
+                    push(items)
+                    charge(48 + 8 * len(items))
+                    continue
+                if code == 0x85 or code == 0x86 or code == 0x87:  # TUPLE1/2/3
+                    k = code - 0x84
+                    if len(stack) < k:
+                        raise PickleDataError(f"TUPLE{k} with {len(stack)} items on the stack")
+                    items = tuple(stack[-k:])
+                    del stack[-k:]
+                    push(items)
+                    charge(48 + 8 * k)
+                    continue
+                if code == 0x52:  # REDUCE
+                    if len(stack) < 2:
+                        raise PickleDataError("REDUCE with fewer than two items on the stack")
+                    args = stack.pop()
+                    self.pos = pos
+                    stack[-1] = self.call(stack[-1], args)
+                    continue
+                if code == 0x51:  # BINPERSID
+                    if not stack:
+                        raise PickleDataError("BINPERSID with an empty stack")
+                    if self.persistent is None:
+                        raise PickleDataError("a persistent id where none is expected")
+                    self.pos = pos
+                    stack[-1] = self.persistent(stack[-1])
+                    charge(64)
+                    continue
+                if code == 0x63:  # GLOBAL
+                    self.pos = pos
+                    module = self.line("GLOBAL module")
+                    name = self.line("GLOBAL name")
+                    pos = self.pos
+                    push(self.global_(module, name))
+                    charge(8)
+                    continue
+                if code == 0x89 or code == 0x88:  # NEWFALSE / NEWTRUE
+                    push(code == 0x88)
+                    charge(8)
+                    continue
+                if code == 0x29:  # EMPTY_TUPLE
+                    push(())
+                    charge(8)
+                    continue
+                if code == 0x7D:  # EMPTY_DICT
+                    push({})
+                    charge(72)
+                    continue
+                if code == 0x75:  # SETITEMS
+                    if not metastack:
+                        raise PickleDataError("SETITEMS without a MARK")
+                    items = stack
+                    stack = metastack.pop()
+                    push = stack.append
+                    if not stack:
+                        raise PickleDataError("SETITEMS with nothing to set items on")
+                    self.setitems(stack[-1], items)
+                    continue
+                if code == 0x72:  # LONG_BINPUT
+                    if pos + 4 > n:
+                        raise PickleDataError("LONG_BINPUT without its index")
+                    (idx,) = _unpack_I(data, pos)
+                    pos += 4
+                    if not stack:
+                        raise PickleDataError("LONG_BINPUT with an empty stack")
+                    self.memo_put(idx, stack[-1])
+                    continue
+                if code == 0x6A:  # LONG_BINGET
+                    if pos + 4 > n:
+                        raise PickleDataError("LONG_BINGET without its index")
+                    (idx,) = _unpack_I(data, pos)
+                    pos += 4
+                    push(self.memo_get(idx))
+                    charge(8)
+                    continue
+                if code == 0x94:  # MEMOIZE
+                    if not stack:
+                        raise PickleDataError("MEMOIZE with an empty stack")
+                    memo.append(stack[-1])
+                    charge(8)
+                    continue
+                if code == 0x4D:  # BININT2
+                    if pos + 2 > n:
+                        raise PickleDataError("BININT2 without its value")
+                    push(_unpack_H(data, pos)[0])
+                    pos += 2
+                    charge(36)
+                    continue
+                if code == 0x4A:  # BININT
+                    if pos + 4 > n:
+                        raise PickleDataError("BININT without its value")
+                    push(_unpack_i(data, pos)[0])
+                    pos += 4
+                    charge(36)
+                    continue
+                if code == 0x2E:  # STOP
+                    if len(stack) != 1 or metastack:
+                        raise PickleDataError(
+                            f"STOP with {len(stack)} objects on the stack and "
+                            f"{len(metastack)} open MARKs")
+                    return Interpretation(stack[0], self.proto, self.seen_globals, pos)
+                # everything else, less frequent in checkpoints
+                self.pos = pos
+                stack, push = self.rare(code, stack, metastack)
+                pos = self.pos
+        except PickleDataError as exc:
+            raise _Position(op, exc) from None
+        except UnicodeDecodeError as exc:
+            raise _Position(op, PickleDataError(f"a string is not valid UTF-8: {exc.reason} "
+                                                f"at byte {exc.start}")) from None
+        except RecursionError:
+            raise _Position(op, PickleDataError("objects nested too deeply")) from None
+        except MemoryError:
+            raise _Position(op, PickleBudgetError("out of memory interpreting the pickle")) \
+                from None
+
+    def rare(self, code: int, stack: list[Any], metastack: list[list[Any]]
+             ) -> tuple[list[Any], Any]:
+        push = stack.append
+        charge = self.charge
+        take = self.take
+
+        def pop_mark() -> list[Any]:
+            nonlocal stack, push
+            if not metastack:
+                raise PickleDataError(f"opcode {code:#04x} without a MARK")
+            items = stack
+            stack = metastack.pop()
+            push = stack.append
+            return items
+
+        def need(k: int) -> None:
+            if len(stack) < k:
+                raise PickleDataError(f"opcode {code:#04x} needs {k} items on the stack, "
+                                      f"found {len(stack)}")
+
+        if code == 0x80:  # PROTO
+            self.proto = take(1, "PROTO")[0]
+            if self.proto > 5:
+                raise PickleDataError(f"unsupported pickle protocol {self.proto}")
+        elif code == 0x95:  # FRAME: a buffering hint; check the length and read straight on
+            (length,) = _unpack_Q(take(8, "FRAME"))
+            if length > self.n - self.pos:
+                raise PickleDataError(f"FRAME of {length:,} bytes with "
+                                      f"{self.n - self.pos:,} bytes left")
+        elif code == 0x4E:  # NONE
+            push(None)
+            charge(8)
+        elif code == 0x8C:  # SHORT_BINUNICODE
+            length = take(1, "SHORT_BINUNICODE")[0]
+            push(str(take(length, "SHORT_BINUNICODE"), "utf-8", "surrogatepass"))
+            charge(56 + length)
+        elif code == 0x8D:  # BINUNICODE8
+            (length,) = _unpack_Q(take(8, "BINUNICODE8"))
+            push(str(take(length, "BINUNICODE8"), "utf-8", "surrogatepass"))
+            charge(56 + length)
+        elif code in (0x42, 0x43, 0x8E, 0x96):  # BINBYTES, SHORT_BINBYTES, BINBYTES8, BYTEARRAY8
+            if code == 0x43:
+                length = take(1, "SHORT_BINBYTES")[0]
+            elif code == 0x42:
+                (length,) = _unpack_I(take(4, "BINBYTES"))
+            else:
+                (length,) = _unpack_Q(take(8, "BINBYTES8"))
+            raw = take(length, "bytes payload")
+            push(bytearray(raw) if code == 0x96 else bytes(raw))
+            charge(40 + length)
+        elif code in (0x54, 0x55):  # BINSTRING, SHORT_BINSTRING (Python 2 str)
+            if code == 0x55:
+                length = take(1, "SHORT_BINSTRING")[0]
+            else:
+                (length,) = _unpack_i(take(4, "BINSTRING"))
+            raw = bytes(take(length, "BINSTRING"))
+            push(raw.decode("utf-8", "surrogateescape"))
+            charge(56 + length)
+        elif code == 0x53:  # STRING (protocol 0, quoted)
+            text = self.line("STRING").rstrip("\r")
+            if len(text) < 2 or text[0] != text[-1] or text[0] not in "'\"":
+                raise PickleDataError("STRING is not quoted")
+            raw = codecs.escape_decode(text[1:-1].encode("latin-1"))[0]
+            push(raw.decode("utf-8", "surrogateescape"))
+            charge(56 + len(raw))
+        elif code == 0x56:  # UNICODE (protocol 0)
+            text = self.line("UNICODE")
+            push(codecs.raw_unicode_escape_decode(text.encode("latin-1"))[0])
+            charge(56 + len(text))
+        elif code == 0x49:  # INT (protocol 0; also the old bools)
+            text = self.line("INT").strip()
+            push(True if text == "01" else False if text == "00" else self.text_int(text))
+            charge(36)
+        elif code == 0x4C:  # LONG (protocol 0)
+            push(self.text_int(self.line("LONG")))
+            charge(36)
+        elif code == 0x8A:  # LONG1
+            length = take(1, "LONG1")[0]
+            push(self.int_from_bytes(take(length, "LONG1")))
+        elif code == 0x8B:  # LONG4
+            (length,) = _unpack_i(take(4, "LONG4"))
+            push(self.int_from_bytes(take(length, "LONG4")))
+        elif code == 0x46:  # FLOAT (protocol 0)
+            text = self.line("FLOAT")
+            try:
+                push(float(text))
+            except ValueError:
+                raise PickleDataError(f"not a float: {text[:40]!r}") from None
+            charge(32)
+        elif code == 0x47:  # BINFLOAT
+            push(_unpack_d(take(8, "BINFLOAT"))[0])
+            charge(32)
+        elif code == 0x5D:  # EMPTY_LIST
+            push([])
+            charge(64)
+        elif code == 0x8F:  # EMPTY_SET
+            push(set())
+            charge(224)
+        elif code == 0x6C:  # LIST
+            items = pop_mark()
+            push(items)
+        elif code == 0x64:  # DICT
+            items = pop_mark()
+            target: dict[Any, Any] = {}
+            push(target)
+            charge(72)
+            self.setitems(target, items)
+        elif code == 0x91:  # FROZENSET
+            items = pop_mark()
+            push(frozenset(self.make_set(items)))
+        elif code == 0x90:  # ADDITEMS
+            items = pop_mark()
+            need(1)
+            target = stack[-1]
+            if type(target) is not set:
+                raise PickleDataError(f"ADDITEMS on a {type(target).__name__}")
+            target.update(self.make_set(items))
+        elif code == 0x61:  # APPEND
+            need(2)
+            item = stack.pop()
+            self.appends(stack[-1], [item])
+        elif code == 0x65:  # APPENDS
+            items = pop_mark()
+            need(1)
+            self.appends(stack[-1], items)
+        elif code == 0x73:  # SETITEM
+            need(3)
+            value = stack.pop()
+            key = stack.pop()
+            self.setitems(stack[-1], [key, value])
+        elif code == 0x62:  # BUILD
+            need(2)
+            state = stack.pop()
+            self.build(stack[-1], state)
+        elif code == 0x30:  # POP
+            if stack:
+                stack.pop()
+            else:
+                pop_mark()
+        elif code == 0x31:  # POP_MARK
+            pop_mark()
+        elif code == 0x32:  # DUP
+            need(1)
+            push(stack[-1])
+            charge(8)
+        elif code == 0x67:  # GET (protocol 0)
+            push(self.memo_get(self.text_int(self.line("GET"))))
+            charge(8)
+        elif code == 0x70:  # PUT (protocol 0)
+            index = self.text_int(self.line("PUT"))
+            need(1)
+            if index < 0:
+                raise PickleDataError("negative PUT index")
+            self.memo_put(index, stack[-1])
+        elif code == 0x93:  # STACK_GLOBAL
+            need(2)
+            name = stack.pop()
+            module = stack.pop()
+            push(self.global_(module, name))
+        elif code == 0x81:  # NEWOBJ
+            need(2)
+            args = stack.pop()
+            stack[-1] = self.call(stack[-1], args)
+        elif code == 0x92:  # NEWOBJ_EX
+            need(3)
+            kwargs = stack.pop()
+            args = stack.pop()
+            stack[-1] = self.call(stack[-1], args, kwargs)
+        elif code == 0x6F:  # OBJ: MARK cls args... OBJ
+            items = pop_mark()
+            if not items:
+                raise PickleDataError("OBJ without a class")
+            push(self.call(items[0], tuple(items[1:])))
+        elif code == 0x69:  # INST: MARK args... INST module\nname\n
+            module = self.line("INST module")
+            name = self.line("INST name")
+            items = pop_mark()
+            push(self.call(self.global_(module, name), tuple(items)))
+        elif code == 0x50:  # PERSID (protocol 0)
+            pid = self.line("PERSID")
+            if self.persistent is None:
+                raise PickleDataError("a persistent id where none is expected")
+            push(self.persistent(pid))
+            charge(64)
+        elif code in (0x82, 0x83, 0x84):  # EXT1/2/4
+            raise PickleDataError(
+                "EXT opcode: extension codes name globals through Python's process-wide copyreg "
+                "registry; ckptlab never consults it")
+        elif code in (0x97, 0x98):  # NEXT_BUFFER / READONLY_BUFFER
+            raise PickleDataError("out-of-band buffers (protocol 5) are not used by checkpoints")
+        else:
+            raise PickleDataError(f"unknown opcode {code:#04x}")
+        return stack, push
