@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import ctypes
 import errno as errno_
+import fcntl
 import mmap
 import os
 import queue
+import stat
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -186,9 +188,11 @@ class _FileWriter:
     """
 
     def __init__(self, job: FileJob, bounce: memoryview, *, direct: bool, sync: bool,
-                 recorder: _Recorder, hook: IoHook | None) -> None:
+                 recorder: _Recorder, hook: IoHook | None,
+                 created: dict[str, tuple[int, int]] | None = None) -> None:
         self.job, self.bounce, self.sync = job, bounce, sync
         self.recorder, self.hook = recorder, hook
+        self.created = created  # name -> (st_dev, st_ino) of each file this writer created
         self.direct = direct
         self.io_path = POSIX
         self.fd = -1
@@ -206,22 +210,47 @@ class _FileWriter:
                               errno=exc.errno)
 
     def open(self) -> None:
+        """Create the data file: new (``O_EXCL``), never through a link (``O_NOFOLLOW``).
+
+        Then ask for ``O_DIRECT`` on the open descriptor (``fcntl``): a filesystem that
+        refuses it keeps the buffered descriptor, and nothing is ever reopened by name.
+        """
         t = self.recorder.now()
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) \
+            | getattr(os, "O_CLOEXEC", 0)
         try:
             self._call_hook("open", 0, 0)
-            if self.direct and hasattr(os, "O_DIRECT"):
-                try:
-                    self.fd = os.open(self.job.path, flags | os.O_DIRECT, 0o644)
-                    self.io_path = ODIRECT
-                except OSError as exc:
-                    if exc.errno != errno_.EINVAL:
-                        raise
-            if self.fd < 0:
-                self.fd = os.open(self.job.path, flags, 0o644)
+            self.fd = os.open(self.job.path, flags, 0o644)
         except OSError as exc:
+            if exc.errno in (errno_.EEXIST, errno_.ELOOP):
+                raise self._refusal() from None
             raise self._error("open", exc, 0, 0) from None
+        if self.created is not None:
+            st = os.fstat(self.fd)
+            self.created[self.job.name] = (st.st_dev, st.st_ino)
+        if self.direct and hasattr(os, "O_DIRECT"):
+            try:
+                fcntl.fcntl(self.fd, fcntl.F_SETFL,
+                            fcntl.fcntl(self.fd, fcntl.F_GETFL) | os.O_DIRECT)
+                self.io_path = ODIRECT
+            except OSError:  # EINVAL: this filesystem does not do O_DIRECT
+                pass
         self.recorder.add(self.job.bucket, "open", t, file=self.job.name)
+
+    def _refusal(self) -> StorageIOError:
+        path = self.job.path
+        try:
+            is_link = stat.S_ISLNK(os.lstat(path).st_mode)
+            target = os.readlink(path) if is_link else ""
+        except OSError:  # pragma: no cover - raced away
+            is_link, target = False, ""
+        what = (f"it is a symbolic link (to {target!r}); the writer never writes through a "
+                "link" if is_link else "it already exists; the writer creates every data "
+                "file new and never overwrites one")
+        return StorageIOError(f"bucket {self.job.bucket}: refusing to open the data file: "
+                              f"{what} (remove it, or save to another directory)",
+                              path=path, offset=0, nbytes=0,
+                              errno=errno_.ELOOP if is_link else errno_.EEXIST)
 
     def _pwrite(self, view: memoryview, offset: int) -> None:
         t = self.recorder.now()
@@ -246,12 +275,13 @@ class _FileWriter:
         self.recorder.add(self.job.bucket, "write", t, len(view), self.job.name)
 
     def _reopen_buffered(self) -> None:
-        os.close(self.fd)
-        self.fd = -1
+        """Drop O_DIRECT on the same descriptor (never reopen by name: that could follow
+        a link put there since)."""
         try:
-            self.fd = os.open(self.job.path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+            fcntl.fcntl(self.fd, fcntl.F_SETFL,
+                        fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
         except OSError as exc:
-            raise self._error("reopen without O_DIRECT", exc, 0, 0) from None
+            raise self._error("turning O_DIRECT off", exc, 0, 0) from None
         self.io_path = POSIX
 
     def _flush(self) -> None:

@@ -9,6 +9,8 @@ import io
 import itertools
 import os
 import pickle
+import re
+import stat
 import threading
 import time
 import uuid
@@ -47,19 +49,68 @@ __all__ = ["AsyncWriter", "SaveHandle"]
 METADATA = ".metadata"
 MARKER = ".ckptlab-"  # rank completion markers: .ckptlab-{token}-{rank}.ok / .err, {token}.failed
 POLL_S = 0.01
+# the data files this writer (and torch's FileSystemWriter, generation 0) names:
+# [g{generation}]__{rank}_{bucket}.distcp
+DATA_NAME = re.compile(r"^(?:g([1-9][0-9]*))?__([0-9]+)_([0-9]+)\.distcp$")
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) \
+    | getattr(os, "O_CLOEXEC", 0)
+
+
+def data_prefix(rank: int, generation: int) -> str:
+    """The start of a data file name: ``__{rank}_`` (generation 0), ``g{N}__{rank}_``.
+
+    A save into a directory that already holds data files uses the next generation, so it
+    never writes a byte of a file the committed ``.metadata`` refers to.
+    """
+    return f"__{rank}_" if generation == 0 else f"g{generation}__{rank}_"
+
+
+def _symlink_error(path: str) -> WriterError:
+    try:
+        target = os.readlink(path)
+    except OSError:  # pragma: no cover - raced away
+        target = "?"
+    return WriterError(
+        f"{path} is a symbolic link (to {target!r}): AsyncWriter never writes through, "
+        "replaces or removes a link in a checkpoint directory; remove the link or save to "
+        "another directory")
+
+
+def _scan_directory(path: str, metadata_name: str, rank: int | None) -> int:
+    """The generation a new save into ``path`` uses: one past every data file there.
+
+    ``rank`` None: every rank's files count (the coordinator of a collective save), else
+    only that rank's. Refuses (WriterError) a symbolic link at any name the save may write,
+    replace or remove.
+    """
+    newest = -1
+    try:
+        entries = list(os.scandir(path))
+    except OSError as exc:
+        raise WriterError(f"cannot list the checkpoint directory {path}: {exc}") from exc
+    for entry in entries:
+        m = DATA_NAME.match(entry.name)
+        ours = m is not None and (rank is None or int(m.group(2)) == rank)
+        if not ours and entry.name not in (metadata_name, metadata_name + ".tmp"):
+            continue
+        if entry.is_symlink():
+            raise _symlink_error(entry.path)
+        if ours:
+            newest = max(newest, int(m.group(1) or 0))  # type: ignore[union-attr]
+    return newest + 1
 
 
 @dataclass(frozen=True)
 class _AsyncPrefix:
     """``SavePlan.storage_data`` of an AsyncWriter save: file prefix and the save's identity."""
 
-    prefix: str  # data files are f"{prefix}{bucket}.distcp"
+    prefix: str  # data files are f"{prefix}{bucket}.distcp" (see data_prefix)
     token: str  # the same on every rank of one save (set by the coordinator)
     world: int  # ranks taking part; > 1 means ranks report completion through marker files
 
 
 def _write_small(path: str, data: bytes, *, sync: bool) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, _NEW_FILE, 0o644)  # marker names are new (random token): never follow
     try:
         view = memoryview(data)
         while view:
@@ -68,6 +119,22 @@ def _write_small(path: str, data: bytes, *, sync: bool) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _read_small(path: str, *, binary: bool = False) -> Any:
+    """A small file's text (or bytes), read without following a link."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        return None if binary else f"(cannot read {path}: {exc})"
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    return data if binary else data.decode("utf-8", errors="replace")
 
 
 def _describe(exc: BaseException) -> str:
@@ -100,6 +167,8 @@ class _Save:
         self.local_done = threading.Event()  # every bucket finished (well or not)
         self.local_failures: dict[object, BaseException | str] = {}
         self.prefix: _AsyncPrefix | None = None
+        self.created: dict[str, tuple[int, int]] = {}  # data files this save created: (dev, ino)
+        self.owner_rank: int | None = None  # whose stale data files the commit removes
         self.is_coordinator = True
         self.metadata_name = METADATA
         self.commit_thread: threading.Thread | None = None
@@ -164,7 +233,8 @@ class SaveHandle:
         ------
         WriterError
             If a bucket, a rank or the commit failed (``failures`` holds the real errors;
-            no ``.metadata`` was written), or ``timeout`` seconds passed.
+            no ``.metadata`` was written, the previous checkpoint is untouched), or
+            ``timeout`` seconds passed.
         """
         return self._writer._wait_save(self._save, timeout)
 
@@ -218,9 +288,27 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
        filesystem accepts it, buffered writes otherwise), truncates it to size and fsyncs it.
     3. ``finish`` (the coordinator) pickles the metadata immediately and commits in the
        background, only after every bucket of every rank succeeded: ``.metadata.tmp`` is
-       written and fsynced, renamed to ``.metadata``, and the directory is fsynced. With
-       more than one rank, ranks report their buckets' outcome through small marker files
-       in the checkpoint directory, which the commit removes.
+       created new, written and fsynced, renamed to ``.metadata``, and the directory is
+       fsynced. With more than one rank, ranks report their buckets' outcome through small
+       marker files in the checkpoint directory, which the commit removes.
+    4. Then the data files of the previous checkpoint (and whatever killed or failed saves
+       left under the writer's file names) are removed: every ``[g{N}]__{rank}_{b}.distcp``
+       the new ``.metadata`` does not refer to.
+
+    **Overwriting never loses the previous checkpoint.** A save into a directory that holds
+    data files writes the next *generation*: ``g{N}__{rank}_{bucket}.distcp`` with ``N``
+    one past every generation there (a fresh directory gets FileSystemWriter's names,
+    ``__{rank}_{bucket}.distcp``, generation 0). No byte of a file the committed
+    ``.metadata`` refers to is written, and the old ``.metadata`` stays until the new one
+    replaces it by rename, so a crash (``kill -9``), a full disk or any failure at any
+    moment leaves the old checkpoint or the new one, loadable by stock ``dcp.load``, never
+    none and never a mix (with ``sync_files=False`` this holds against process crashes, not
+    power loss). Until the commit the disk holds both checkpoints. A failed save removes
+    the files it created; a killed one leaves them for the next successful save to remove.
+    Every file is created new (``O_EXCL``) and opened without following links
+    (``O_NOFOLLOW``): a symbolic link at a name the save would write, replace or remove
+    (data files, ``.metadata``, ``.metadata.tmp``) is refused with
+    :class:`~ckptlab.errors.WriterError` naming it, and its target is never opened.
 
     The files are a standard DCP checkpoint: stock ``dcp.load`` (``FileSystemReader``) reads
     them.
@@ -241,9 +329,10 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
         fsync data files, ``.metadata`` and the directory. Without it a crash can leave a
         committed checkpoint whose data is not on disk.
     overwrite
-        Allow saving into a directory that holds a committed checkpoint. Its ``.metadata``
-        is then removed (and the removal made durable) **before** any data is written, so a
-        failed save never leaves an old ``.metadata`` pointing at new bytes.
+        Allow saving into a directory that holds a committed checkpoint (``.metadata``
+        exists). The old checkpoint stays loadable until the new ``.metadata`` is renamed
+        over it; its data files are removed after that. With False such a save raises
+        :class:`~ckptlab.errors.WriterError` (DCP wraps it in ``CheckpointException``).
     on_busy
         What a new save does while the previous one is still writing: ``"wait"`` (default)
         blocks until it is done, ``"raise"`` raises :class:`~ckptlab.errors.WriterError`.
@@ -253,8 +342,11 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
         the coordinator's verdict) before the save fails.
     io_hook
         For tests and tracing: ``io_hook(bucket, phase, file, offset, nbytes)`` is called on
-        the worker before each open, write and fsync (``bucket`` None for the commit);
-        whatever it raises fails that bucket as a real I/O error would.
+        the worker before each ``"open"``, ``"write"`` and ``"fsync"``, and with ``bucket``
+        None before the commit (``"commit"``), once ``.metadata.tmp`` is complete
+        (``"rename"``) and before each removal of a data file (``"remove"``). What it
+        raises fails that bucket or the commit as a real I/O error would (a ``"remove"``
+        error only leaves that file for the next save).
 
     Notes
     -----
@@ -268,15 +360,17 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
     two files with O_DIRECT in 0.44 s, as fast as one thread (0.46 s), while two forked
     processes took 0.71 s and slowed a concurrent compute loop more (1.56x against 1.24x).
     A worker thread cannot be killed on its own; a dead *process* takes its workers with
-    it, and since ``.metadata`` is renamed into place last, the directory then holds no
-    checkpoint (a test kills a saving process with SIGKILL mid-write).
+    it, and since ``.metadata`` is renamed into place last, the directory then holds the
+    previous checkpoint, or none if it had none (tests kill saving processes with SIGKILL
+    at random moments over a committed checkpoint).
 
     **Errors are never dropped.** A failed save raises from :meth:`wait`, from the
     ``dcp.async_save`` future, or, if nobody asked, from the next save on this writer.
     At interpreter exit pending saves are waited for.
 
-    Data files are named like ``FileSystemWriter``'s (``__{rank}_{bucket}.distcp``); bytes
-    items come first in each file, then tensors, largest first. CRC fields of the
+    Data files are named like ``FileSystemWriter``'s (``__{rank}_{bucket}.distcp``), with
+    ``g{N}`` in front from the second generation in a directory on; bytes items come first
+    in each file, then tensors, largest first. CRC fields of the
     ``torch.save`` blobs are 0 (as ``torch.serialization.set_crc32_options(False)`` writes
     them; ``torch.load`` does not check them).
     """
@@ -307,6 +401,7 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
         self.commit_timeout_s = commit_timeout_s
         self.io_hook = io_hook
         self.save_id = uuid.uuid4().hex
+        self._generation: int | None = None  # chosen by prepare_local_plan, used once
         self.rank = 0
         self.is_coordinator = True
         self.use_collectives = True
@@ -460,14 +555,13 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
         meta = self._metadata_name()
         if self.is_coordinator or not self.use_collectives:
             meta_path = os.path.join(self.path, meta)
-            if os.path.exists(meta_path):
-                if not self.overwrite:
-                    raise WriterError(
-                        f"{self.path} already holds a checkpoint ({meta} exists) and "
-                        "overwrite=False: pick a new directory or pass overwrite=True")
-                os.unlink(meta_path)  # never leave the old metadata over new data
-                if self.sync_files:
-                    fsync_dir(self.path)
+            if os.path.lexists(meta_path) and not self.overwrite:
+                raise WriterError(
+                    f"{self.path} already holds a checkpoint ({meta} exists) and "
+                    "overwrite=False: pick a new directory or pass overwrite=True")
+            # the old checkpoint stays whole: this save writes the next generation's file
+            # names and the old files go only after the new .metadata is renamed in
+            self._generation = _scan_directory(self.path, meta, self._owner_rank())
             for name in os.listdir(self.path):  # stale markers of an earlier failed save
                 if name.startswith(MARKER) and self.use_collectives:
                     try:
@@ -475,13 +569,17 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
                     except FileNotFoundError:
                         pass
         if not self.use_collectives:
-            plan = dataclasses.replace(
-                plan, storage_data=_AsyncPrefix(f"__{self.rank}_", uuid.uuid4().hex, 1))
+            plan = dataclasses.replace(plan, storage_data=_AsyncPrefix(
+                data_prefix(self.rank, self._take_generation()), uuid.uuid4().hex, 1))
         return plan
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
         token = uuid.uuid4().hex
-        return [dataclasses.replace(p, storage_data=_AsyncPrefix(f"__{i}_", token, len(plans)))
+        if all(isinstance(p.storage_data, _AsyncPrefix) for p in plans):
+            return plans
+        generation = self._take_generation()
+        return [dataclasses.replace(p, storage_data=_AsyncPrefix(data_prefix(i, generation),
+                                                                 token, len(plans)))
                 if not isinstance(p.storage_data, _AsyncPrefix) else p
                 for i, p in enumerate(plans)]
 
@@ -496,11 +594,14 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
                 self._await_idle()
                 save = self._current = _Save(self.path, self.rank, staged=False)
             prefix = plan.storage_data
-            if not isinstance(prefix, _AsyncPrefix):
-                name = getattr(prefix, "prefix", f"__{self.rank}_")
-                prefix = _AsyncPrefix(name, uuid.uuid4().hex, 1)
+            if not isinstance(prefix, _AsyncPrefix):  # planned without prepare_*_plan
+                os.makedirs(self.path, exist_ok=True)
+                generation = _scan_directory(self.path, self._metadata_name(),
+                                             self._owner_rank())
+                prefix = _AsyncPrefix(data_prefix(self.rank, generation), uuid.uuid4().hex, 1)
             save.prefix = prefix
             save.metadata_name = self._metadata_name()
+            save.owner_rank = self._owner_rank()
             try:
                 results, jobs, copies = self._place(save, plan, planner)
             except BaseException:
@@ -542,8 +643,10 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
         metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
         metadata.storage_meta = self.storage_meta()
         blob = pickle.dumps(metadata)  # now: the caller may reuse the metadata object
+        keep = frozenset(getattr(sd, "relative_path", None)
+                         for sd in metadata.storage_data.values())
         save.recorder.add(None, "metadata", t, len(blob))
-        save.commit_thread = threading.Thread(target=self._commit, args=(save, blob),
+        save.commit_thread = threading.Thread(target=self._commit, args=(save, blob, keep),
                                               daemon=True, name="ckptlab-writer-commit")
         save.commit_thread.start()
         if save.staged:
@@ -571,6 +674,20 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
 
     def _metadata_name(self) -> str:
         return METADATA if self.use_collectives else f"__{self.rank}{METADATA}"
+
+    def _owner_rank(self) -> int | None:
+        """Whose data files a save scans and removes: every rank's (None) when the
+        coordinator commits for all, else only this rank's."""
+        return None if self.use_collectives else self.rank
+
+    def _take_generation(self) -> int:
+        """The generation prepare_local_plan chose (scanning now if it did not run)."""
+        generation = self._generation
+        self._generation = None
+        if generation is None:
+            os.makedirs(self.path, exist_ok=True)
+            generation = _scan_directory(self.path, self._metadata_name(), self._owner_rank())
+        return generation
 
     def _await_idle(self, *, for_close: bool = False) -> None:
         """Before a new save: the previous one must be done (wait or raise), its error seen."""
@@ -706,7 +823,8 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
     def _bucket_fn(self, job: FileJob, save: _Save) -> Any:
         def run(bounce: memoryview) -> int:
             writer = _FileWriter(job, bounce, direct=self.direct, sync=self.sync_files,
-                                 recorder=save.recorder, hook=self.io_hook)
+                                 recorder=save.recorder, hook=self.io_hook,
+                                 created=save.created)
             writer.run()
             return writer.written
         return run
@@ -730,6 +848,8 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
                     _write_small(base + ".ok", b"", sync=False)  # data files are fsynced
             except OSError as exc:
                 save.local_failures[f"rank {save.rank} marker"] = exc
+        if save.local_failures:  # this save cannot commit: free the space its files took
+            self._remove_files(save, save.created)
         if not save.is_coordinator and save.local_failures:
             save.fail(self._message(save, save.local_failures), dict(save.local_failures))
         save.local_done.set()
@@ -748,8 +868,7 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
         deadline = time.monotonic() + limit
         while True:
             if os.path.exists(failed):
-                with open(failed, encoding="utf-8", errors="replace") as f:
-                    text = f.read()
+                text = _read_small(failed)
                 save.fail(f"the coordinator did not commit {save.path}: {text}",
                           {"coordinator": text})
                 break
@@ -768,10 +887,48 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
         what = _describe(first) if isinstance(first, BaseException) else str(first)
         more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
         return (f"async save to {save.path} failed: {key}: {what}{more}; no {save.metadata_name} "
-                "was written, so the directory holds no checkpoint (other directories were "
-                "not touched)")
+                "was written, so the directory still holds its previous checkpoint, if it had "
+                "one (this save wrote only new file names; other directories were not touched)")
 
-    def _commit(self, save: _Save, blob: bytes) -> None:
+    def _remove_files(self, save: _Save, names: Any) -> int:
+        """Unlink regular files among ``names`` in the save's directory; errors ignored (a
+        later save removes what is left). ``names`` a dict: only files whose (dev, ino) match.
+        """
+        removed = 0
+        for name in sorted(names):
+            path = os.path.join(save.path, name)
+            try:
+                st = os.lstat(path)
+                if not stat.S_ISREG(st.st_mode):
+                    continue  # never a link, never a directory
+                if isinstance(names, dict) and names[name] != (st.st_dev, st.st_ino):
+                    continue  # not the file this save created
+                if self.io_hook is not None:
+                    self.io_hook(None, "remove", name, 0, st.st_size)
+                os.unlink(path)
+                removed += 1
+            except Exception:  # the checkpoint's fate does not hang on a leftover file
+                continue
+        return removed
+
+    def _remove_stale(self, save: _Save, keep: frozenset[str | None]) -> None:
+        """After the commit: remove every data file of the writer's naming (this rank's, or
+        every rank's for a collective save) that the new ``.metadata`` does not refer to:
+        the previous generation, and what killed or failed saves left."""
+        owner = save.owner_rank
+        try:
+            names = os.listdir(save.path)
+        except OSError:
+            return
+        stale = [n for n in names if n not in keep and (m := DATA_NAME.match(n)) is not None
+                 and (owner is None or int(m.group(2)) == owner)]
+        if stale and self._remove_files(save, stale) and self.sync_files:
+            try:
+                fsync_dir(save.path)
+            except OSError:
+                pass
+
+    def _commit(self, save: _Save, blob: bytes, keep: frozenset[str | None]) -> None:
         rec = save.recorder
         try:
             save.local_done.wait()
@@ -792,15 +949,20 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
                 return
             t = rec.now()
             try:
-                if self.io_hook is not None:
-                    self.io_hook(None, "commit", save.metadata_name, 0, len(blob))
-                write_metadata(save.path, blob, save.metadata_name, sync=self.sync_files)
+                hook = self.io_hook
+                if hook is not None:
+                    hook(None, "commit", save.metadata_name, 0, len(blob))
+                write_metadata(save.path, blob, save.metadata_name, sync=self.sync_files,
+                               before_rename=None if hook is None else lambda: hook(
+                                   None, "rename", save.metadata_name, 0, len(blob)))
             except Exception as exc:
                 meta = os.path.join(save.path, save.metadata_name)
                 io_err = exc if not isinstance(exc, OSError) or isinstance(exc, StorageIOError) \
                     else StorageIOError(f"commit failed: {exc.strerror or exc}", path=meta,
                                         offset=0, nbytes=len(blob), errno=exc.errno)
                 save.fail(self._message(save, {"commit": io_err}), {"commit": io_err})
+                if _read_small(os.path.join(save.path, save.metadata_name), binary=True) != blob:
+                    self._remove_files(save, save.created)  # not renamed in: free the space
                 if prefix is not None and prefix.world > 1:
                     try:
                         _write_small(os.path.join(save.path, f"{MARKER}{prefix.token}.failed"),
@@ -817,6 +979,7 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
                             os.unlink(os.path.join(save.path, name))
                         except FileNotFoundError:
                             pass
+            self._remove_stale(save, keep)
         except BaseException as exc:  # pragma: no cover - a bug: still report it
             save.fail(self._message(save, {"commit": exc}), {"commit": exc})
         finally:
@@ -834,8 +997,7 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
                 if os.path.exists(base + ".ok"):
                     waiting.discard(r)
                 elif os.path.exists(base + ".err"):
-                    with open(base + ".err", encoding="utf-8", errors="replace") as f:
-                        failures[f"rank {r}"] = f.read()
+                    failures[f"rank {r}"] = _read_small(base + ".err")
                     waiting.discard(r)
             if waiting and time.monotonic() > deadline:
                 for r in sorted(waiting):

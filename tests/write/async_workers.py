@@ -62,8 +62,16 @@ def _sharded(world_size: int, seed: int = 0) -> dict[str, Any]:
     return state
 
 
-def save_sharded_async(rank: int, world_size: int, path: str) -> dict[str, Any]:
-    """dcp.save of DTensor shards with an AsyncWriter on every rank; mutate, then wait."""
+def save_sharded_async(rank: int, world_size: int, path: str,
+                       again: bool = False) -> dict[str, Any]:
+    """dcp.save of DTensor shards with an AsyncWriter on every rank; mutate, then wait.
+
+    ``again``: then save full_state(1) over it with the same writer (the next generation:
+    every rank's new files are written while the first checkpoint's are all still there).
+    """
+    import os
+
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from ckptlab.write import AsyncWriter
@@ -74,9 +82,22 @@ def save_sharded_async(rank: int, world_size: int, path: str) -> dict[str, Any]:
     for k in ("w", "big", "b"):  # after return: must not reach the checkpoint
         state[k].to_local().fill_(-1)
     timeline = writer.wait()
+    out = {"files": [f for _, f, _, _ in timeline.files], "committed": timeline.committed,
+           "phases": sorted({e.phase for e in timeline.events})}
+    if again:
+        dist.barrier()  # every rank saw the first commit
+        first = sorted(os.listdir(path))
+        seen: list[list[str]] = []
+        writer.io_hook = lambda bucket, phase, *_: seen.append(sorted(os.listdir(path))) \
+            if phase == "open" else None
+        state = _sharded(world_size, seed=1)
+        state["step"] = 12
+        dcp.save(state, storage_writer=writer)
+        timeline = writer.wait()
+        out.update(files2=[f for _, f, _, _ in timeline.files], committed2=timeline.committed,
+                   first=first, old_whole=all(set(first) <= set(names) for names in seen))
     writer.close()
-    return {"files": [f for _, f, _, _ in timeline.files], "committed": timeline.committed,
-            "phases": sorted({e.phase for e in timeline.events})}
+    return out
 
 
 def save_sharded_failing(rank: int, world_size: int, path: str) -> dict[str, str]:
@@ -99,3 +120,100 @@ def save_sharded_failing(rank: int, world_size: int, path: str) -> dict[str, str
     finally:
         writer.close()
     return {"error": ""}
+
+
+def kill_state(seed: int) -> dict[str, Any]:
+    """The small state dict the kill -9 test saves: the same structure for every seed,
+    different bytes (float32, bfloat16, int64, a 0-d tensor and a plain int)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 48, generator=g),
+            "b": torch.randn(300, generator=g).to(torch.bfloat16),
+            "ids": torch.randint(0, 1 << 40, (129,), generator=g),
+            "scale": torch.randn((), generator=g),
+            "optim": {"m": torch.randn(33, 7, generator=g)},
+            "step": seed}
+
+
+def _save_and_note(writer: Any, seed: int, hook_seed: int, phase_path: str,
+                   max_sleep_s: float) -> None:
+    """The forked child: save kill_state(seed) with ``writer``, writing each phase it enters
+    to phase_path (one line each) and sleeping a random moment in every I/O hook, so that
+    kills at random times land in every phase."""
+    import os
+    import random
+    import time
+
+    import torch.distributed.checkpoint as dcp
+
+    rng = random.Random(hook_seed)
+    fd = os.open(phase_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def note(phase: str) -> None:
+        os.write(fd, phase.encode() + b"\n")
+
+    def hook(bucket, phase, file, offset, nbytes):
+        note(phase)
+        # the commit's windows are short: stretch them so that kills land there too
+        longer = phase in ("commit", "rename", "remove")
+        time.sleep(rng.uniform(0.0, max_sleep_s * (2.5 if longer else 1.0)))
+
+    note("plan")
+    writer.io_hook = hook
+    dcp.save(kill_state(seed), storage_writer=writer, no_dist=True)
+    writer.wait()
+    note("done")
+
+
+def serve_saves(path: str) -> None:
+    """A fork server for the kill -9 test: import torch once, then fork one child per save.
+
+    It holds an AsyncWriter for ``path`` whose staging memory is reserved and whose blob
+    templates are built (no worker thread runs before a fork: the pool starts on the first
+    save, in the child), so a child spends its time saving, not faulting in 64 MiB.
+    stdin commands, one per line; each answer is one line on stdout:
+    ``save SEED HOOK_SEED PHASE_PATH MAX_SLEEP_S`` -> the child's pid;
+    ``reap PID`` -> its wait status; ``quit``.
+    """
+    import os
+    import sys
+    import traceback
+    import warnings
+
+    import torch
+
+    torch.set_num_threads(1)  # no thread pool in the parent before fork
+    # imported once, before fork (torch.distributed.checkpoint uses torch itself)
+    import torch.distributed.checkpoint
+    import torch.distributed.checkpoint.default_planner
+    import torch.distributed.checkpoint.filesystem
+
+    from ckptlab.write import AsyncWriter
+
+    warnings.simplefilter("ignore")
+    writer = AsyncWriter(path, workers=2)
+    writer.reserve(1 << 20)
+    for t in (kill_state(0)[k] for k in ("w", "b", "ids", "scale")):
+        writer._templates.get(t.dtype, tuple(t.shape))
+    m = kill_state(0)["optim"]["m"]
+    writer._templates.get(m.dtype, tuple(m.shape))
+    print("READY", flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] == "quit":
+            break
+        if cmd[0] == "save":
+            pid = os.fork()
+            if pid == 0:
+                code = 0
+                try:
+                    _save_and_note(writer, int(cmd[1]), int(cmd[2]), cmd[3], float(cmd[4]))
+                except BaseException:
+                    traceback.print_exc()
+                    code = 1
+                os._exit(code)  # no atexit, no flush of the parent's buffers
+            print(pid, flush=True)
+        elif cmd[0] == "reap":
+            _, status = os.waitpid(int(cmd[1]), 0)
+            print(status, flush=True)

@@ -237,23 +237,27 @@ def test_second_save_waits_and_never_mixes(tmp_path: Path) -> None:
     _assert_equal_state(_load(tmp_path / "second", want_second), want_second)
 
 
-def test_overwrite_removes_old_metadata_before_writing(tmp_path: Path) -> None:
+def test_overwrite_keeps_the_old_checkpoint_until_the_commit(tmp_path: Path) -> None:
     path = tmp_path / "same"
     with AsyncWriter(path) as writer:
         dcp.save(async_workers.mixed_state(0), storage_writer=writer, no_dist=True)
         writer.wait()
+    old_names = sorted(os.listdir(path))
+    assert old_names == [".metadata", "__0_0.distcp", "__0_1.distcp"]
     seen = []
 
     def check(bucket, phase, file, offset, nbytes):
-        if phase == "open":
-            seen.append((path / ".metadata").exists())
+        if phase in ("open", "rename"):  # the old checkpoint is whole until the rename
+            seen.append((file, sorted(n for n in os.listdir(path) if n in old_names)))
 
     state = async_workers.mixed_state(1)
     want = _snapshot(state)
     with AsyncWriter(path, io_hook=check) as writer:
         dcp.save(state, storage_writer=writer, no_dist=True)
         writer.wait()
-    assert seen and not any(seen)
+    assert {f for f, _ in seen} == {"g1__0_0.distcp", "g1__0_1.distcp", ".metadata"}
+    assert all(names == old_names for _, names in seen)
+    assert sorted(os.listdir(path)) == [".metadata", "g1__0_0.distcp", "g1__0_1.distcp"]
     _assert_equal_state(_load(path, want), want)
     # DCP wraps what prepare_local_plan raises in its CheckpointException
     from torch.distributed.checkpoint.api import CheckpointException
@@ -267,23 +271,31 @@ def test_overwrite_removes_old_metadata_before_writing(tmp_path: Path) -> None:
 
 
 def test_two_gloo_ranks_round_trip(tmp_path: Path) -> None:
+    """Two ranks save, then save again over it: the coordinator picks the next generation
+    for every rank, and after the commit removes every rank's old files."""
     path = tmp_path / "sharded"
-    out = run_ranks(async_workers.save_sharded_async, 2, str(path), timeout=180)
+    out = run_ranks(async_workers.save_sharded_async, 2, str(path), True, timeout=180)
     assert out[0]["committed"] and out[1]["committed"]
     assert out[0]["files"] == ["__0_0.distcp", "__0_1.distcp"]
     assert out[1]["files"] == ["__1_0.distcp", "__1_1.distcp"]
     assert "wait_ranks" in out[0]["phases"] and "commit" in out[0]["phases"]
     assert "commit" not in out[1]["phases"]
+    assert out[0]["first"] == [".metadata", "__0_0.distcp", "__0_1.distcp", "__1_0.distcp",
+                               "__1_1.distcp"]  # the rank markers are gone
+    assert out[0]["committed2"] and out[1]["committed2"]
+    assert out[0]["files2"] == ["g1__0_0.distcp", "g1__0_1.distcp"]
+    assert out[1]["files2"] == ["g1__1_0.distcp", "g1__1_1.distcp"]
+    assert out[0]["old_whole"] and out[1]["old_whole"]  # while the new files were written
     names = sorted(os.listdir(path))
-    assert names == [".metadata", "__0_0.distcp", "__0_1.distcp", "__1_0.distcp",
-                     "__1_1.distcp"]  # the rank markers are gone
-    full = async_workers.full_state()
+    assert names == [".metadata", "g1__0_0.distcp", "g1__0_1.distcp", "g1__1_0.distcp",
+                     "g1__1_1.distcp"]
+    full = async_workers.full_state(1)
     target = {k: torch.zeros_like(v) for k, v in full.items()}
     target["step"] = 0
     dcp.load(target, checkpoint_id=str(path), no_dist=True)
     for k, v in full.items():
         assert torch.equal(target[k], v), k
-    assert target["step"] == 11
+    assert target["step"] == 12
     for item in inspect_dcp(path).items:
         if item.kind == "tensor":
             assert item.data_offset % 4096 == 0

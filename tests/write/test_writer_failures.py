@@ -156,22 +156,6 @@ def test_async_save_future_raises_writer_error(tmp_path: Path) -> None:
     _assert_nothing_committed(tmp_path / "a")
 
 
-@pytest.fixture
-def tiny_fs(tmp_path: Path):
-    """A 3 MiB tmpfs (needs mount rights: root in the CI container; skipped otherwise)."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip()}); the injected ENOSPC "
-                    "test covers the path")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
-
-
 def test_real_enospc_on_a_tiny_filesystem(tiny_fs: Path) -> None:
     prev = tiny_fs / "small"
     small = {"w": torch.arange(1000, dtype=torch.float32)}
