@@ -28,7 +28,7 @@ from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.plan.reshard import Chunk
 
 __all__ = ["LocalPlan", "WriteItem", "local_plan", "parse_placements", "shard_chunk",
-           "write_items"]
+           "tensor_properties", "write_items"]
 
 KINDS = ("tensor", "shard", "bytes")
 
@@ -40,6 +40,11 @@ class WriteItem:
     ``key`` is the item's identity in the checkpoint (torch's ``MetadataIndex``: the name and
     the chunk's offsets); two ranks holding the same key hold the same bytes (replicas), and
     the global plan keeps one of them.
+
+    The last four fields are the rest of torch's ``TensorProperties``, which the checkpoint's
+    ``.metadata`` records for each tensor (from its first item in rank order) and which
+    ``dcp.load`` may use to build a tensor; they are part of the item's identity, so a plan
+    whose tensors only changed ``requires_grad`` is a changed plan.
     """
 
     fqn: str
@@ -47,6 +52,10 @@ class WriteItem:
     chunk: Chunk | None = None  # None for bytes
     size: tuple[int, ...] = ()  # the global tensor's shape
     dtype: str = ""  # torch's name without the prefix; "" for bytes
+    layout: str = "strided"  # torch.layout's name without the prefix
+    requires_grad: bool = False
+    memory_format: str = "contiguous_format"  # torch.memory_format's name without the prefix
+    pin_memory: bool = False
 
     @property
     def key(self) -> tuple[str, tuple[int, ...] | None]:
@@ -79,11 +88,14 @@ class LocalPlan:
 
 
 def _fingerprint(items: Sequence[WriteItem]) -> str:
+    """A digest of every field of every item, in order: everything a checkpoint's metadata is
+    made of (names, kinds, chunks, global shapes, dtypes and the other tensor properties)."""
     h = hashlib.blake2b(digest_size=16)
     for it in items:
         c = it.chunk
         h.update(f"{it.fqn}\0{it.kind}\0{it.dtype}\0{it.size}\0"
-                 f"{None if c is None else (c.offsets, c.sizes)}\n".encode())
+                 f"{None if c is None else (c.offsets, c.sizes)}\0{it.layout}\0"
+                 f"{it.requires_grad}\0{it.memory_format}\0{it.pin_memory}\n".encode())
     return h.hexdigest()
 
 
@@ -174,6 +186,15 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def tensor_properties(properties: Any) -> dict[str, Any]:
+    """A torch ``TensorProperties`` as :class:`WriteItem` keyword arguments (``dtype``,
+    ``layout``, ``requires_grad``, ``memory_format``, ``pin_memory``)."""
+    return {"dtype": _dtype_name(properties.dtype), "layout": _dtype_name(properties.layout),
+            "requires_grad": bool(properties.requires_grad),
+            "memory_format": _dtype_name(properties.memory_format),
+            "pin_memory": bool(properties.pin_memory)}
+
+
 def write_items(state_dict: Mapping[str, Any]) -> tuple[WriteItem, ...]:
     """This rank's write items for ``state_dict``, as DCP's default planner makes them.
 
@@ -183,6 +204,7 @@ def write_items(state_dict: Mapping[str, Any]) -> tuple[WriteItem, ...]:
     """
     import torch
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.metadata import TensorProperties
 
     flat, _ = flatten_state_dict(dict(state_dict))
     out: list[WriteItem] = []
@@ -195,19 +217,20 @@ def write_items(state_dict: Mapping[str, Any]) -> tuple[WriteItem, ...]:
                 continue
             size = tuple(obj.shape)
             chunk = shard_chunk(size, tuple(mesh.shape), coord, obj.placements)
-            out.append(WriteItem(fqn, "shard", chunk, size, _dtype_name(obj.dtype)))
+            props = tensor_properties(TensorProperties.create_from_tensor(obj.to_local()))
+            out.append(WriteItem(fqn, "shard", chunk, size, **props))
         elif kind == "ShardedTensor":
             md = obj.metadata()
             size = tuple(md.size)
-            dtype = _dtype_name(md.tensor_properties.dtype)
+            props = tensor_properties(md.tensor_properties)
             for shard in obj.local_shards():
                 sm = shard.metadata
                 out.append(WriteItem(fqn, "shard", Chunk(tuple(sm.shard_offsets),
-                                                         tuple(sm.shard_sizes)), size, dtype))
+                                                         tuple(sm.shard_sizes)), size, **props))
         elif isinstance(obj, torch.Tensor):
             size = tuple(obj.shape)
-            out.append(WriteItem(fqn, "tensor", Chunk((0,) * len(size), size), size,
-                                 _dtype_name(obj.dtype)))
+            props = tensor_properties(TensorProperties.create_from_tensor(obj))
+            out.append(WriteItem(fqn, "tensor", Chunk((0,) * len(size), size), size, **props))
         else:
             out.append(WriteItem(fqn, "bytes"))
     return tuple(out)

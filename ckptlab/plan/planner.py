@@ -4,7 +4,9 @@
 exactly what torch's default planner saves (same items, same metadata), but:
 
 - each rank sends its full local plan only when it changed since its last successful save
-  under this namespace; otherwise it sends its plan's fingerprint;
+  under this namespace; otherwise it sends its plan's fingerprint, which covers everything
+  the ``.metadata`` is made of (names, kinds, chunks, global shapes, dtypes and the other
+  tensor properties, and the flattening mappings), so no change can reuse a stale entry;
 - the coordinator plans with :meth:`PlanCache.plan` (hit / delta / miss; dedup to the
   least-loaded holder; validation by sweep), keyed by the namespace you give — a model
   planner and an optimizer planner keep separate entries;
@@ -129,8 +131,11 @@ class CachedSavePlanner(DefaultSavePlanner):
                 drop = {it.key for it in local.items} - kept_keys
                 answers.append(SavePlan([], planner_data=("drop", drop)))
             coord.answered[r] = kept
-        self.global_plan, self.metadata = answers, coord.metadata
-        return answers, coord.metadata
+        # the storage writer's finish() sets storage_data, storage_meta and version on the
+        # metadata it gets: each save gets its own (shallow) copy, so the Metadata an earlier
+        # dcp.save returned is not rewritten by a later save
+        self.global_plan, self.metadata = answers, dataclasses.replace(coord.metadata)
+        return answers, self.metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         state = self._rank_state()

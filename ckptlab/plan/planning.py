@@ -143,6 +143,14 @@ def merge_delta(cached: Sequence[LocalPlan],
     return tuple(out)
 
 
+def _conflict(a: WriteItem, b: WriteItem) -> bool:
+    """Whether two replicas of one key disagree on their bytes: kind, dtype, global shape or
+    chunk sizes. (Tensor properties such as ``requires_grad`` may differ, as torch allows:
+    the metadata takes them from the item written.)"""
+    return (a.kind != b.kind or a.dtype != b.dtype or a.size != b.size or
+            (a.chunk is not None and b.chunk is not None and a.chunk.sizes != b.chunk.sizes))
+
+
 def _fp(plan: LocalPlan | str) -> str:
     return plan if isinstance(plan, str) else plan.fingerprint
 
@@ -234,10 +242,7 @@ class PlanBook:
                     repeats.append((r, i))
                     continue
                 seconds.append((key, r, i))
-                ref = prev[0]
-                if it is not ref and (it.kind != ref.kind or it.dtype != ref.dtype or
-                                      it.size != ref.size or
-                                      (c is not None and c.sizes != ref.chunk.sizes)):
+                if it is not prev[0] and _conflict(it, prev[0]):
                     mismatch.setdefault(key, []).append(r)
         # each rank's load: its payload minus the replicas it holds, which are then placed
         load = self._load = [p.nbytes for p in local_plans]
@@ -404,6 +409,7 @@ class PlanBook:
         load, replicas = self._load, self._replicas
         removed: dict[str, list[Chunk]] = {}
         added: dict[str, list[Chunk]] = {}
+        touched: dict[str, None] = {}  # tensors with an item that changed in any way
         to_assign: list[Key] = []
         dedup_ranks = set(changed)
         self._plans = list(new)
@@ -428,7 +434,9 @@ class PlanBook:
             items = [item_at(q, key) if q in changed_set or was_mismatched or prev is None
                      else prev[0] for q in holders]
             ref = items[0]
-            bad = [q for q, it in zip(holders[1:], items[1:]) if it != ref]
+            if key[1] is not None:
+                touched[key[0]] = None
+            bad = [q for q, it in zip(holders[1:], items[1:]) if _conflict(it, ref)]
             if bad:
                 self._mismatch[key] = bad
             if prev is not None and prev[0].chunk != ref.chunk and key[1] is not None:
@@ -455,16 +463,21 @@ class PlanBook:
             dedup_ranks.add(writer)
         self._assign(to_assign)
         dedup_ranks.update(self._writer(k) for k in to_assign)  # type: ignore[misc]
-        for fqn in removed.keys() | added.keys():
+        for fqn in {**removed, **added, **touched}:
             if not self._chunks.get(fqn):
                 self._chunks.pop(fqn, None)
                 self._info.pop(fqn, None)
                 self._problems.pop(fqn, None)
                 continue
-            if fqn in added and any((it.size, it.dtype) != self._info[fqn]
-                                    for it, _ in self._chunks[fqn].values()):
-                self._info[fqn] = self._ref_info(fqn)  # the tensor changed shape or dtype
-            self._validate_delta(fqn, removed.get(fqn, []), added.get(fqn, []))
+            # an item may change dtype or global shape with its chunk unchanged (a dtype cast,
+            # or a DTensor whose shard stays put while the tensor grows): the tensor's shape
+            # and dtype are read again from its items, never kept from the last plan
+            size = self._info[fqn][0]
+            self._info[fqn] = self._ref_info(fqn)
+            if self._info[fqn][0] != size:
+                self._validate_full(fqn)  # every chunk is checked against the new bounds
+            elif fqn in removed or fqn in added:
+                self._validate_delta(fqn, removed.get(fqn, []), added.get(fqn, []))
         for r in dedup_ranks:
             self._dedup_plans[r] = self._dedup(r)
         self.__dict__.pop("result", None)
