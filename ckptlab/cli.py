@@ -1,23 +1,69 @@
 """The ``ckptlab`` command.
 
-Verbs: ``inspect [PATH] [--json]``, ``offsets PATH [--json]``, ``sample PATH``.
-Errors: exit status 2 and one line on stderr starting ``ckptlab: error:``.
+Verbs (``ckptlab VERB --help`` tells each one's arguments):
+
+- ``inspect [PATH] [--json]``: layout of a torch.save archive, ``.safetensors`` file or DCP
+  checkpoint directory (PATH defaults to the embedded sample).
+- ``offsets PATH [--json] [--scan]``: storage data offsets, computed without random reads.
+- ``sample PATH [--alignment N]``: write the embedded sample checkpoint (N: a power of two,
+  1 to :data:`MAX_STORAGE_ALIGNMENT`).
+- ``report [PATH] [-o OUT]``: a self-contained offline HTML report with the figures.
+- ``readiness PATH [--json]``: is a checkpoint ready for GPUDirect Storage / O_DIRECT reads?
+- ``serve [PATH] [--port N] [--address A] [--show]``: the interactive workbench (panel).
+
+``ckptlab --version`` prints ``ckptlab <version>``; ``ckptlab`` alone lists the verbs.
+
+Every argument is checked before any work starts: numbers against their ranges, input paths
+for existence and kind (a FIFO or a device is refused up front, so nothing blocks on it),
+output paths for a directory to write into, the port for being free. Every failure, argparse's
+own included, prints one line on stderr, ``ckptlab: error: <what, where, what to do>``, and
+exits with status 2; no traceback (``CKPTLAB_TRACEBACK=1`` shows one for an unexpected error).
+``--json`` prints one JSON object: indented when stdout is a terminal, one compact line
+otherwise (for scripts).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
+import re
+import shutil
+import socket
+import stat
 import sys
-from collections.abc import Sequence
-from typing import Any
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
+from ckptlab import __version__
 from ckptlab._inspect import inspect
-from ckptlab.errors import CkptlabError
+from ckptlab.errors import CkptlabError, InvalidArgumentError
 from ckptlab.format import ArchiveLayout, storage_offsets
 from ckptlab.plan.metadata import DcpLayout
 
-__all__ = ["main"]
+__all__ = ["MAX_STORAGE_ALIGNMENT", "VERBS", "main"]
+
+# The largest storage alignment torch.load reads back, checked against torch itself (2.13;
+# tests/test_cli_bad_args.py::test_max_alignment_is_torchs_limit). torch.save pads every
+# record's data to the alignment inside a zip extra field ("FB") whose length is 16 bits:
+# 4 bytes of field header + up to alignment - 1 bytes of padding (+ up to 28 bytes of zip64
+# extra past 4 GiB) must stay <= 65535. At 32768 the worst padding, 32767 bytes, loads back;
+# at 65536 a record padded by 65532..65535 bytes wraps the length field and torch.load
+# silently returns wrong bytes for the next tensor; above 65536 it cannot parse the archive.
+# Alignment 0 makes torch divide by zero (SIGFPE). So: a power of two from 1 to 32768.
+MAX_STORAGE_ALIGNMENT = 32768
+
+# verb -> what it does, in one line: the parser's help and the bare ``ckptlab`` usage
+VERBS: dict[str, str] = {
+    "inspect": "layout of a torch.save archive, .safetensors file or DCP checkpoint directory",
+    "offsets": "storage data offsets, computed without random reads",
+    "sample": "write the embedded sample checkpoint",
+    "report": "write a self-contained offline HTML report",
+    "readiness": "is a checkpoint ready for GPUDirect Storage / O_DIRECT reads?",
+    "serve": "serve the interactive workbench (panel) on 127.0.0.1",
+}
 
 
 def _fmt_path(path: Sequence[Any]) -> str:
@@ -78,39 +124,6 @@ def render_dcp(layout: DcpLayout) -> str:
     return "\n".join(out)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ckptlab", description="See inside PyTorch checkpoints.")
-    sub = p.add_subparsers(dest="verb", required=True)
-    ins = sub.add_parser("inspect", help="layout of a torch.save archive, .safetensors file or "
-                                         "DCP checkpoint directory")
-    ins.add_argument("path", nargs="?", help="checkpoint file (default: the embedded sample)")
-    ins.add_argument("--json", action="store_true", help="print one JSON object")
-    off = sub.add_parser("offsets", help="storage data offsets, computed without random reads")
-    off.add_argument("path")
-    off.add_argument("--json", action="store_true", help="print one JSON object")
-    off.add_argument("--scan", action="store_true",
-                     help="take the storage order from data.pkl (torch's way) instead of the "
-                          "central directory; slower, same offsets for torch-written files")
-    smp = sub.add_parser("sample", help="write the embedded sample checkpoint")
-    smp.add_argument("path")
-    smp.add_argument("--alignment", type=int, default=64, help="storage alignment (default 64)")
-    rep = sub.add_parser("report", help="write a self-contained offline HTML report")
-    rep.add_argument("path", nargs="?", help="checkpoint file (default: the embedded sample)")
-    rep.add_argument("-o", "--output", default="report.html",
-                     help="HTML file to write (default report.html)")
-    rdy = sub.add_parser("readiness",
-                         help="is a checkpoint ready for GPUDirect Storage / O_DIRECT reads?")
-    rdy.add_argument("path")
-    rdy.add_argument("--json", action="store_true", help="print one JSON object")
-    srv = sub.add_parser("serve", help="serve the interactive workbench (panel) on 127.0.0.1")
-    srv.add_argument("path", nargs="?", help="checkpoint file (default: the embedded sample)")
-    srv.add_argument("--port", type=int, default=5006, help="port (default 5006)")
-    srv.add_argument("--address", default="127.0.0.1",
-                     help="address to listen on (default 127.0.0.1: this machine only)")
-    srv.add_argument("--show", action="store_true", help="open a browser tab")
-    return p
-
-
 def _render_readiness(r: Any) -> str:
     yes = {True: "yes", False: "no"}
     lines = [
@@ -134,71 +147,403 @@ def _render_readiness(r: Any) -> str:
     return "\n".join(lines)
 
 
-def _path_or_sample(path: str | None) -> str:
-    if path is not None:
-        return path
-    from ckptlab.samples import sample_path
+# -- arguments ------------------------------------------------------------------------------
+class _Exit(Exception):
+    """argparse finished on its own (``--help``, ``--version``): the exit status to return."""
 
-    return str(sample_path())
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but every error is one ``ckptlab: error:`` line, and nothing calls sys.exit
+    (``main`` returns the status, so tests and callers can run it in-process)."""
+
+    verbs: dict[str, argparse.ArgumentParser]  # the verbs' own parsers (top level only)
+
+    def error(self, message: str) -> NoReturn:
+        raise InvalidArgumentError(f"{message} (see '{self.prog} --help')")
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        if message:
+            sys.stderr.write(message)
+        raise _Exit(status)
+
+
+def _digits(text: str, what: str) -> int:
+    if not re.fullmatch(r"[0-9]{1,12}", text.strip()):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return int(text)
+
+
+def _alignment(text: str) -> int:
+    what = f"a power of two from 1 to {MAX_STORAGE_ALIGNMENT}"
+    n = _digits(text, what)
+    if n < 1 or n & (n - 1) or n > MAX_STORAGE_ALIGNMENT:
+        why = ("" if n <= MAX_STORAGE_ALIGNMENT else
+               f" (torch.save keeps the padding in a 16-bit zip field: above "
+               f"{MAX_STORAGE_ALIGNMENT}, torch.load misreads the file)")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {n}{why}")
+    return n
+
+
+def _port(text: str) -> int:
+    n = _digits(text, "a TCP port from 1 to 65535")
+    if not 1 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port from 1 to 65535, got {n}")
+    return n
+
+
+def _parser() -> _Parser:
+    p = _Parser(prog="ckptlab", description="See inside PyTorch checkpoints.")
+    p.add_argument("--version", action="version", version=f"ckptlab {__version__}")
+    sub = p.add_subparsers(dest="verb", metavar="VERB")
+    default = " (default: the embedded sample)"
+    ins = sub.add_parser("inspect", help=VERBS["inspect"], description=VERBS["inspect"])
+    ins.add_argument("path", nargs="?", metavar="PATH",
+                     help="checkpoint file or DCP directory" + default)
+    ins.add_argument("--json", action="store_true", help="print one JSON object")
+    off = sub.add_parser("offsets", help=VERBS["offsets"], description=VERBS["offsets"])
+    off.add_argument("path", metavar="PATH", help="checkpoint file")
+    off.add_argument("--json", action="store_true", help="print one JSON object")
+    off.add_argument("--scan", action="store_true",
+                     help="take the storage order from data.pkl (torch's way) instead of the "
+                          "central directory; slower, same offsets for torch-written files")
+    smp = sub.add_parser("sample", help=VERBS["sample"], description=VERBS["sample"])
+    smp.add_argument("path", metavar="PATH", help="file to write (its directory must exist)")
+    smp.add_argument("--alignment", type=_alignment, default=64, metavar="N",
+                     help=f"storage alignment: a power of two from 1 to "
+                          f"{MAX_STORAGE_ALIGNMENT} (default 64)")
+    rep = sub.add_parser("report", help=VERBS["report"], description=VERBS["report"])
+    rep.add_argument("path", nargs="?", metavar="PATH", help="checkpoint file" + default)
+    rep.add_argument("-o", "--output", default="report.html", metavar="OUT",
+                     help="HTML file to write (default report.html)")
+    rdy = sub.add_parser("readiness", help=VERBS["readiness"], description=VERBS["readiness"])
+    rdy.add_argument("path", metavar="PATH", help="checkpoint file")
+    rdy.add_argument("--json", action="store_true", help="print one JSON object")
+    srv = sub.add_parser("serve", help=VERBS["serve"], description=VERBS["serve"])
+    srv.add_argument("path", nargs="?", metavar="PATH", help="checkpoint file" + default)
+    srv.add_argument("--port", type=_port, default=5006, metavar="N",
+                     help="port, 1 to 65535 (default 5006)")
+    srv.add_argument("--address", default="127.0.0.1", metavar="A",
+                     help="address to listen on (default 127.0.0.1: this machine only)")
+    srv.add_argument("--show", action="store_true", help="open a browser tab")
+    p.verbs = sub.choices
+    return p
+
+
+def _usage() -> str:
+    """What a bare ``ckptlab`` prints: the verbs in plain words."""
+    width = max(map(len, VERBS))
+    lines = [f"ckptlab {__version__}: see inside PyTorch checkpoints.", "",
+             "usage: ckptlab VERB [ARGUMENTS]   ('ckptlab VERB --help' tells a verb's arguments)",
+             "", "verbs:"]
+    lines += [f"  {verb.ljust(width)}  {what}" for verb, what in VERBS.items()]
+    lines += ["", "'ckptlab --version' prints the version.",
+              "ckptlab: error: no verb given: pick one of the verbs above"]
+    return "\n".join(lines)
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace | None:
+    """The arguments, checked for form; None when no verb was given."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # point at the verb's own --help, not the top-level one
+        (parser.verbs[args.verb] if args.verb else parser).error(
+            f"unrecognized arguments: {' '.join(extra)}")
+    return args if args.verb is not None else None
+
+
+# -- paths, ports: checked before any work -------------------------------------------------
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def _stat(path: str, doing: str = "cannot open") -> os.stat_result | None:
+    """``os.stat(path)``, None when nothing is there; other failures as one-line errors."""
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:  # ENOTDIR, EACCES, ELOOP, a NUL in the name
+        raise InvalidArgumentError(
+            f"{path}: {doing}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def _input_path(path: str | None, verb: str, *, directory: bool = False) -> str:
+    """A checkpoint to read: PATH, or the embedded sample when none is given.
+
+    Refuses a missing path, a directory where a file is needed, and anything that is not a
+    regular file (a FIFO would block the read forever, a device never ends).
+    """
+    if path is None:
+        from ckptlab.samples import sample_path
+
+        return str(sample_path())
+    if not path:
+        raise InvalidArgumentError(f"ckptlab {verb}: the checkpoint path is empty")
+    st = _stat(path)
+    if st is None:
+        raise InvalidArgumentError(f"{path}: cannot open: No such file or directory")
+    if stat.S_ISDIR(st.st_mode):
+        if not directory:
+            raise InvalidArgumentError(
+                f"{path}: is a directory; ckptlab {verb} reads a checkpoint file "
+                "(.pt, .bin, .safetensors)")
+        try:
+            entries = list(os.scandir(path))
+        except OSError as exc:
+            raise InvalidArgumentError(f"{path}: cannot list: {exc.strerror}") from None
+        for entry in entries:  # a DCP directory's files are read too: none may block
+            try:
+                mode = entry.stat().st_mode
+            except OSError:
+                continue  # a dangling link: the reader says so if it needs it
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise InvalidArgumentError(
+                    f"{entry.path}: is {_kind(mode)}, not a regular file: ckptlab reads only "
+                    "regular files")
+    elif not stat.S_ISREG(st.st_mode):
+        raise InvalidArgumentError(
+            f"{path}: is {_kind(st.st_mode)}, not a regular file: ckptlab {verb} reads "
+            "checkpoint files")
+    return path
+
+
+def _output_path(path: str, what: str) -> str:
+    """A file to write: its directory must exist and the path must not be anything but a
+    regular file (a directory cannot be overwritten, a FIFO would block)."""
+    if not path:
+        raise InvalidArgumentError(f"the {what} path is empty")
+    if path.endswith(("/", os.sep)):
+        raise InvalidArgumentError(f"{path}: names a directory; give the {what} a file name")
+    st = _stat(path, f"cannot write the {what}")
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise InvalidArgumentError(f"{path}: is a directory; give the {what} a file name")
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise InvalidArgumentError(
+            f"{path}: is {_kind(st.st_mode)}, not a regular file: refusing to write the "
+            f"{what} into it")
+    parent = os.path.dirname(path) or "."
+    pst = _stat(parent, f"cannot write the {what} into it")
+    if pst is None:
+        raise InvalidArgumentError(
+            f"{path}: cannot write the {what}: directory {parent} does not exist (create it "
+            "first)")
+    if not stat.S_ISDIR(pst.st_mode):
+        raise InvalidArgumentError(f"{path}: cannot write the {what}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InvalidArgumentError(
+            f"{path}: cannot write the {what}: no permission to write into {parent}")
+    return path
+
+
+def _write_file(path: str, what: str, write: Callable[[str], object]) -> None:
+    """Call ``write(tmp)`` on a same-named path in a fresh directory beside ``path``, then move
+    the result onto ``path``: a failed write leaves no half file, and torch.save, which names
+    the archive after the file, sees the same name."""
+    parent = os.path.dirname(path) or "."
+    try:
+        tmp = tempfile.mkdtemp(dir=parent, prefix=".ckptlab-")
+    except OSError as exc:
+        raise InvalidArgumentError(f"{path}: cannot write the {what}: cannot create a file in "
+                                   f"{parent} ({exc.strerror or exc})") from None
+    try:
+        tmp_path = os.path.join(tmp, os.path.basename(path))
+        try:
+            write(tmp_path)
+        except RuntimeError as exc:  # torch.save reports I/O failures as RuntimeError
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise InvalidArgumentError(f"{path}: cannot write the {what}: {first}") from None
+        os.replace(tmp_path, path)
+    except OSError as exc:
+        raise InvalidArgumentError(
+            f"{path}: cannot write the {what}: {exc.strerror or exc}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_listen(address: str, port: int) -> None:
+    """Refuse an address that does not resolve or a port something else listens on, before
+    the (slow) layout is loaded; bound as tornado binds (SO_REUSEADDR, IPv6 only on IPv6
+    sockets, a missing ::1 skipped for localhost). The server's own bind can still fail (a
+    race): main reports that too."""
+    if not address.strip():
+        raise InvalidArgumentError("--address is empty (127.0.0.1: this machine only; 0.0.0.0: "
+                                   "every interface)")
+    try:
+        infos = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise InvalidArgumentError(
+            f"--address {address!r}: not an address of this machine "
+            f"({getattr(exc, 'strerror', None) or exc})") from None
+    for family, sockaddr in dict.fromkeys((info[0], info[4]) for info in infos):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(sockaddr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRNOTAVAIL and address == "localhost" and (
+                        sockaddr[0] == "::1"):
+                    continue  # IPv6 half disabled (containers): tornado skips it too
+                if exc.errno == errno.EADDRINUSE:
+                    raise InvalidArgumentError(
+                        f"{address}:{port} is already in use (another server listens there): "
+                        "pick another --port") from None
+                raise InvalidArgumentError(
+                    f"cannot listen on {address}:{port}: {exc.strerror or exc}") from None
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Check every argument that names something outside (paths, ports) before any work."""
+    verb = args.verb
+    if verb == "serve":
+        _check_listen(args.address, args.port)
+    if verb != "sample" and args.path is not None:
+        _input_path(args.path, verb, directory=verb == "inspect")
+    if verb == "sample":
+        _output_path(args.path, "sample")
+    if verb == "report":
+        _output_path(args.output, "report")
+        if args.path is not None and os.path.exists(args.output) and os.path.samefile(
+                args.path, args.output):
+            raise InvalidArgumentError(
+                f"{args.output}: is the checkpoint being reported on; give the report another "
+                "name (-o)")
+
+
+# -- output ---------------------------------------------------------------------------------
+def _print_json(obj: Any) -> None:
+    """One JSON object: indented for a person at a terminal, one compact line for a pipe."""
+    if sys.stdout.isatty():
+        print(json.dumps(obj, indent=2, default=str))
+    else:
+        print(json.dumps(obj, separators=(",", ":"), default=str))
+
+
+def _needs(extra: str, exc: ImportError) -> NoReturn:
+    raise InvalidArgumentError(
+        f"this verb needs {exc.name or 'a missing module'}: install ckptlab's '{extra}' extra "
+        f"(pip install 'ckptlab[{extra}]')") from None
+
+
+def _run(args: argparse.Namespace) -> None:
+    verb = args.verb
+    if verb == "inspect":
+        layout = inspect(_input_path(args.path, verb, directory=True))
+        if args.json:
+            _print_json(layout.to_dict())
+        else:
+            print(render_dcp(layout) if isinstance(layout, DcpLayout) else render_layout(layout))
+    elif verb == "offsets":
+        result = storage_offsets(args.path, scan=args.scan)
+        if args.json:
+            _print_json(result.to_dict())
+        else:
+            print(_table(sorted(result.offsets.items(), key=lambda kv: kv[1]),
+                         ("storage", "data offset"), {1}))
+            print(f"{result.reads} reads, {result.bytes_read:,} bytes read, method "
+                  f"{result.method}" + (f" ({result.reason})" if result.reason else ""))
+    elif verb == "sample":
+        from ckptlab.samples import write_sample
+
+        _write_file(args.path, "sample",
+                    lambda tmp: write_sample(tmp, storage_alignment=args.alignment))
+        print(args.path)
+    elif verb == "report":
+        from ckptlab.format import read_range
+
+        try:
+            from ckptlab.viz import report_html
+        except ImportError as exc:
+            _needs("widgets", exc)
+        path = _input_path(args.path, verb)
+        layout = inspect(path)
+        head = read_range(path, 0, min(layout.file_nbytes, 1024))
+        document = report_html(layout, hex_bytes=head)
+
+        def write(tmp: str) -> None:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(document)
+
+        _write_file(args.output, "report", write)
+        print(args.output)
+    elif verb == "readiness":
+        from ckptlab.gds.readiness import readiness
+
+        r = readiness(args.path)
+        if args.json:
+            _print_json(r.to_dict())
+        else:
+            print(_render_readiness(r))
+    elif verb == "serve":
+        try:
+            from ckptlab.widgets.app import serve
+        except ImportError as exc:
+            _needs("widgets", exc)
+        serve(_input_path(args.path, verb), port=args.port, address=args.address,
+              show=args.show)
+
+
+def _fail(message: str) -> int:
+    print(f"ckptlab: error: {' '.join(message.split())}", file=sys.stderr)
+    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``ckptlab`` command; returns the exit status."""
-    args = _parser().parse_args(argv)
+    """Entry point of the ``ckptlab`` command; returns the exit status.
+
+    Parameters
+    ----------
+    argv
+        The arguments after ``ckptlab`` (default: ``sys.argv[1:]``).
+
+    Returns
+    -------
+    int
+        0 on success; 2 on any failure, after one ``ckptlab: error:`` line on stderr; 130
+        when interrupted.
+    """
+    if argv is None:  # the real command: a name that is not UTF-8 must not crash a print
+        for stream in (sys.stdout, sys.stderr):
+            reconfigure = getattr(stream, "reconfigure", None)
+            if reconfigure is not None:
+                reconfigure(errors="backslashreplace")
     try:
-        if args.verb == "inspect":
-            layout = inspect(_path_or_sample(args.path))
-            if args.json:
-                print(json.dumps(layout.to_dict(), default=str))
-            else:
-                print(render_dcp(layout) if isinstance(layout, DcpLayout)
-                      else render_layout(layout))
-        elif args.verb == "offsets":
-            result = storage_offsets(args.path, scan=args.scan)
-            if args.json:
-                print(json.dumps(result.to_dict()))
-            else:
-                print(_table(sorted(result.offsets.items(), key=lambda kv: kv[1]),
-                             ("storage", "data offset"), {1}))
-                print(f"{result.reads} reads, {result.bytes_read:,} bytes read, method "
-                      f"{result.method}" + (f" ({result.reason})" if result.reason else ""))
-        elif args.verb == "sample":
-            from ckptlab.samples import write_sample
-
-            print(write_sample(args.path, storage_alignment=args.alignment))
-        elif args.verb == "report":
-            from ckptlab.format import read_range
-            from ckptlab.viz import report_html
-
-            path = _path_or_sample(args.path)
-            layout = inspect(path)
-            head = read_range(path, 0, min(layout.file_nbytes, 1024))
-            document = report_html(layout, hex_bytes=head)
-            try:
-                with open(args.output, "w", encoding="utf-8") as f:
-                    f.write(document)
-            except OSError as exc:
-                raise CkptlabError(f"{args.output}: cannot write the report: "
-                                   f"{exc.strerror or exc}") from None
-            print(args.output)
-        elif args.verb == "readiness":
-            from ckptlab.gds.readiness import readiness
-
-            r = readiness(args.path)
-            if args.json:
-                print(json.dumps(r.to_dict()))
-            else:
-                print(_render_readiness(r))
-        elif args.verb == "serve":
-            from ckptlab.widgets.app import serve
-
-            serve(_path_or_sample(args.path), port=args.port, address=args.address,
-                  show=args.show)
+        args = _parse(argv)
+        if args is None:
+            print(_usage(), file=sys.stderr)
+            return 2
+        _check(args)
+        _run(args)
+    except _Exit as done:  # --help, --version
+        return done.status
     except CkptlabError as exc:
-        print(f"ckptlab: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:  # `ckptlab inspect | head`
+        return _fail(str(exc) or type(exc).__name__)
+    except BrokenPipeError:  # `ckptlab inspect | head`: the reader has gone; so do we
+        try:  # and keep Python's final flush of stdout from complaining
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
         return 0
+    except OSError as exc:  # the server's bind, a cache directory, a read that failed
+        where = f"{exc.filename}: " if exc.filename else ""
+        return _fail(f"{where}{exc.strerror or exc}")
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if os.environ.get("CKPTLAB_TRACEBACK"):
+            raise
+        return _fail(f"unexpected {type(exc).__name__}: {exc} (a bug in ckptlab: run again with "
+                     "CKPTLAB_TRACEBACK=1 to see where, and report it)")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""One fixed colour and label per segment kind, shared by every figure, the hex view and the report."""
+"""One fixed colour and label per segment kind, shared by every figure, the hex view and the report;
+and :func:`plain_text`, which every figure passes user-provided names through."""
 
 from __future__ import annotations
 
@@ -64,6 +65,25 @@ KIND_LABELS: dict[SegmentKind, str] = {
 }
 
 assert set(KIND_ORDER) == set(SegmentKind) == set(KIND_COLORS) == set(KIND_LABELS)
+
+
+def plain_text(name: object) -> str:
+    """``name`` as text that plotly shows literally: ``&``, ``<`` and ``>`` escaped.
+
+    Plotly reads a subset of HTML in every piece of text it draws (trace text and hover text,
+    hover templates' substitutions, category and tick labels, legend entries, annotations,
+    titles): a tensor named ``<b>x</b>`` would show bold and ``<a href="...">y</a>`` as a live
+    link. Every name that comes from a checkpoint, a path or a caller goes through this
+    function before it reaches a figure; the figures' ``layout.meta`` keeps the names as they
+    are (data, not text to draw).
+
+    Notes
+    -----
+    Quotes stay as they are: plotly decodes numeric entities and a few named ones (``&lt;``,
+    ``&gt;``, ``&amp;``, ...) but not ``&quot;``, which would show as typed; without ``<`` no
+    tag can open, so no quote can matter.
+    """
+    return html.escape(str(name), quote=False)
 
 
 def tint(color: str, amount: float) -> str:

@@ -18,7 +18,14 @@ import plotly.graph_objects as go
 
 from ckptlab.errors import InvalidArgumentError
 from ckptlab.format.layout import ArchiveLayout, SegmentKind
-from ckptlab.viz._style import KIND_COLORS, KIND_LABELS, KIND_ORDER, human_nbytes, tint
+from ckptlab.viz._style import (
+    KIND_COLORS,
+    KIND_LABELS,
+    KIND_ORDER,
+    human_nbytes,
+    plain_text,
+    tint,
+)
 
 __all__ = ["ByteMap", "bytemap_figure", "bytemap_trace", "overhead_figure"]
 
@@ -131,13 +138,22 @@ class ByteMap:
         return int(self.items[self.segment_index(np.array([offset]))[0]])
 
     def item_label(self, item: int) -> str:
-        """The item's name and, for a storage record, the tensors that view it."""
+        """The item's name and, for a storage record, the tensors that view it (raw text: pass
+        it through :func:`~ckptlab.viz._style.plain_text` before a figure shows it)."""
         name = self.item_names[item]
         tensors = self._tensors_by_record().get(name)
         if not tensors:
             return name
         shown = ", ".join(tensors[:3]) + (f" (+{len(tensors) - 3})" if len(tensors) > 3 else "")
         return f"{name} · {shown}"
+
+    def _plain_names(self) -> np.ndarray:
+        """``item_names`` escaped for plotly (:func:`plain_text`), then ``""``: built once."""
+        cached = self.__dict__.get("_plain_item_names")
+        if cached is None:
+            cached = np.array([plain_text(n) for n in self.item_names] + [""], dtype=object)
+            object.__setattr__(self, "_plain_item_names", cached)  # a memo of frozen data
+        return cached
 
     def _tensors_by_record(self) -> dict[str, list[str]]:
         cached = self.__dict__.get("_tensor_index")
@@ -215,7 +231,7 @@ def bytemap_trace(source: ArchiveLayout | ByteMap, *, x_range: tuple[float, floa
         custom[:, :, 2] = bm.nbytes[seg]
         custom[:, :, 3] = items
         text = np.full((n_lanes, visible), "", dtype=object)
-        labels = {int(i): bm.item_label(int(i)) for i in np.unique(items)}
+        labels = {int(i): plain_text(bm.item_label(int(i))) for i in np.unique(items)}
         text[rows, cols] = [labels[int(i)] for i in items]
         hover = ("<b>%{y}</b> of %{text}<br>bytes [%{customdata[0]:,}, %{customdata[1]:,})"
                  " · %{customdata[2]:,} B<br>item #%{customdata[3]}<extra></extra>")
@@ -241,8 +257,7 @@ def bytemap_trace(source: ArchiveLayout | ByteMap, *, x_range: tuple[float, floa
         custom[:, :, 0] = cover
         custom[:, :, 1] = first
         custom[:, :, 2] = last
-        names = np.array(bm.item_names + ("",), dtype=object)
-        text = names[first]  # -1 picks the trailing "": empty cells carry no name
+        text = bm._plain_names()[first]  # -1 picks the trailing "": empty cells carry no name
         hover = ("<b>%{y}</b> of %{text}: %{customdata[0]:,} B in the bin at %{x:,.0f} "
                  f"(±{int(widths.max()) // 2:,} B)<br>"
                  "items #%{customdata[1]} – #%{customdata[2]}<extra></extra>")
@@ -289,7 +304,9 @@ def bytemap_figure(source: ArchiveLayout | ByteMap, *,
     exact_threshold
         At most this many visible segments are drawn exactly, one column each.
     title
-        Figure title; by default the file name, size and record count.
+        Figure title, drawn as plotly text (markup is read: escape names in it with
+        :func:`~ckptlab.viz._style.plain_text`); by default the file name (escaped), size and
+        record count.
 
     Returns
     -------
@@ -307,7 +324,8 @@ def bytemap_figure(source: ArchiveLayout | ByteMap, *,
     layout = bm.layout
     fig.update_layout(
         title=title if title is not None else (
-            f"{layout.path.rsplit('/', 1)[-1]} · {human_nbytes(layout.file_nbytes)} · "
+            f"{plain_text(layout.path.rsplit('/', 1)[-1])} · "
+            f"{human_nbytes(layout.file_nbytes)} · "
             f"{len(layout.records)} records · alignment {layout.alignment}"),
         height=90 + 28 * len(labels), margin={"l": 130, "r": 20, "t": 50, "b": 45},
         xaxis={"title": "file offset (bytes)", "range": meta["x_range"], "showgrid": False,

@@ -10,6 +10,7 @@ import plotly.graph_objects as go
 
 from ckptlab.errors import InvalidArgumentError
 from ckptlab.format.layout import ArchiveLayout
+from ckptlab.viz._style import plain_text
 
 __all__ = ["BLOCK_KINDS", "block_classes", "blockmap_figure", "transfer_figure"]
 
@@ -112,18 +113,21 @@ def transfer_figure(rates: Mapping[str, float] | Sequence[tuple[str, float]], *,
         ``{label: GB/s}`` or ``[(label, GB/s), ...]``, in display order.
     limit
         ``(label, GB/s)`` drawn as a dashed line: the raw disk figure from the same run.
+    title
+        Drawn as plotly text (markup is read); labels are shown as typed.
     """
     items: list[tuple[str, Any]] = list(rates.items() if isinstance(rates, Mapping) else rates)
     if not items:
         raise InvalidArgumentError("transfer_figure needs at least one (label, GB/s)")
     labels = [str(k) for k, _ in items]
     values = [float(v) for _, v in items]
-    fig = go.Figure(go.Bar(x=labels, y=values, text=[f"{v:.2f}" for v in values],
+    fig = go.Figure(go.Bar(x=[plain_text(k) for k in labels], y=values,
+                           text=[f"{v:.2f}" for v in values],
                            textposition="outside", marker={"color": "#4c78a8"},
                            hovertemplate="%{x}: %{y:.3f} GB/s<extra></extra>"))
     if limit is not None:
         fig.add_hline(y=limit[1], line={"dash": "dash", "color": "#e45756"},
-                      annotation_text=f"{limit[0]} {limit[1]:.2f} GB/s",
+                      annotation_text=f"{plain_text(limit[0])} {limit[1]:.2f} GB/s",
                       annotation_position="top left")
     fig.update_layout(title=title, yaxis={"title": "GB/s", "rangemode": "tozero"},
                       height=360, margin={"l": 60, "r": 20, "t": 50, "b": 60},

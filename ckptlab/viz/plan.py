@@ -10,7 +10,6 @@ of 2048 ranks is a few thousand cells, not 2048 shapes; a thin outline marks eac
 
 from __future__ import annotations
 
-import html
 import math
 import re
 from collections.abc import Sequence
@@ -27,7 +26,7 @@ from ckptlab.plan.cache import CacheEvent
 from ckptlab.plan.metadata import DcpLayout
 from ckptlab.plan.planning import GlobalPlan, TensorEntry
 from ckptlab.plan.reshard import Chunk, ReadItem, read_items
-from ckptlab.viz._style import human_nbytes
+from ckptlab.viz._style import human_nbytes, plain_text
 
 __all__ = ["STATUS_COLORS", "cache_timeline_figure", "chunk_boxes", "rank_bytes_figure",
            "rank_colors", "reshard_figure", "shard_map_figure", "tensor_chunks"]
@@ -287,8 +286,8 @@ def shard_map_figure(source: GlobalPlan | DcpLayout | TensorEntry,
     if isinstance(source, GlobalPlan):
         n_colors = max(n_colors, source.world_size)
     colors = rank_colors(n_colors)
-    name = html.escape(entry.fqn)
-    labels = [f"<b>{name}</b><br>{html.escape(w)}<br>offsets {list(c.offsets)}<br>"
+    name = plain_text(entry.fqn)
+    labels = [f"<b>{name}</b><br>{plain_text(w)}<br>offsets {list(c.offsets)}<br>"
               f"sizes {list(c.sizes)}<br>{human_nbytes(c.numel * itemsize)} "
               f"({c.numel * itemsize:,} B)" for c, w in zip(entry.chunks, where)]
     traces, facts = _chunk_traces(entry.size, entry.chunks, entry.writers, labels, n_colors)
@@ -419,8 +418,8 @@ def reshard_figure(fqn: str, size: Sequence[int], saved_chunks: Sequence[Chunk],
     for facts in (saved_facts, wanted_facts, item_facts):
         facts.pop("boxes")
     fig.update_layout(
-        title=(f"{html.escape(fqn)}: read amplification {amplification:.2f}x<br><sup>{len(saved)} saved → "
-               f"{len(wanted)} wanted chunks · {len(items)} read items · "
+        title=(f"{plain_text(fqn)}: read amplification {amplification:.2f}x<br><sup>"
+               f"{len(saved)} saved → {len(wanted)} wanted chunks · {len(items)} read items · "
                f"{human_nbytes(read_nbytes)} read for {human_nbytes(wanted_nbytes)} wanted"
                "</sup>"),
         height=(520 if rows == 1 else 760), margin={"l": 70, "r": 20, "t": 100, "b": 50},
@@ -512,6 +511,7 @@ def cache_timeline_figure(events: Sequence[CacheEvent]) -> go.Figure:
     events = sorted(events, key=lambda e: e.started)
     t0 = events[0].started if events else 0.0
     namespaces = list(dict.fromkeys(e.namespace for e in events))
+    rows_shown = [plain_text(ns) for ns in namespaces]  # the y categories plotly draws
     rows = [{"namespace": e.namespace, "status": e.status, "changed_ranks": len(e.changed_ranks),
              "world_size": e.world_size, "start_ms": 1e3 * (e.started - t0),
              "ms": 1e3 * e.seconds} for e in events]
@@ -525,12 +525,13 @@ def cache_timeline_figure(events: Sequence[CacheEvent]) -> go.Figure:
         hover = ("#%{customdata[0]} %{y} · " + status + "<br>%{customdata[1]} of "
                  "%{customdata[2]} ranks re-planned<br>%{customdata[3]:.3f} ms<extra></extra>")
         fig.add_trace(go.Bar(
-            orientation="h", y=[r["namespace"] for _, r in mine], x=[r["ms"] for _, r in mine],
+            orientation="h", y=[plain_text(r["namespace"]) for _, r in mine],
+            x=[r["ms"] for _, r in mine],
             base=[r["start_ms"] for _, r in mine], name=status, legendgroup=status,
             marker={"color": color, "line": {"width": 0}}, customdata=custom,
             hovertemplate=hover, width=0.5))
         fig.add_trace(go.Scatter(
-            x=[r["start_ms"] for _, r in mine], y=[r["namespace"] for _, r in mine],
+            x=[r["start_ms"] for _, r in mine], y=[plain_text(r["namespace"]) for _, r in mine],
             mode="markers", name=status, legendgroup=status, showlegend=False,
             marker={"color": color, "symbol": _STATUS_SYMBOLS[status], "size": 9,
                     "line": {"color": "#ffffff", "width": 1}},
@@ -540,7 +541,7 @@ def cache_timeline_figure(events: Sequence[CacheEvent]) -> go.Figure:
         title=f"PlanCache: {len(rows)} lookups · {shown}" if rows else "PlanCache: no lookups",
         xaxis={"title": "ms since the first lookup", "rangemode": "tozero"},
         yaxis={"title": "namespace", "type": "category", "categoryorder": "array",
-               "categoryarray": namespaces, "autorange": "reversed"},
+               "categoryarray": rows_shown, "autorange": "reversed"},
         barmode="overlay", height=140 + 45 * max(len(namespaces), 1),
         margin={"l": 90, "r": 20, "t": 50, "b": 50}, plot_bgcolor="#ffffff",
         legend={"orientation": "h", "y": -0.35 if len(namespaces) < 3 else -0.2},

@@ -7,6 +7,7 @@ import plotly.graph_objects as go
 from ckptlab.errors import InvalidArgumentError
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.format.layout import ArchiveLayout, TensorInfo
+from ckptlab.viz._style import plain_text
 
 __all__ = ["storage_figure", "tensor_span"]
 
@@ -65,7 +66,7 @@ def storage_figure(layout: ArchiveLayout, *, max_rows: int = 60,
             rows.append((t, key))
     total = len(rows)
     rows = rows[:max_rows]
-    labels = [f"{'.'.join(map(str, t.path))} [storage {k}]" for t, k in rows]
+    labels = [plain_text(f"{'.'.join(map(str, t.path))} [storage {k}]") for t, k in rows]
     spans = [tensor_span(t) for t, _ in rows]
     color_of = {k: _STORAGE_COLORS[i % len(_STORAGE_COLORS)] for i, k in enumerate(order)}
     fig = go.Figure()
@@ -81,7 +82,7 @@ def storage_figure(layout: ArchiveLayout, *, max_rows: int = 60,
         marker={"color": [color_of[k] for _, k in rows]},
         customdata=[[lo, hi, storages[k].data_offset + lo, storages[k].data_offset + hi,
                      t.storage_offset] for (t, k), (lo, hi) in zip(rows, spans)],
-        text=[f"{t.dtype}{list(t.shape)}" for t, _ in rows], textposition="none",
+        text=[plain_text(f"{t.dtype}{list(t.shape)}") for t, _ in rows], textposition="none",
         hovertemplate=("%{y}<br>%{text}, storage_offset %{customdata[4]}<br>"
                        "storage bytes [%{customdata[0]:,}, %{customdata[1]:,})<br>"
                        "file bytes [%{customdata[2]:,}, %{customdata[3]:,})<extra></extra>")))

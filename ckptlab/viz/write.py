@@ -8,7 +8,7 @@ from typing import Any
 import plotly.graph_objects as go
 
 from ckptlab.errors import InvalidArgumentError
-from ckptlab.viz._style import human_nbytes
+from ckptlab.viz._style import human_nbytes, plain_text
 from ckptlab.write.buckets import (
     BucketAssignment,
     item_is_tensor,
@@ -105,7 +105,7 @@ def timeline_figure(timeline: Timeline) -> go.Figure:
                          "nbytes": sum(e.nbytes for e in events)}
         hover = []
         for e in events:
-            lines = [f"<b>{phase}</b> · {_row(e.bucket)}",
+            lines = [f"<b>{plain_text(phase)}</b> · {_row(e.bucket)}",
                      f"{1e3 * e.start_s:.3f} → {1e3 * e.end_s:.3f} ms "
                      f"({1e3 * e.duration_s:.3f} ms)"]
             if e.nbytes:
@@ -115,10 +115,10 @@ def timeline_figure(timeline: Timeline) -> go.Figure:
                 lines.append(f"{rate:.2f} GB/s")
             if e.file:
                 path = io_paths.get(e.bucket) if e.bucket is not None else None
-                lines.append(e.file + (f" ({path})" if path else ""))
+                lines.append(plain_text(e.file) + (f" ({plain_text(path)})" if path else ""))
             hover.append("<br>".join(lines))
         fig.add_trace(go.Bar(
-            name=phase, orientation="h", y=[_row(e.bucket) for e in events],
+            name=plain_text(phase), orientation="h", y=[_row(e.bucket) for e in events],
             base=[1e3 * e.start_s for e in events], x=[1e3 * e.duration_s for e in events],
             marker={"color": PHASE_COLORS.get(phase, _OTHER_PHASE_COLOR), "line": {"width": 0}},
             customdata=[[e.bucket, e.nbytes, e.file] for e in events],
@@ -261,10 +261,10 @@ def bucket_figure(assignment: BucketAssignment) -> go.Figure:
                 y.append(nbytes)
                 base.append(below)
                 colors.append(_item_color(key))
-                hover.append(f"<b>{key}</b><br>{human_nbytes(nbytes)} ({nbytes:,} B)<br>"
-                             f"bucket {b.index}, group {group}")
+                hover.append(f"<b>{plain_text(key)}</b><br>{human_nbytes(nbytes)} "
+                             f"({nbytes:,} B)<br>bucket {b.index}, group {group}")
                 below += nbytes
-        label = "items" if group == 0 else f"items matching {hint!r} (group 1)"
+        label = "items" if group == 0 else f"items matching {plain_text(repr(hint))} (group 1)"
         fig.add_trace(go.Bar(
             name=label, x=x, y=y, base=base, hovertext=hover,
             hovertemplate="%{hovertext}<extra></extra>", showlegend=group == 1 and bool(x),
@@ -328,8 +328,9 @@ def bucket_figure(assignment: BucketAssignment) -> go.Figure:
                             "showarrow": False, "xanchor": "left", "yanchor": "top",
                             "bgcolor": "rgba(255,255,255,0.85)",
                             "font": {"size": 10, "color": "#79706e"}})
-        title += (f" · {hint!r} items in buckets {min(groups[1]['buckets'])}..{n - 1} "
-                  f"(hatched) · fullest {overall:.2f}× all bytes / {n}")
+        title += (f" · {plain_text(repr(hint))} items in buckets "
+                  f"{min(groups[1]['buckets'])}..{n - 1} (hatched) · fullest {overall:.2f}× "
+                  f"all bytes / {n}")
     ticktext = [f"{b.index}" + ("*" if b.group == 1 else "") for b in assignment.buckets]
     fig.update_layout(
         title={"text": title, "font": {"size": 14}}, barmode="overlay",

@@ -21,7 +21,7 @@ from ckptlab.viz import (
     overhead_figure,
     storage_figure,
 )
-from ckptlab.viz._style import html_table, human_nbytes
+from ckptlab.viz._style import html_table, human_nbytes, plain_text
 from ckptlab.widgets._common import (
     HEX_NBYTES,
     LayoutSource,
@@ -124,7 +124,8 @@ class LayoutApp:
         self.current = self.original if alignment == own else realign(self.original, alignment)
         self.bytemap = ByteMap.from_layout(self.current)
         title = None if alignment == own else (
-            f"what-if: {self.original.path.rsplit('/', 1)[-1]} at alignment {alignment} · "
+            f"what-if: {plain_text(self.original.path.rsplit('/', 1)[-1])} at alignment "
+            f"{alignment} · "
             f"{human_nbytes(self.current.file_nbytes)} "
             f"({self.current.file_nbytes - self.original.file_nbytes:+,} B)")
         self.map_pane.object = bytemap_figure(self.bytemap, title=title)

@@ -20,7 +20,7 @@ import ckptlab as cl
 from ckptlab import SegmentKind
 from ckptlab.errors import CkptlabError, InvalidArgumentError
 from ckptlab.viz import KIND_LABELS, ByteMap, bytemap_figure, bytemap_trace, overhead_figure
-from ckptlab.viz._style import KIND_ORDER
+from ckptlab.viz._style import KIND_ORDER, plain_text
 
 U32 = 0xFFFFFFFF
 TRAILER_ITEM_NAMES = {
@@ -273,7 +273,7 @@ def check_trace(layout: cl.ArchiveLayout, bm: ByteMap, lo: int, hi: int, bins: i
             item = bm.item_at(seg.offset)
             assert custom[:, col].tolist() == [[seg.offset, seg.end_offset, seg.nbytes,
                                                 item]] * n_lanes
-            assert text[lane_of[seg.kind], col] == bm.item_label(item)
+            assert text[lane_of[seg.kind], col] == plain_text(bm.item_label(item))
             assert set(np.delete(text[:, col], lane_of[seg.kind])) <= {""}
         return
     assert n_cols == min(bins, hi - lo)
@@ -297,7 +297,7 @@ def check_trace(layout: cl.ArchiveLayout, bm: ByteMap, lo: int, hi: int, bins: i
             owners = np.flatnonzero(mine & ov[:, col])  # this kind's segments in this bin
             first, last = seg_items[owners[0]], seg_items[owners[-1]]
             assert (custom[row, col, 1], custom[row, col, 2]) == (first, last)
-            assert text[row, col] == bm.item_names[first]
+            assert text[row, col] == plain_text(bm.item_names[first])
         assert np.all(custom[row, ~covered, 1:] == -1)
         assert set(text[row, ~covered]) <= {""}
 
@@ -456,8 +456,8 @@ def test_safetensors_map_is_exact_with_the_tensor_names(layouts, maps, hostile_n
     assert np.asarray(trace["x"]).tolist() == [s.offset for s in layout.segments] + [
         layout.file_nbytes]
     data_row = bm.lanes.index(SegmentKind.DATA)
-    assert np.asarray(trace["text"])[data_row, 3:].tolist() == [
-        "a · a float32[3, 2]", f"{hostile_name} · {hostile_name} bfloat16[5]"]
+    assert np.asarray(trace["text"])[data_row, 3:].tolist() == [  # shown as typed, not markup
+        "a · a float32[3, 2]", plain_text(f"{hostile_name} · {hostile_name} bfloat16[5]")]
 
 
 def test_zip64_lanes(layouts, maps):

@@ -35,7 +35,7 @@ from ckptlab.viz import (
     storage_figure,
     tensor_span,
 )
-from ckptlab.viz._style import tint
+from ckptlab.viz._style import plain_text, tint
 from ckptlab.viz.hexview import MAX_HEX_NBYTES
 
 pytestmark = pytest.mark.filterwarnings(
@@ -403,9 +403,11 @@ def test_report_of_safetensors_escapes_names(safetensors_file, hostile_name):
     assert "Alignment cost" not in doc  # no alignment for safetensors
     assert hostile_name not in doc and "<script>alert" not in doc
     assert f"<td>{html.escape(hostile_name)}</td>" in doc
-    # in the figures' JSON the name is kept, with '<' escaped for the script tag
+    # in the figures' JSON the name is plotly text shown as typed (not markup), with '<' also
+    # escaped for the script tag
     data, _ = figs["ckptlab-fig-0"]
-    assert f"{hostile_name} · {hostile_name} bfloat16[5]" in decode_array(data[0]["text"]).ravel()
+    assert plain_text(f"{hostile_name} · {hostile_name} bfloat16[5]") in decode_array(
+        data[0]["text"]).ravel()
 
 
 def test_report_truncates_long_tables(tmp_path):

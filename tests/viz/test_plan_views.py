@@ -4,7 +4,6 @@ on hand-checked cases, rank bytes against the GlobalPlan, one timeline mark per 
 
 from __future__ import annotations
 
-import html
 import math
 
 import numpy as np
@@ -38,6 +37,7 @@ from ckptlab.viz import (
     reshard_figure,
     shard_map_figure,
 )
+from ckptlab.viz._style import plain_text
 from ckptlab.viz.plan import STATUS_COLORS, chunk_boxes
 
 
@@ -224,7 +224,7 @@ def test_names_are_escaped(hostile_name) -> None:
     plan = global_plan([local_plan(0, [WriteItem(hostile_name, "tensor", Chunk((0,), (3,)),
                                                  (3,), "float32")])])
     fig = shard_map_figure(plan, hostile_name)
-    assert html.escape(hostile_name) in fig.layout.title.text
+    assert plain_text(hostile_name) in fig.layout.title.text
     assert "<script>" not in fig.layout.title.text and "<script>" not in fig.data[0].text[0][0]
     fig = reshard_figure(hostile_name, (3,), [Chunk((0,), (3,))], [Chunk((0,), (3,))])
     assert "<script>" not in fig.layout.title.text
