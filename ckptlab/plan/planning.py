@@ -202,6 +202,8 @@ class PlanBook:
         self._objects: dict[str, tuple[WriteItem, int]] = {}
         self._replicas: dict[Key, list[int]] = {}  # key -> ranks holding it, when several do
         self._mismatch: dict[Key, list[int]] = {}  # replicas that differ: key -> ranks
+        # chunks a rank lists twice: fqn -> rank -> offsets (torch sees two chunks overlap)
+        self._repeated: dict[str, dict[int, list[tuple[int, ...]]]] = {}
         self._problems: dict[str, list[ChunkProblem]] = {}
         self._valid: set[tuple] = set()  # (size, chunks) already found valid
         self._reuse_validation = reuse_validation
@@ -232,6 +234,7 @@ class PlanBook:
                     key = (fqn, c.offsets)
                 if prev[1] == r and key not in replicas:
                     repeats.append((r, i))
+                    self._note_repeat(it, r)
                     continue
                 hs = replicas.get(key)
                 if hs is None:
@@ -240,6 +243,7 @@ class PlanBook:
                     hs.append(r)
                 else:  # a rank listing one key twice: its first item counts
                     repeats.append((r, i))
+                    self._note_repeat(it, r)
                     continue
                 seconds.append((key, r, i))
                 if it is not prev[0] and _conflict(it, prev[0]):
@@ -280,6 +284,16 @@ class PlanBook:
                                              f"{local_plans[r].fingerprint}/dedup{len(kept)}")
 
     # -- pieces ---------------------------------------------------------------------------
+    def _note_repeat(self, item: WriteItem, rank: int) -> None:
+        if item.chunk is not None:
+            per = self._repeated.setdefault(item.fqn, {})
+            per.setdefault(rank, []).append(item.chunk.offsets)
+
+    def _repeat_problems(self, fqn: str) -> list[ChunkProblem]:
+        return [ChunkProblem(fqn, "overlap", (r,), f"rank {r} lists the chunk at {offsets} "
+                             "twice (torch writes both, and they overlap)")
+                for r, offs in sorted(self._repeated.get(fqn, {}).items()) for offsets in offs]
+
     def _entry(self, key: Key) -> tuple[WriteItem, int] | None:
         fqn, offsets = key
         if offsets is None:
@@ -363,6 +377,8 @@ class PlanBook:
                     self._valid.add(memo)
                 problems = [_by_rank(p, entries) for p in found]
         problems += self._mismatch_problems(fqn)
+        if size:
+            problems += self._repeat_problems(fqn)
         if problems:
             self._problems[fqn] = problems
         else:
@@ -406,6 +422,21 @@ class PlanBook:
             return m[key]
 
         changed_set = set(changed)
+        repeat_fqns: dict[str, None] = {}  # tensors whose repeated chunks may have changed
+        for fqn, per in list(self._repeated.items()):
+            if changed_set & per.keys():
+                repeat_fqns[fqn] = None
+                for r in changed_set & per.keys():
+                    del per[r]
+                if not per:
+                    del self._repeated[fqn]
+        for r in changed:
+            seen: set[Key] = set()
+            for it in new[r].items:
+                if it.key in seen:
+                    self._note_repeat(it, r)
+                    repeat_fqns[it.fqn] = None
+                seen.add(it.key)
         load, replicas = self._load, self._replicas
         removed: dict[str, list[Chunk]] = {}
         added: dict[str, list[Chunk]] = {}
@@ -463,7 +494,7 @@ class PlanBook:
             dedup_ranks.add(writer)
         self._assign(to_assign)
         dedup_ranks.update(self._writer(k) for k in to_assign)  # type: ignore[misc]
-        for fqn in {**removed, **added, **touched}:
+        for fqn in {**removed, **added, **touched, **repeat_fqns}:
             if not self._chunks.get(fqn):
                 self._chunks.pop(fqn, None)
                 self._info.pop(fqn, None)
@@ -474,7 +505,7 @@ class PlanBook:
             # and dtype are read again from its items, never kept from the last plan
             size = self._info[fqn][0]
             self._info[fqn] = self._ref_info(fqn)
-            if self._info[fqn][0] != size:
+            if self._info[fqn][0] != size or fqn in repeat_fqns:
                 self._validate_full(fqn)  # every chunk is checked against the new bounds
             elif fqn in removed or fqn in added:
                 self._validate_delta(fqn, removed.get(fqn, []), added.get(fqn, []))
