@@ -285,7 +285,7 @@ class PlanBook:
 
     # -- pieces ---------------------------------------------------------------------------
     def _note_repeat(self, item: WriteItem, rank: int) -> None:
-        if item.chunk is not None:
+        if item.chunk is not None and item.chunk.numel:  # empty boxes overlap nothing
             per = self._repeated.setdefault(item.fqn, {})
             per.setdefault(rank, []).append(item.chunk.offsets)
 
