@@ -5,6 +5,8 @@ The public API is what ``__all__`` lists; everything else is private.
 
 from ckptlab import errors, samples
 from ckptlab._inspect import inspect
+from ckptlab.checkpoint import Checkpoint, FileEntry, Part, TensorEntry
+from ckptlab.checkpoint import open_checkpoint as open
 from ckptlab.errors import (
     ArchiveError,
     CkptlabError,
@@ -35,14 +37,18 @@ __all__ = [
     "AlignmentCost",
     "ArchiveError",
     "ArchiveLayout",
+    "Checkpoint",
     "CkptlabError",
     "CorruptArchiveError",
+    "FileEntry",
     "InvalidArgumentError",
+    "Part",
     "Record",
     "Segment",
     "SegmentKind",
     "StorageInfo",
     "StorageOffsets",
+    "TensorEntry",
     "TensorInfo",
     "TruncatedArchiveError",
     "UnsupportedFormatError",
@@ -52,6 +58,7 @@ __all__ = [
     "errors",
     "gds",
     "inspect",
+    "open",
     "plan",
     "predict_layout",
     "realign",

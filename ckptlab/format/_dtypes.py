@@ -43,8 +43,12 @@ SAFETENSORS_DTYPE: dict[str, str] = {
     "I32": "int32", "U32": "uint32", "I64": "int64", "U64": "uint64",
     "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
     "C64": "complex64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "F8_E8M0": "float8_e8m0fnu",
+    "F8_E8M0": "float8_e8m0fnu", "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
 }
+# safetensors tags torch reads as a packed dtype: (torch name, logical elements per byte); the
+# header's shape counts logical elements, torch's last dimension counts bytes
+SAFETENSORS_PACKED: dict[str, tuple[str, int]] = {"F4": ("float4_e2m1fn_x2", 2)}
 # safetensors tags with sub-byte elements: (bits per element)
 SAFETENSORS_SUBBYTE_BITS: dict[str, int] = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 

@@ -37,7 +37,8 @@ from ckptlab.format._unpickle import (
 )
 from ckptlab.format.layout import TensorInfo
 
-__all__ = ["PickleScan", "ScannedTensor", "StorageRef", "scan_pickle", "torch_handlers"]
+__all__ = ["PickleScan", "ScannedTensor", "StorageRef", "path_key_text", "scan_pickle",
+           "torch_handlers"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -578,21 +579,26 @@ def _path_key(key: Any) -> Any:
     return _short(key)
 
 
+def path_key_text(key: Any) -> str:
+    """A path element as text: str keys as they are, anything else as a bounded repr."""
+    key = _path_key(key)
+    return key if isinstance(key, str) else str(key)
+
+
 def _walk(root: Any) -> tuple[list[tuple[tuple[Any, ...], Any]],
                               list[tuple[tuple[Any, ...], Any]]]:
     """Every tensor reachable from root with its path, and the non-tensor values beside them.
 
     Depth first in container order; each container is entered once (one reachable twice is
-    listed under its first path), so the walk is linear in the object graph. A value is
-    reported when no container above it is reported, and a container is reported whole when
-    it holds no tensor.
+    listed under its first path), so the walk is linear in the object graph. The values are
+    the children of tensor-holding containers that are not tensors and hold none: a container
+    without tensors is one value (``config``, ``betas``), never walked into for the list.
     """
     if isinstance(root, _TENSOR_REFS):
         return [((), root)], []
     if not isinstance(root, _CONTAINERS):
         return [], [((), root)]
     found: list[tuple[tuple[Any, ...], Any]] = []
-    visits: list[tuple[tuple[Any, ...], Any, int]] = []  # preorder: (path, value, container id)
     holds_tensor: set[int] = set()
     seen = {id(root)}
     path: list[Any] = []  # keys from the root to the container on top of the stack
@@ -600,19 +606,16 @@ def _walk(root: Any) -> tuple[list[tuple[tuple[Any, ...], Any]],
     stack = [_children(root)]
     while stack:
         for key, value in stack[-1]:
-            key = _path_key(key)
             if isinstance(value, _TENSOR_REFS):
                 if not (isinstance(value, _TensorRef) and value.pending):
-                    found.append(((*path, key), value))
+                    found.append(((*path, _path_key(key)), value))
                     holds_tensor.update(ids)
                 continue
-            is_container = isinstance(value, _CONTAINERS)
-            visits.append(((*path, key), value, id(value) if is_container else 0))
-            if is_container and id(value) not in seen:
+            if isinstance(value, _CONTAINERS) and id(value) not in seen:
                 seen.add(id(value))
                 if len(stack) >= MAX_DEPTH:
                     raise _bad(f"objects nested deeper than {MAX_DEPTH} levels")
-                path.append(key)
+                path.append(_path_key(key))
                 ids.append(id(value))
                 stack.append(_children(value))
                 break
@@ -621,17 +624,25 @@ def _walk(root: Any) -> tuple[list[tuple[tuple[Any, ...], Any]],
             ids.pop()
             if path:
                 path.pop()
+    if id(root) not in holds_tensor:
+        return found, [((), root)]
     objects: list[tuple[tuple[Any, ...], Any]] = []
-    reported_depth = 0  # 0: nothing reported above; else the path length of the last report
-    for vpath, value, cid in visits:
-        if reported_depth and len(vpath) > reported_depth:
-            continue  # inside a container reported whole
-        reported_depth = 0
-        if cid and cid in holds_tensor:
-            continue
-        objects.append((vpath, value))
-        if cid:
-            reported_depth = len(vpath)
+    entered = {id(root)}
+    todo = [((), root)]
+    while todo:  # second pass: only through containers that hold tensors
+        prefix, container = todo.pop()
+        children = []
+        for key, value in _children(container):
+            if isinstance(value, _TENSOR_REFS):
+                continue
+            vpath = (*prefix, _path_key(key))
+            if id(value) in holds_tensor:
+                if id(value) not in entered:
+                    entered.add(id(value))
+                    children.append((vpath, value))
+            else:
+                objects.append((vpath, value))
+        todo.extend(reversed(children))
     return found, objects
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import os
-import stat
 from typing import BinaryIO, Union
 
 from ckptlab.errors import ArchiveError, TruncatedArchiveError
+from ckptlab.format._paths import check_regular, open_regular
 
 Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, BinaryIO]
 
@@ -18,8 +19,9 @@ class ByteSource:
     memory (for the few large reads of :func:`storage_offsets`).
 
     A path is opened once and read with ``os.pread``; a file object is read with
-    ``seek`` + ``read`` (one read call per request, which is what costs on object storage);
-    a bytes-like object is sliced.
+    ``seek`` + ``read`` (one read call per request, which is what costs on object storage),
+    from the position it stands at when handed over (offsets count from there, as
+    ``torch.load`` reads a file object); a bytes-like object is sliced.
     """
 
     def __init__(self, source: Source, *, cache: bool = False) -> None:
@@ -29,28 +31,37 @@ class ByteSource:
         self._fd: int | None = None
         self._file: BinaryIO | None = None
         self._buffer: memoryview | None = None
+        self._base = 0  # file objects: their position when handed over
         if isinstance(source, (bytes, bytearray, memoryview)):
             self._buffer = memoryview(source).cast("B")
             self.name = "<bytes>"
             self.nbytes = len(self._buffer)
         elif isinstance(source, (str, os.PathLike)):
             self.name = os.fspath(source)
-            try:
-                self._fd = os.open(self.name, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-            except OSError as exc:
-                raise ArchiveError(f"cannot open: {exc.strerror}", path=self.name) from exc
-            info = os.fstat(self._fd)
-            if stat.S_ISDIR(info.st_mode):  # on Linux os.open of a directory succeeds
-                os.close(self._fd)
-                self._fd = None
-                raise ArchiveError("is a directory, not a checkpoint file", path=self.name)
-            self.nbytes = info.st_size
+            # regular files only: a FIFO would block the open (or the reads) forever, a device
+            # like /dev/zero never ends; open_regular refuses both without blocking
+            self._fd = open_regular(self.name)
+            self.nbytes = os.fstat(self._fd).st_size
         elif hasattr(source, "read") and hasattr(source, "seek"):
             self._file = source
             self.name = str(getattr(source, "name", None) or f"<{type(source).__name__}>")
-            start = source.tell()
-            self.nbytes = source.seek(0, os.SEEK_END)
-            source.seek(start)
+            raw = getattr(source, "raw", source)
+            if isinstance(raw, io.FileIO):  # over a pipe or a device: refuse it as a path is
+                try:
+                    mode = os.fstat(raw.fileno()).st_mode
+                except (OSError, ValueError):
+                    mode = None
+                if mode is not None:
+                    check_regular(mode, self.name)
+            try:
+                # a checkpoint in a file object starts where the object stands, as torch.load
+                # reads it: offsets are relative to that position
+                self._base = source.tell()
+                self.nbytes = source.seek(0, os.SEEK_END) - self._base
+                source.seek(self._base)
+            except (OSError, ValueError) as exc:
+                raise ArchiveError(f"cannot seek in the file object: {exc}",
+                                   path=self.name) from None
         else:
             raise TypeError(
                 "expected a path, a bytes-like object or a binary file object with read() and "
@@ -80,7 +91,7 @@ class ByteSource:
         else:  # pread and raw file objects may return less than asked: loop until EOF
             parts, got = [], 0
             if self._file is not None:
-                self._file.seek(offset)
+                self._file.seek(self._base + offset)
             while got < nbytes:
                 self.reads += 1  # every call counts: each one is a round trip off-host
                 if self._fd is not None:

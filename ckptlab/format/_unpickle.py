@@ -212,6 +212,20 @@ def failure_offset(error: PickleDataError) -> int:
     return getattr(error, "offset", 0)
 
 
+def _pop_mark(stack: list[Any], metastack: list[list[Any]], code: int
+              ) -> tuple[list[Any], list[Any]]:
+    """The items since the last MARK, and the stack below it."""
+    if not metastack:
+        raise PickleDataError(f"opcode {code:#04x} without a MARK")
+    return stack, metastack.pop()
+
+
+def _need(stack: list[Any], k: int, code: int) -> None:
+    if len(stack) < k:
+        raise PickleDataError(f"opcode {code:#04x} needs {k} items on the stack, "
+                              f"found {len(stack)}")
+
+
 class _Machine:
     __slots__ = (
         "budget",
@@ -276,12 +290,12 @@ class _Machine:
         memo = self.memo
         if index == len(memo):
             memo.append(value)
-            self.charge(8)
+            self.charge(16)
         elif index < len(memo):
             memo[index] = value
         else:
             if index not in self.memo_sparse:
-                self.charge(100)
+                self.charge(128)
             self.memo_sparse[index] = value
 
     def memo_get(self, index: int) -> Any:
@@ -298,7 +312,7 @@ class _Machine:
         key = (module, name)
         found = self.globals.get(key)
         if found is None:
-            self.charge(160 + len(module) + len(name))
+            self.charge(320 + 4 * (len(module) + len(name)))
             found = self.globals[key] = Global(module, name)
             self.seen_globals.append(f"{module}.{name}")
         return found
@@ -308,7 +322,7 @@ class _Machine:
             raise PickleDataError(f"call of a {type(func).__name__}, not a global")
         if not isinstance(args, tuple):
             raise PickleDataError(f"call of {func.qualname} with {type(args).__name__} args")
-        self.charge(160)
+        self.charge(320)  # a handler's record or a Reduced with its lists
         handler = self.handlers.get((func.module, func.name))
         if handler is not None:
             if kwargs:
@@ -321,7 +335,7 @@ class _Machine:
     def setitems(self, target: Any, flat: list[Any]) -> None:
         if len(flat) % 2:
             raise PickleDataError("SETITEMS with an odd number of items")
-        self.charge(40 * (len(flat) // 2 + 1))
+        self.charge(64 * (len(flat) // 2 + 1))
         if isinstance(target, dict):
             cache = self.keycache
             for i in range(0, len(flat), 2):
@@ -332,7 +346,7 @@ class _Machine:
             raise PickleDataError(f"SETITEM on a {type(target).__name__}")
 
     def appends(self, target: Any, items: list[Any]) -> None:
-        self.charge(8 * len(items) + 8)
+        self.charge(16 * len(items) + 16)
         if type(target) is list:
             target.extend(items)
         elif isinstance(target, Reduced):
@@ -352,14 +366,14 @@ class _Machine:
             target.ckptlab_build(state)
 
     def make_set(self, items: list[Any]) -> list[Any]:
-        self.charge(64 * len(items) + 216)
+        self.charge(96 * len(items) + 256)
         cache = self.keycache
         return [_key(v, cache) for v in items]
 
     def int_from_bytes(self, raw: Any) -> int:
         if len(raw) > MAX_INT_NBYTES:
             raise PickleDataError(f"an int of {len(raw):,} bytes (at most {MAX_INT_NBYTES})")
-        self.charge(32 + len(raw))
+        self.charge(64 + len(raw))
         return int.from_bytes(raw, "little", signed=True)
 
     def text_int(self, text: str) -> int:
@@ -400,7 +414,7 @@ class _Machine:
                         raise PickleDataError("BINPUT with an empty stack")
                     if idx == len(memo):
                         memo.append(stack[-1])
-                        charge(8)
+                        charge(16)
                     else:
                         self.memo_put(idx, stack[-1])
                     continue
@@ -410,7 +424,7 @@ class _Machine:
                     idx = data[pos]
                     pos += 1
                     push(memo[idx] if idx < len(memo) else self.memo_get(idx))
-                    charge(8)
+                    charge(16)
                     continue
                 if code == 0x58:  # BINUNICODE
                     if pos + 4 > n:
@@ -422,20 +436,20 @@ class _Machine:
                             f"BINUNICODE declares {length:,} bytes but only {n - pos:,} are left")
                     push(str(data[pos:pos + length], "utf-8", "surrogatepass"))
                     pos += length
-                    charge(56 + length)
+                    charge(96 + 4 * length)
                     continue
                 if code == 0x4B:  # BININT1
                     if pos >= n:
                         raise PickleDataError("BININT1 without its value")
                     push(data[pos])
                     pos += 1
-                    charge(8)
+                    charge(16)
                     continue
                 if code == 0x28:  # MARK
                     metastack.append(stack)
                     stack = []
                     push = stack.append
-                    charge(72)
+                    charge(88)
                     continue
                 if code == 0x74:  # TUPLE
                     if not metastack:
@@ -444,7 +458,7 @@ class _Machine:
                     stack = metastack.pop()
                     push = stack.append
                     push(items)
-                    charge(48 + 8 * len(items))
+                    charge(72 + 8 * len(items))
                     continue
                 if code == 0x85 or code == 0x86 or code == 0x87:  # TUPLE1/2/3
                     k = code - 0x84
@@ -453,7 +467,7 @@ class _Machine:
                     items = tuple(stack[-k:])
                     del stack[-k:]
                     push(items)
-                    charge(48 + 8 * k)
+                    charge(72 + 8 * k)
                     continue
                 if code == 0x52:  # REDUCE
                     if len(stack) < 2:
@@ -469,7 +483,7 @@ class _Machine:
                         raise PickleDataError("a persistent id where none is expected")
                     self.pos = pos
                     stack[-1] = self.persistent(stack[-1])
-                    charge(64)
+                    charge(160)
                     continue
                 if code == 0x63:  # GLOBAL
                     self.pos = pos
@@ -477,19 +491,19 @@ class _Machine:
                     name = self.line("GLOBAL name")
                     pos = self.pos
                     push(self.global_(module, name))
-                    charge(8)
+                    charge(16)
                     continue
                 if code == 0x89 or code == 0x88:  # NEWFALSE / NEWTRUE
                     push(code == 0x88)
-                    charge(8)
+                    charge(16)
                     continue
                 if code == 0x29:  # EMPTY_TUPLE
                     push(())
-                    charge(8)
+                    charge(16)
                     continue
                 if code == 0x7D:  # EMPTY_DICT
                     push({})
-                    charge(72)
+                    charge(96)
                     continue
                 if code == 0x75:  # SETITEMS
                     if not metastack:
@@ -516,27 +530,27 @@ class _Machine:
                     (idx,) = _unpack_I(data, pos)
                     pos += 4
                     push(self.memo_get(idx))
-                    charge(8)
+                    charge(16)
                     continue
                 if code == 0x94:  # MEMOIZE
                     if not stack:
                         raise PickleDataError("MEMOIZE with an empty stack")
                     memo.append(stack[-1])
-                    charge(8)
+                    charge(16)
                     continue
                 if code == 0x4D:  # BININT2
                     if pos + 2 > n:
                         raise PickleDataError("BININT2 without its value")
                     push(_unpack_H(data, pos)[0])
                     pos += 2
-                    charge(36)
+                    charge(48)
                     continue
                 if code == 0x4A:  # BININT
                     if pos + 4 > n:
                         raise PickleDataError("BININT without its value")
                     push(_unpack_i(data, pos)[0])
                     pos += 4
-                    charge(36)
+                    charge(48)
                     continue
                 if code == 0x2E:  # STOP
                     if len(stack) != 1 or metastack:
@@ -564,21 +578,6 @@ class _Machine:
         push = stack.append
         charge = self.charge
         take = self.take
-
-        def pop_mark() -> list[Any]:
-            nonlocal stack, push
-            if not metastack:
-                raise PickleDataError(f"opcode {code:#04x} without a MARK")
-            items = stack
-            stack = metastack.pop()
-            push = stack.append
-            return items
-
-        def need(k: int) -> None:
-            if len(stack) < k:
-                raise PickleDataError(f"opcode {code:#04x} needs {k} items on the stack, "
-                                      f"found {len(stack)}")
-
         if code == 0x80:  # PROTO
             self.proto = take(1, "PROTO")[0]
             if self.proto > 5:
@@ -590,15 +589,15 @@ class _Machine:
                                       f"{self.n - self.pos:,} bytes left")
         elif code == 0x4E:  # NONE
             push(None)
-            charge(8)
+            charge(16)
         elif code == 0x8C:  # SHORT_BINUNICODE
             length = take(1, "SHORT_BINUNICODE")[0]
             push(str(take(length, "SHORT_BINUNICODE"), "utf-8", "surrogatepass"))
-            charge(56 + length)
+            charge(96 + 4 * length)
         elif code == 0x8D:  # BINUNICODE8
             (length,) = _unpack_Q(take(8, "BINUNICODE8"))
             push(str(take(length, "BINUNICODE8"), "utf-8", "surrogatepass"))
-            charge(56 + length)
+            charge(96 + 4 * length)
         elif code in (0x42, 0x43, 0x8E, 0x96):  # BINBYTES, SHORT_BINBYTES, BINBYTES8, BYTEARRAY8
             if code == 0x43:
                 length = take(1, "SHORT_BINBYTES")[0]
@@ -608,7 +607,7 @@ class _Machine:
                 (length,) = _unpack_Q(take(8, "BINBYTES8"))
             raw = take(length, "bytes payload")
             push(bytearray(raw) if code == 0x96 else bytes(raw))
-            charge(40 + length)
+            charge(80 + length)
         elif code in (0x54, 0x55):  # BINSTRING, SHORT_BINSTRING (Python 2 str)
             if code == 0x55:
                 length = take(1, "SHORT_BINSTRING")[0]
@@ -616,25 +615,26 @@ class _Machine:
                 (length,) = _unpack_i(take(4, "BINSTRING"))
             raw = bytes(take(length, "BINSTRING"))
             push(raw.decode("utf-8", "surrogateescape"))
-            charge(56 + length)
+            charge(96 + 4 * length)
         elif code == 0x53:  # STRING (protocol 0, quoted)
             text = self.line("STRING").rstrip("\r")
             if len(text) < 2 or text[0] != text[-1] or text[0] not in "'\"":
                 raise PickleDataError("STRING is not quoted")
             raw = codecs.escape_decode(text[1:-1].encode("latin-1"))[0]
             push(raw.decode("utf-8", "surrogateescape"))
-            charge(56 + len(raw))
+            charge(96 + 4 * len(raw))
         elif code == 0x56:  # UNICODE (protocol 0)
             text = self.line("UNICODE")
             push(codecs.raw_unicode_escape_decode(text.encode("latin-1"))[0])
-            charge(56 + len(text))
+            charge(96 + 4 * len(text))
         elif code == 0x49:  # INT (protocol 0; also the old bools)
             text = self.line("INT").strip()
             push(True if text == "01" else False if text == "00" else self.text_int(text))
-            charge(36)
+            charge(64 + len(text))
         elif code == 0x4C:  # LONG (protocol 0)
-            push(self.text_int(self.line("LONG")))
-            charge(36)
+            text = self.line("LONG")
+            push(self.text_int(text))
+            charge(64 + len(text))
         elif code == 0x8A:  # LONG1
             length = take(1, "LONG1")[0]
             push(self.int_from_bytes(take(length, "LONG1")))
@@ -647,102 +647,111 @@ class _Machine:
                 push(float(text))
             except ValueError:
                 raise PickleDataError(f"not a float: {text[:40]!r}") from None
-            charge(32)
+            charge(48)
         elif code == 0x47:  # BINFLOAT
             push(_unpack_d(take(8, "BINFLOAT"))[0])
-            charge(32)
+            charge(48)
         elif code == 0x5D:  # EMPTY_LIST
             push([])
-            charge(64)
+            charge(88)
         elif code == 0x8F:  # EMPTY_SET
             push(set())
-            charge(224)
+            charge(256)
         elif code == 0x6C:  # LIST
-            items = pop_mark()
+            items, stack = _pop_mark(stack, metastack, code)
+            push = stack.append
             push(items)
         elif code == 0x64:  # DICT
-            items = pop_mark()
+            items, stack = _pop_mark(stack, metastack, code)
+            push = stack.append
             target: dict[Any, Any] = {}
             push(target)
-            charge(72)
+            charge(96)
             self.setitems(target, items)
         elif code == 0x91:  # FROZENSET
-            items = pop_mark()
+            items, stack = _pop_mark(stack, metastack, code)
+            push = stack.append
             push(frozenset(self.make_set(items)))
         elif code == 0x90:  # ADDITEMS
-            items = pop_mark()
-            need(1)
+            items, stack = _pop_mark(stack, metastack, code)
+            push = stack.append
+            _need(stack, 1, code)
             target = stack[-1]
             if type(target) is not set:
                 raise PickleDataError(f"ADDITEMS on a {type(target).__name__}")
             target.update(self.make_set(items))
         elif code == 0x61:  # APPEND
-            need(2)
+            _need(stack, 2, code)
             item = stack.pop()
             self.appends(stack[-1], [item])
         elif code == 0x65:  # APPENDS
-            items = pop_mark()
-            need(1)
+            items, stack = _pop_mark(stack, metastack, code)
+            push = stack.append
+            _need(stack, 1, code)
             self.appends(stack[-1], items)
         elif code == 0x73:  # SETITEM
-            need(3)
+            _need(stack, 3, code)
             value = stack.pop()
             key = stack.pop()
             self.setitems(stack[-1], [key, value])
         elif code == 0x62:  # BUILD
-            need(2)
+            _need(stack, 2, code)
             state = stack.pop()
             self.build(stack[-1], state)
         elif code == 0x30:  # POP
             if stack:
                 stack.pop()
             else:
-                pop_mark()
+                _, stack = _pop_mark(stack, metastack, code)
+                push = stack.append
         elif code == 0x31:  # POP_MARK
-            pop_mark()
+            _, stack = _pop_mark(stack, metastack, code)
+            push = stack.append
         elif code == 0x32:  # DUP
-            need(1)
+            _need(stack, 1, code)
             push(stack[-1])
-            charge(8)
+            charge(16)
         elif code == 0x67:  # GET (protocol 0)
             push(self.memo_get(self.text_int(self.line("GET"))))
-            charge(8)
+            charge(16)
         elif code == 0x70:  # PUT (protocol 0)
             index = self.text_int(self.line("PUT"))
-            need(1)
+            _need(stack, 1, code)
             if index < 0:
                 raise PickleDataError("negative PUT index")
             self.memo_put(index, stack[-1])
         elif code == 0x93:  # STACK_GLOBAL
-            need(2)
+            _need(stack, 2, code)
             name = stack.pop()
             module = stack.pop()
             push(self.global_(module, name))
         elif code == 0x81:  # NEWOBJ
-            need(2)
+            _need(stack, 2, code)
             args = stack.pop()
             stack[-1] = self.call(stack[-1], args)
         elif code == 0x92:  # NEWOBJ_EX
-            need(3)
+            _need(stack, 3, code)
             kwargs = stack.pop()
             args = stack.pop()
             stack[-1] = self.call(stack[-1], args, kwargs)
         elif code == 0x6F:  # OBJ: MARK cls args... OBJ
-            items = pop_mark()
+            items, stack = _pop_mark(stack, metastack, code)
+            push = stack.append
             if not items:
                 raise PickleDataError("OBJ without a class")
             push(self.call(items[0], tuple(items[1:])))
         elif code == 0x69:  # INST: MARK args... INST module\nname\n
             module = self.line("INST module")
             name = self.line("INST name")
-            items = pop_mark()
+            items, stack = _pop_mark(stack, metastack, code)
+            push = stack.append
             push(self.call(self.global_(module, name), tuple(items)))
         elif code == 0x50:  # PERSID (protocol 0)
             pid = self.line("PERSID")
             if self.persistent is None:
                 raise PickleDataError("a persistent id where none is expected")
             push(self.persistent(pid))
-            charge(64)
+            charge(160)
         elif code in (0x82, 0x83, 0x84):  # EXT1/2/4
             raise PickleDataError(
                 "EXT opcode: extension codes name globals through Python's process-wide copyreg "

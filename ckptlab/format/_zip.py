@@ -9,6 +9,7 @@ writes in ``tests/property``.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -26,6 +27,10 @@ ZIP64_EXTRA_ID, FB_EXTRA_ID = 0x0001, 0x4246  # 'F','B' little-endian
 U32_MAX, U16_MAX = 0xFFFFFFFF, 0xFFFF
 TRAILER_NBYTES = ZIP64_EOCD.size + ZIP64_LOCATOR.size + EOCD.size  # 98: what torch writes
 MAX_ALIGNMENT = 65504  # above this the FB extra length overflows its u16
+# what a reader accepts in a .storage_alignment record: torch.load reads files written with
+# larger alignments whenever each record's padding happens to fit (65536 often does); the
+# data offsets themselves always come from the headers or are checked against them
+MAX_RECORDED_ALIGNMENT = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,14 +111,84 @@ def tail_window(file_nbytes: int) -> int:
     return min(file_nbytes, EOCD.size + U16_MAX + ZIP64_LOCATOR.size + ZIP64_EOCD.size)
 
 
-def parse_trailer(tail: bytes, tail_offset: int, file_nbytes: int, path: str) -> Trailer:
-    """Find the EOCD (and zip64 records) in ``tail``, which ends at the end of the file."""
-    pos = tail.rfind(EOCD_SIG, 0, max(0, len(tail) - EOCD.size + 4))
-    while pos >= 0:
-        comment = struct.unpack_from("<H", tail, pos + 20)[0]
-        if pos + EOCD.size + comment == len(tail):
-            break
-        pos = tail.rfind(EOCD_SIG, 0, pos)
+def locate_eocd(tail: bytes) -> int:
+    """Index in ``tail`` of the end-of-central-directory record torch's reader takes, or -1.
+
+    torch reads archives with miniz (``caffe2/serialize/inline_container.cc`` calls
+    ``mz_zip_reader_init``); ``mz_zip_reader_locate_header_sig`` in
+    ``third_party/miniz-3.0.2/miniz.c`` scans backwards from the end of the file in 4 KiB
+    blocks and takes the *first* ``PK\\5\\6`` it meets that has at least 22 bytes after it. It
+    never reads the comment length, so the record it takes is the last signature in the file
+    (short of the final 21 bytes), wherever the comment of an earlier record says the file
+    ends. ``tail`` must end at the end of the file and hold at least the last
+    :func:`tail_window` bytes: miniz gives up only past 65,557 bytes from the end, so the
+    nearest signature in that window is the one it finds.
+    """
+    return tail.rfind(EOCD_SIG, 0, max(0, len(tail) - EOCD.size + len(EOCD_SIG)))
+
+
+_MAX_SIGNATURE_READS = 16
+
+
+def _plausible_end_record(tail: bytes, pos: int, tail_offset: int, file_nbytes: int,
+                          read: Callable[[int, int], bytes | None]) -> bool:
+    """Whether the ``PK\\5\\6`` at ``tail[pos]`` is an end record a zip reader could load.
+
+    Consistent fields (one disk, equal entry counts, the comment inside the file) and its
+    central directory (or zip64 end record) where its absolute offsets say. A zip carried as
+    bytes inside a checkpoint (a pickled ``bytes``, a uint8 tensor) has offsets relative to its
+    own start, so it does not count. Bytes outside ``tail`` are fetched with ``read``; when it
+    gives None they are assumed to match.
+    """
+    (_, disk, cd_disk, n_disk, n_total, cd_nbytes, cd_offset, comment) = EOCD.unpack_from(tail,
+                                                                                         pos)
+    at = tail_offset + pos
+    if (disk, cd_disk) not in ((0, 0), (1, 1)) or n_disk != n_total:
+        return False
+    if at + EOCD.size + comment > file_nbytes:
+        return False
+
+    def has_sig(offset: int, sig: bytes) -> bool:
+        if offset < 0 or offset + 4 > file_nbytes:
+            return False
+        if offset >= tail_offset:
+            return tail[offset - tail_offset:offset - tail_offset + 4] == sig
+        got = read(offset, 4)
+        return got is None or got == sig
+
+    lpos = pos - ZIP64_LOCATOR.size
+    if lpos >= 0 and tail[lpos:lpos + 4] == ZIP64_LOCATOR_SIG:
+        z64_offset = struct.unpack_from("<Q", tail, lpos + 8)[0]
+        return z64_offset + ZIP64_EOCD.size <= at - ZIP64_LOCATOR.size and has_sig(
+            z64_offset, ZIP64_EOCD_SIG)
+    if n_total == 0 or cd_nbytes < n_total * CENTRAL_ENTRY.size or cd_offset + cd_nbytes > at:
+        return False
+    return has_sig(cd_offset, CENTRAL_SIG)
+
+
+def parse_trailer(tail: bytes, tail_offset: int, file_nbytes: int, path: str,
+                  read: Callable[[int, int], bytes] | None = None) -> Trailer:
+    """Find the EOCD (and zip64 records) in ``tail``, which ends at the end of the file.
+
+    The end record is the one torch's reader takes (:func:`locate_eocd`). Zip readers do not
+    all agree on which record that is when a file holds more than one, so a file is refused
+    (:class:`CorruptArchiveError`) when another reader could load a different archive than
+    torch does:
+
+    - the record's comment does not end exactly at the end of the file (bytes after it, or a
+      record hidden in an earlier record's comment: Python's ``zipfile``, Go and Java check
+      the comment length, miniz does not);
+    - a record with a comment is followed by another ``PK\\5\\6`` (in the last 21 bytes, where
+      miniz skips it and Python's ``zipfile`` takes it);
+    - an earlier plausible end record sits in the tail (:func:`_plausible_end_record`);
+    - the central directory, zip64 end record, zip64 locator and end record are not back to
+      back (Python's ``zipfile`` shifts every offset by such a gap; it also reads the zip64
+      end record right before the locator, of 56 bytes, where miniz follows the locator).
+
+    ``read(offset, nbytes)`` fetches bytes outside ``tail`` for the plausibility check of an
+    earlier signature (never needed for a file torch writes).
+    """
+    pos = locate_eocd(tail)
     if pos < 0:
         if file_nbytes < EOCD.size:
             raise TruncatedArchiveError("file too short for a zip end-of-central-directory record",
@@ -124,6 +199,50 @@ def parse_trailer(tail: bytes, tail_offset: int, file_nbytes: int, path: str) ->
                                     offset=file_nbytes)
     eocd_offset = tail_offset + pos
     (_, disk, cd_disk, n_disk, n_total, cd_nbytes, cd_offset, comment) = EOCD.unpack_from(tail, pos)
+    record_end = eocd_offset + EOCD.size + comment
+    if record_end > file_nbytes:
+        raise CorruptArchiveError(
+            "the archive comment of the end-of-central-directory record torch's reader takes "
+            "(the last one in the file) runs past the end of the file", path=path,
+            offset=eocd_offset + 20,
+            expected=f"a comment of {file_nbytes - eocd_offset - EOCD.size} bytes (to the end "
+                     "of the file)", actual=f"{comment} bytes")
+    if record_end < file_nbytes:
+        raise CorruptArchiveError(
+            f"{file_nbytes - record_end} byte{'s' if file_nbytes - record_end > 1 else ''} after "
+            "the end-of-central-directory record and its comment: trailing data, or an end record hidden in another record's comment. "
+            "torch's reader takes the last end record signature in the file, other zip readers "
+            "may take another, so the archive shown could differ from the one torch loads",
+            path=path, offset=record_end, expected=f"end of file at {record_end}",
+            actual=f"file of {file_nbytes} bytes")
+    # with a comment, Python's zipfile takes the last signature, even one overlapping the
+    # record's own fields; without one it takes the last 22 bytes, which is this record
+    hidden = tail.find(EOCD_SIG, pos + 1) if comment else -1
+    if hidden >= 0:
+        raise CorruptArchiveError(
+            "an end-of-central-directory signature in the last 21 bytes, after a record with a "
+            "comment: Python's zipfile takes it, torch's reader does not", path=path, offset=tail_offset + hidden,
+            expected="a comment without PK\\x05\\x06", actual=bytes(tail[hidden:hidden + 8]))
+    other = tail.rfind(EOCD_SIG, 0, pos)
+    reads_left = [_MAX_SIGNATURE_READS]
+
+    def read_some(offset: int, nbytes: int) -> bytes | None:
+        # a tail crafted full of candidates must not cost a read each: past a few, assume
+        # the signature is there (the file is refused)
+        if read is None or reads_left[0] <= 0:
+            return None
+        reads_left[0] -= 1
+        return read(offset, nbytes)
+
+    while other >= 0:
+        if _plausible_end_record(tail, other, tail_offset, file_nbytes, read_some):
+            raise CorruptArchiveError(
+                "a second, plausible end-of-central-directory record before the one torch's "
+                "reader takes: a zip reader that passes over the last one would load another "
+                "archive", path=path, offset=tail_offset + other,
+                expected=f"one end record (at {eocd_offset})",
+                actual=f"another at {tail_offset + other}")
+        other = tail.rfind(EOCD_SIG, 0, other)
     if disk != 0 or cd_disk != 0 or n_disk != n_total:
         raise UnsupportedFormatError("multi-disk zip archive", path=path, offset=eocd_offset)
     z64_offset: int | None = None
@@ -132,23 +251,30 @@ def parse_trailer(tail: bytes, tail_offset: int, file_nbytes: int, path: str) ->
     lpos = pos - ZIP64_LOCATOR.size
     if lpos >= 0 and tail[lpos:lpos + 4] == ZIP64_LOCATOR_SIG:
         loc_offset = eocd_offset - ZIP64_LOCATOR.size
-        _, _, z64_offset, _ = ZIP64_LOCATOR.unpack_from(tail, lpos)
+        _, _, z64_offset, n_disks = ZIP64_LOCATOR.unpack_from(tail, lpos)
         zpos = z64_offset - tail_offset
         if not (0 <= z64_offset and zpos >= 0 and zpos + ZIP64_EOCD.size <= lpos):
             raise CorruptArchiveError("zip64 locator points outside the trailer", path=path,
                                       offset=loc_offset, expected=f"< {loc_offset}",
                                       actual=z64_offset)
+        if n_disks != 1:  # miniz refuses anything else
+            raise UnsupportedFormatError("multi-disk zip archive (zip64 locator)", path=path,
+                                         offset=loc_offset, expected="1 disk",
+                                         actual=f"{n_disks} disks")
         (sig, rec_nbytes, _, _, zdisk, zcd_disk, zn_disk, zn_total, zcd_nbytes,
          zcd_offset) = ZIP64_EOCD.unpack_from(tail, zpos)
         if sig != ZIP64_EOCD_SIG:
             raise CorruptArchiveError("bad zip64 end-of-central-directory signature", path=path,
                                       offset=z64_offset, expected=ZIP64_EOCD_SIG, actual=sig)
         z64_nbytes = 12 + rec_nbytes
-        if z64_offset + z64_nbytes > loc_offset or rec_nbytes < 44:
-            raise CorruptArchiveError("zip64 end-of-central-directory record has a bad length",
-                                      path=path, offset=z64_offset,
-                                      expected=f"44..{loc_offset - z64_offset - 12}",
-                                      actual=rec_nbytes)
+        if z64_offset + z64_nbytes != loc_offset or rec_nbytes != ZIP64_EOCD.size - 12:
+            # miniz follows the locator, Python's zipfile reads the 56 bytes before it: the
+            # two agree only on a 56-byte record right before the locator
+            raise CorruptArchiveError("zip64 end-of-central-directory record is not the 56 "
+                                      "bytes right before the zip64 locator", path=path,
+                                      offset=z64_offset,
+                                      expected=f"44-byte record at {loc_offset - ZIP64_EOCD.size}",
+                                      actual=f"{rec_nbytes}-byte record at {z64_offset}")
         if zdisk != 0 or zcd_disk != 0 or zn_disk != zn_total:
             raise UnsupportedFormatError("multi-disk zip archive", path=path, offset=z64_offset)
         n_total, cd_nbytes, cd_offset = zn_total, zcd_nbytes, zcd_offset
@@ -163,6 +289,14 @@ def parse_trailer(tail: bytes, tail_offset: int, file_nbytes: int, path: str) ->
         raise CorruptArchiveError("central directory runs past the end-of-central-directory "
                                   "records", path=path, offset=declared_at,
                                   expected=f"end <= {cd_end_limit}",
+                                  actual=f"end at {cd_offset + cd_nbytes}")
+    if cd_offset + cd_nbytes != cd_end_limit:
+        # Python's zipfile takes such a gap for data prepended to the archive and shifts every
+        # offset by it: it would read another central directory than torch does
+        raise CorruptArchiveError(f"{cd_end_limit - cd_offset - cd_nbytes} bytes between the "
+                                  "central directory and the end-of-central-directory records",
+                                  path=path, offset=cd_offset + cd_nbytes,
+                                  expected=f"central directory ending at {cd_end_limit}",
                                   actual=f"end at {cd_offset + cd_nbytes}")
     if n_total * CENTRAL_ENTRY.size > cd_nbytes:
         raise CorruptArchiveError("central directory too small for its entry count", path=path,
@@ -225,6 +359,12 @@ def parse_central_directory(cd: bytes, trailer: Trailer, path: str) -> list[Cent
             if U32_MAX in (comp, uncomp, hdr) and comp != uncomp:
                 raise CorruptArchiveError("central directory entry needs a zip64 extra that is "
                                           "missing", path=path, record=name, offset=at)
+        if (method == 0 and comp != uncomp) or (uncomp and not comp):
+            # miniz's mz_zip_reader_read_central_dir refuses these: torch cannot open the file
+            raise CorruptArchiveError("central directory sizes impossible for the record's "
+                                      f"method {method}", path=path, record=name, offset=at,
+                                      expected="stored: equal sizes; any: data for any output",
+                                      actual=f"{comp} stored bytes, {uncomp} uncompressed")
         if hdr + LOCAL_HEADER.size + n_name + comp > trailer.cd_offset:
             raise CorruptArchiveError("central directory entry places its record past the start "
                                       "of the central directory", path=path, record=name,

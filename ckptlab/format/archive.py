@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import string
 import zlib
 
 from ckptlab.errors import CorruptArchiveError, UnsupportedFormatError
@@ -30,7 +31,9 @@ def read_central_directory(src: ByteSource) -> tuple[_zip.Trailer, list[_zip.Cen
     window = _zip.tail_window(src.nbytes)
     tail_offset = src.nbytes - window
     tail = src.read(tail_offset, window, what="zip trailer")
-    trailer = _zip.parse_trailer(tail, tail_offset, src.nbytes, src.name)
+    trailer = _zip.parse_trailer(
+        tail, tail_offset, src.nbytes, src.name,
+        read=lambda offset, nbytes: src.read(offset, nbytes, what="zip signature"))
     if trailer.cd_offset >= tail_offset:
         start = trailer.cd_offset - tail_offset
         cd = tail[start:start + trailer.cd_nbytes]
@@ -41,8 +44,38 @@ def read_central_directory(src: ByteSource) -> tuple[_zip.Trailer, list[_zip.Cen
     return trailer, _zip.parse_central_directory(cd, trailer, src.name)
 
 
+def fold_name(name: str) -> str:
+    """A record name as torch's reader compares it: ASCII letters lowercased.
+
+    torch looks records up with ``mz_zip_reader_locate_file(..., flags=0)``: a binary search
+    over the names with ``MZ_TOLOWER``, so ``archive/DATA.PKL`` answers for
+    ``archive/data.pkl`` and, of two names that differ only in case, the search decides which.
+    """
+    return name.translate(_ASCII_LOWER)
+
+
+_ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
+
+
 def archive_prefix(entries: list[_zip.CentralEntry], path: str) -> str:
-    """The archive prefix of a torch.save zip; other zips raise UnsupportedFormatError."""
+    """The archive prefix of a torch.save zip; other zips raise UnsupportedFormatError.
+
+    Refuses (:class:`CorruptArchiveError`) names that only differ in case (torch's lookups
+    ignore ASCII case, so which one it reads is up to its search), and a data.pkl outside the
+    first record's directory (torch takes the archive name from the first record).
+    """
+    seen: dict[str, _zip.CentralEntry] = {}
+    for e in entries:
+        key = fold_name(e.name)
+        if key in seen:
+            first = seen[key]
+            same = first.name == e.name
+            raise CorruptArchiveError(
+                "duplicate record name" if same else
+                f"record names differ only in case ({first.name!r} at central directory offset "
+                f"{first.entry_offset}): torch's reader ignores ASCII case and could read "
+                "either", path=path, record=e.name, offset=e.entry_offset)
+        seen[key] = e
     shorts = {e.name.split("/", 1)[1] if "/" in e.name else e.name for e in entries}
     if "constants.pkl" in shorts or any(s.startswith("code/") for s in shorts):
         raise UnsupportedFormatError(
@@ -55,20 +88,48 @@ def archive_prefix(entries: list[_zip.CentralEntry], path: str) -> str:
             "checkpoint", path=path)
     if len(pkl) > 1:
         raise UnsupportedFormatError(f"a zip archive with {len(pkl)} data.pkl records", path=path)
-    return pkl[0][: -len("data.pkl")].rstrip("/")
+    prefix = pkl[0][: -len("data.pkl")].rstrip("/")
+    first = entries[0].name
+    if "/" in first and fold_name(first.split("/", 1)[0]) != fold_name(prefix):
+        raise UnsupportedFormatError(
+            f"data.pkl is under {prefix + '/'!r} but the first record is {first!r}: torch "
+            "takes the archive name from the first record and would not find this data.pkl",
+            path=path, record=pkl[0], offset=entries[0].entry_offset)
+    return prefix
+
+
+# Inflating: a deflated record may expand up to 1032x. torch's reader inflates data.pkl whatever
+# its size (miniz supports deflate; torch.load reads a data.pkl that Python's zipfile deflated),
+# but a real pickle deflates only 2.5-5x (tiny_gpt 2.5x; 10k tensors, shared views, optimizer
+# state 3.6-4.9x), so its uncompressed size stays under 5x the whole file. ckptlab inflates at
+# most max(1 MiB, 16 x file size): three times that headroom, and inspecting a file never holds
+# more than 16x its size (1 MiB for tiny files) of inflated bytes.
+INFLATE_MIN_BUDGET = 1 << 20
+INFLATE_FILE_RATIO = 16
+_INFLATE_CHUNK = 1 << 20  # compressed bytes read and fed per step
+
+
+def inflate_budget(file_nbytes: int) -> int:
+    """Most uncompressed bytes ckptlab inflates from one record of a file of this size."""
+    return max(INFLATE_MIN_BUDGET, INFLATE_FILE_RATIO * file_nbytes)
 
 
 def read_record_data(src: ByteSource, record: Record, limit: int | None = None) -> bytes:
-    """The (decompressed) payload of a record; ``limit`` bounds the uncompressed size."""
+    """The (decompressed) payload of a record; ``limit`` bounds the uncompressed size.
+
+    A deflated record is inflated in steps of 1 MiB of input, each bounded to the bytes still
+    expected (``decompress(data, max_length)``), so memory stays within the declared size,
+    which must be within :func:`inflate_budget`; a stream that would inflate past its
+    declared size stops there.
+    """
     if limit is not None and record.uncompressed_nbytes > limit:
         raise CorruptArchiveError("record is larger than the format allows", path=src.name,
                                   record=record.name, offset=record.data_offset,
                                   expected=f"<= {limit} bytes",
                                   actual=f"{record.uncompressed_nbytes} bytes")
-    raw = src.read(record.data_offset, record.data_nbytes, what="record data",
-                   record=record.name)
     if record.method == 0:
-        return raw
+        return src.read(record.data_offset, record.data_nbytes, what="record data",
+                        record=record.name)
     if record.method != 8:
         raise UnsupportedFormatError(f"record compressed with zip method {record.method}",
                                      path=src.name, record=record.name,
@@ -78,17 +139,53 @@ def read_record_data(src: ByteSource, record: Record, limit: int | None = None) 
                                   record=record.name, offset=record.header_offset,
                                   expected=f"<= {1032 * record.data_nbytes + 64} bytes",
                                   actual=f"{record.uncompressed_nbytes} bytes")
+    budget = inflate_budget(src.nbytes)
+    if record.uncompressed_nbytes > budget:
+        ratio = record.uncompressed_nbytes / max(1, record.data_nbytes)
+        raise CorruptArchiveError(
+            f"record inflates {ratio:.0f}x, from {record.data_nbytes} to "
+            f"{record.uncompressed_nbytes} bytes, more than ckptlab inflates for a file of "
+            f"{src.nbytes} bytes (max(1 MiB, {INFLATE_FILE_RATIO} x file size)): a zip bomb, "
+            "or not a checkpoint pickle", path=src.name, record=record.name,
+            offset=record.header_offset, expected=f"<= {budget} bytes uncompressed",
+            actual=f"{record.uncompressed_nbytes} bytes")
+    want = record.uncompressed_nbytes
     inflater = zlib.decompressobj(-15)
+    parts: list[bytes] = []
+    got = 0
+    fed = 0
     try:
-        out = inflater.decompress(raw, record.uncompressed_nbytes + 1)
+        while True:
+            if inflater.unconsumed_tail:
+                data = inflater.unconsumed_tail
+            elif fed < record.data_nbytes:
+                n = min(_INFLATE_CHUNK, record.data_nbytes - fed)
+                data = src.read(record.data_offset + fed, n, what="record data",
+                                record=record.name)
+                fed += n
+            else:
+                break
+            part = inflater.decompress(data, want + 1 - got)  # one byte more shows a liar
+            parts.append(part)
+            got += len(part)
+            if got > want or inflater.eof:
+                break
     except zlib.error as exc:
         raise CorruptArchiveError(f"cannot inflate record: {exc}", path=src.name,
                                   record=record.name, offset=record.data_offset) from None
-    if len(out) != record.uncompressed_nbytes:
+    if got > want:
+        raise CorruptArchiveError("record inflates past the size the central directory gives",
+                                  path=src.name, record=record.name, offset=record.data_offset,
+                                  expected=f"{want} bytes", actual=f"more than {want} bytes")
+    if got != want:
         raise CorruptArchiveError("inflated size differs from the central directory",
                                   path=src.name, record=record.name, offset=record.data_offset,
-                                  expected=record.uncompressed_nbytes, actual=len(out))
-    return out
+                                  expected=want, actual=got)
+    if not inflater.eof:  # torch's reader (tinfl) fails on a stream without its final block
+        raise CorruptArchiveError("deflate stream ends without its final block",
+                                  path=src.name, record=record.name,
+                                  offset=record.data_offset + record.data_nbytes)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _segments(records: list[Record], headers: dict[str, _zip.LocalHeader],
@@ -154,11 +251,12 @@ def scan_torch_zip(src: ByteSource) -> ArchiveLayout:
                               e.compressed_nbytes, desc, e.crc32, e.uncompressed_nbytes,
                               e.method))
     segments = _segments(records, headers, trailer, src.nbytes, src.name)
-    by_name = {r.name: r for r in records}
+    # looked up as torch does, ignoring ASCII case (archive_prefix refused names that collide)
+    by_name = {fold_name(r.name): r for r in records}
     prefix = f"{archive}/" if archive else ""
 
     def small(name: str) -> str | None:
-        rec = by_name.get(prefix + name)
+        rec = by_name.get(fold_name(prefix + name))
         if rec is None:
             return None
         raw = read_record_data(src, rec, limit=_MAX_SMALL_RECORD)
@@ -171,16 +269,18 @@ def scan_torch_zip(src: ByteSource) -> ArchiveLayout:
     format_version, alignment_text, byteorder = (small(n) for n in _SMALL_RECORDS)
     storage_alignment = None
     if alignment_text is not None:
-        if not alignment_text.isdigit() or not 0 < int(alignment_text) <= _zip.MAX_ALIGNMENT:
-            rec = by_name[prefix + ".storage_alignment"]
+        if not (alignment_text.isdigit() and len(alignment_text) <= 10 and
+                0 < int(alignment_text) <= _zip.MAX_RECORDED_ALIGNMENT):
+            rec = by_name[fold_name(prefix + ".storage_alignment")]
             raise CorruptArchiveError("bad .storage_alignment", path=src.name, record=rec.name,
-                                      offset=rec.data_offset, expected=f"1..{_zip.MAX_ALIGNMENT}",
+                                      offset=rec.data_offset,
+                                      expected=f"1..{_zip.MAX_RECORDED_ALIGNMENT}",
                                       actual=repr(alignment_text))
         storage_alignment = int(alignment_text)
-    pkl = by_name[prefix + "data.pkl"]
+    pkl = by_name[fold_name(prefix + "data.pkl")]
     scan = scan_pickle(read_record_data(src, pkl), path=src.name, record=pkl.name,
                        data_offset=pkl.data_offset)
-    storages = storage_infos(scan, by_name, prefix, src.name, pkl)
+    storages = storage_infos(scan, by_name, prefix, src.name, pkl, fold=True)
     return ArchiveLayout(
         format="torch-zip",
         path=src.name,
@@ -201,19 +301,24 @@ def scan_torch_zip(src: ByteSource) -> ArchiveLayout:
         format_version=format_version,
         byteorder=byteorder,
         pickle_protocol=scan.protocol,
+        logical=scan.logical,
+        objects=scan.objects,
     )
 
 
 def storage_infos(scan: PickleScan, records: dict[str, Record], prefix: str,
-                  path: str, pkl: Record) -> tuple[StorageInfo, ...]:
-    """Join the pickle's storages with their records (each must exist with the right size)."""
+                  path: str, pkl: Record, *, fold: bool = False) -> tuple[StorageInfo, ...]:
+    """Join the pickle's storages with their records (each must exist with the right size).
+
+    With ``fold``, ``records`` is keyed by :func:`fold_name` (torch's case-blind lookup).
+    """
     view_dtype: dict[str, str] = {}
     for t in scan.tensors:
         view_dtype.setdefault(t.storage_key, t.dtype)
     out = []
     for s in scan.storages:
         name = f"{prefix}data/{s.key}"
-        rec = records.get(name)
+        rec = records.get(fold_name(name) if fold else name)
         if rec is None:
             raise CorruptArchiveError(f"the pickle references storage {s.key!r} but the archive "
                                       f"has no record {name!r}", path=path, record=pkl.name,
@@ -221,10 +326,10 @@ def storage_infos(scan: PickleScan, records: dict[str, Record], prefix: str,
         if rec.uncompressed_nbytes != s.nbytes:
             raise CorruptArchiveError("storage record size differs from the pickle's "
                                       f"{s.storage_type} of {s.numel} elements", path=path,
-                                      record=name, offset=rec.header_offset,
+                                      record=rec.name, offset=rec.header_offset,
                                       expected=f"{s.nbytes} bytes",
                                       actual=f"{rec.uncompressed_nbytes} bytes")
         dtype = s.dtype if s.storage_type != "UntypedStorage" else view_dtype.get(s.key, "uint8")
-        out.append(StorageInfo(s.key, name, dtype, s.nbytes, rec.data_offset, s.location,
+        out.append(StorageInfo(s.key, rec.name, dtype, s.nbytes, rec.data_offset, s.location,
                                s.storage_type))
     return tuple(out)

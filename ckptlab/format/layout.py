@@ -143,6 +143,10 @@ class ArchiveLayout:
     byteorder: str | None = None  # content of the byteorder record
     pickle_protocol: int | None = None
     metadata: dict[str, str] | None = field(default=None, hash=False)  # safetensors __metadata__
+    # the pickle's view of the same file (torch formats): every tensor as a user knows it
+    # (ckptlab.format._pickle.ScannedTensor) and the non-tensor values beside them
+    logical: tuple[Any, ...] = field(default=(), compare=False, repr=False)
+    objects: tuple[Any, ...] = field(default=(), compare=False, repr=False)
 
     def record(self, name: str) -> Record:
         """The record with full name ``name`` or short name (``data/0``)."""

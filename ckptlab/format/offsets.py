@@ -124,11 +124,13 @@ def storage_offsets(source: str | os.PathLike[str] | BinaryIO | bytes, *,
         alignment = DEFAULT_ALIGNMENT
         if prefix + ".storage_alignment" in by_name:
             text = payload(prefix + ".storage_alignment")
-            if not text.isdigit() or not 0 < int(text) <= _zip.MAX_ALIGNMENT:
+            if not (text.isdigit() and len(text) <= 10 and
+                    0 < int(text) <= _zip.MAX_RECORDED_ALIGNMENT):
                 rec = by_name[prefix + ".storage_alignment"]
                 raise CorruptArchiveError("bad .storage_alignment", path=src.name,
                                           record=rec.name, offset=rec.header_offset,
-                                          expected=f"1..{_zip.MAX_ALIGNMENT}", actual=text[:20])
+                                          expected=f"1..{_zip.MAX_RECORDED_ALIGNMENT}",
+                                          actual=text[:20])
             alignment = int(text)
         if scan:
             pkl = by_name[prefix + "data.pkl"]

@@ -6,7 +6,12 @@ import json
 import struct
 
 from ckptlab.errors import CorruptArchiveError, TruncatedArchiveError, UnsupportedFormatError
-from ckptlab.format._dtypes import DTYPE_ITEMSIZE, SAFETENSORS_DTYPE, SAFETENSORS_SUBBYTE_BITS
+from ckptlab.format._dtypes import (
+    DTYPE_ITEMSIZE,
+    SAFETENSORS_DTYPE,
+    SAFETENSORS_PACKED,
+    SAFETENSORS_SUBBYTE_BITS,
+)
 from ckptlab.format._source import ByteSource
 from ckptlab.format.archive import largest_alignment
 from ckptlab.format.layout import ArchiveLayout, Segment, SegmentKind, StorageInfo, TensorInfo
@@ -14,6 +19,7 @@ from ckptlab.format.layout import ArchiveLayout, Segment, SegmentKind, StorageIn
 __all__ = ["looks_like_safetensors", "scan_safetensors"]
 
 MAX_HEADER_NBYTES = 100_000_000  # the limit the safetensors library enforces
+_MAX_DIM = 1 << 62  # a dimension past this cannot be a real tensor (and products stay cheap)
 
 
 def looks_like_safetensors(head: bytes, file_nbytes: int) -> bool:
@@ -70,10 +76,23 @@ def scan_safetensors(src: ByteSource) -> ArchiveLayout:
                                       path=path, record=name, offset=8)
         tag = info["dtype"]
         begin, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        if any(d > _MAX_DIM for d in shape) or len(shape) > 64:
+            raise CorruptArchiveError("tensor shape is out of range", path=path, record=name,
+                                      offset=8, expected=f"at most 64 dims of <= {_MAX_DIM}",
+                                      actual=f"{len(shape)} dims")
         numel = 1
-        for d in info["shape"]:
+        for d in shape:
             numel *= d
-        if tag in SAFETENSORS_DTYPE:
+        if tag in SAFETENSORS_PACKED:  # F4: torch packs two values a byte in the last dim
+            dtype, per_byte = SAFETENSORS_PACKED[tag]
+            if not shape or shape[-1] % per_byte:
+                raise CorruptArchiveError(f"{tag} tensor's last dimension is not a multiple of "
+                                          f"{per_byte}", path=path, record=name, offset=8,
+                                          actual=list(shape))
+            shape = (*shape[:-1], shape[-1] // per_byte)
+            want = numel // per_byte
+        elif tag in SAFETENSORS_DTYPE:
             dtype = SAFETENSORS_DTYPE[tag]
             want = numel * DTYPE_ITEMSIZE[dtype]
         elif tag in SAFETENSORS_SUBBYTE_BITS:
@@ -91,7 +110,7 @@ def scan_safetensors(src: ByteSource) -> ArchiveLayout:
             raise TruncatedArchiveError("tensor data runs past the end of the file", path=path,
                                         record=name, offset=8,
                                         expected=f"end <= {data_nbytes}", actual=end)
-        entries.append((begin, end, name, dtype, tuple(info["shape"])))
+        entries.append((begin, end, name, dtype, shape))
     entries.sort()
     segments = [Segment(SegmentKind.HEADER_LENGTH, 0, 8),
                 Segment(SegmentKind.HEADER, 8, json_nbytes)]

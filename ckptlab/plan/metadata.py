@@ -1,69 +1,32 @@
 """A real DCP checkpoint directory, read safely: ``.metadata`` and every item in the data files.
 
-``.metadata`` is a pickle. Loading it with ``pickle`` runs whatever it names, so it is read
-with an unpickler that resolves an allow-list of DCP metadata classes and torch basics and
-refuses everything else. Each item in a ``.distcp`` file is an independent torch.save zip;
-its layout is read with :mod:`ckptlab.format` through a window on the file, without reading
-tensor bytes.
+``.metadata`` is a pickle. Loading it with ``pickle`` runs whatever it names, so it is read by
+ckptlab's bounded interpreter and only an allow-list of DCP metadata classes, checked field by
+field, becomes real objects (:mod:`ckptlab.plan._metadata_pickle`). Each item in a ``.distcp``
+file is an independent torch.save zip; its layout is read with :mod:`ckptlab.format` through a
+window on the file, without reading tensor bytes.
 """
 
 from __future__ import annotations
 
 import io
 import os
-import pickle
+import stat
 from dataclasses import dataclass
 from typing import Any
 
 from ckptlab.errors import ArchiveError, CorruptArchiveError, UnsupportedFormatError
+from ckptlab.format._paths import check_regular, open_inside, resolve_inside
 from ckptlab.format._source import ByteSource
+from ckptlab.format._window import FileWindow
 from ckptlab.format.archive import largest_alignment, scan_torch_zip
 from ckptlab.format.layout import ArchiveLayout
+from ckptlab.plan._metadata_pickle import MetadataDecodeError, decode_metadata
 
 __all__ = ["DcpItem", "DcpLayout", "inspect_dcp", "is_dcp_dir", "load_metadata"]
 
 METADATA = ".metadata"
 MAX_METADATA_NBYTES = 1 << 30
-
-_DCP = "torch.distributed.checkpoint"
-# (module, name) pairs a DCP .metadata may name; nothing else is ever imported
-ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset({
-    *((f"{_DCP}.metadata", n) for n in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
-    (f"{_DCP}.filesystem", "_StorageInfo"),
-    (f"{_DCP}._extension", "ExtensionRegistry"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
-})
-_DTYPES = frozenset({
-    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
-    "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "bool",
-    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
-    "qint8", "quint8", "qint32", "quint4x2", "half", "float", "double", "long", "int", "short",
-    "cfloat", "cdouble", "chalf",
-})
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, path: str) -> None:
-        super().__init__(file)
-        self._path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in ALLOWED_GLOBALS or (module == "torch" and name in _DTYPES):
-            return super().find_class(module, name)
-        raise UnsupportedFormatError(
-            f"{METADATA} names {module}.{name}, which is not a DCP metadata class; refusing to "
-            "load it (loading it with pickle would run it)", path=self._path)
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise CorruptArchiveError(f"{METADATA} has a persistent id ({pid!r:.60}); DCP metadata "
-                                  "never does", path=self._path)
 
 
 def load_metadata(path: str | os.PathLike[str]) -> Any:
@@ -79,35 +42,31 @@ def load_metadata(path: str | os.PathLike[str]) -> Any:
     """
     meta_path = os.path.join(os.fspath(path), METADATA)
     try:
-        nbytes = os.path.getsize(meta_path)
-        if nbytes > MAX_METADATA_NBYTES:
-            raise CorruptArchiveError("metadata larger than 1 GiB", path=meta_path,
-                                      expected=f"<= {MAX_METADATA_NBYTES} bytes",
-                                      actual=f"{nbytes} bytes")
-        with open(meta_path, "rb") as f:
-            data = f.read()
+        # a regular file inside the directory: not a symlink out of it, not a FIFO
+        with open_inside(path, METADATA) as f:
+            nbytes = os.fstat(f.fileno()).st_size
+            if nbytes > MAX_METADATA_NBYTES:
+                raise CorruptArchiveError("metadata larger than 1 GiB", path=meta_path,
+                                          expected=f"<= {MAX_METADATA_NBYTES} bytes",
+                                          actual=f"{nbytes} bytes")
+            data = f.read(nbytes)  # read(n) allocates n bytes up front: never more than the file
     except OSError as exc:
         raise ArchiveError(f"cannot read DCP metadata: {exc.strerror}", path=meta_path) from None
-    import torch.distributed.checkpoint.metadata as dcp_metadata  # the allow-list's classes
-
     try:
-        meta = _RestrictedUnpickler(io.BytesIO(data), meta_path).load()
-    except ArchiveError:
-        raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
-            IndexError, KeyError, RecursionError, MemoryError) as exc:
-        raise CorruptArchiveError(f"not a readable pickle: {type(exc).__name__}: {exc}",
-                                  path=meta_path, expected="a pickled DCP Metadata",
-                                  actual=f"{len(data)} bytes") from None
-    if not isinstance(meta, dcp_metadata.Metadata):
-        raise CorruptArchiveError("the pickle is not DCP Metadata", path=meta_path,
-                                  expected="torch.distributed.checkpoint.metadata.Metadata",
-                                  actual=type(meta).__name__)
+        meta = decode_metadata(data)
+    except MetadataDecodeError as exc:
+        error = UnsupportedFormatError if exc.foreign else CorruptArchiveError
+        message = str(exc) if exc.offset is not None else \
+            f"not DCP Metadata ckptlab can read safely: {exc}"
+        raise error(message, path=meta_path, offset=exc.offset) from None
     return meta
 
 
 def is_dcp_dir(path: str | os.PathLike[str]) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(os.fspath(path), METADATA))
+    # any .metadata that is not a directory: a FIFO or a symlink out of the directory is a DCP
+    # directory that load_metadata refuses with the reason, not "not a checkpoint file"
+    meta = os.path.join(os.fspath(path), METADATA)
+    return os.path.isdir(path) and os.path.lexists(meta) and not os.path.isdir(meta)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,41 +141,42 @@ class DcpLayout:
         }
 
 
-class _Window(io.RawIOBase):
-    """Bytes ``[start, start + nbytes)`` of a file, as a seekable file object."""
-
-    def __init__(self, f: io.BufferedReader, start: int, nbytes: int, name: str) -> None:
-        self._f, self._start, self._nbytes, self._pos = f, start, nbytes, 0
-        self.name = name
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._nbytes}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def read(self, n: int = -1) -> bytes:
-        n = self._nbytes - self._pos if n is None or n < 0 else min(n, self._nbytes - self._pos)
-        if n <= 0:
-            return b""
-        self._f.seek(self._start + self._pos)
-        data = self._f.read(n)
-        self._pos += len(data)
-        return data
-
-
 def _item_layout(f: io.BufferedReader, file: str, offset: int, nbytes: int) -> ArchiveLayout:
     name = f"{file}@{offset}"
-    with ByteSource(_Window(f, offset, nbytes, name)) as src:
+    with ByteSource(FileWindow(f, offset, nbytes, name)) as src:
         return scan_torch_zip(src)
+
+
+def _data_files(root: str, names: list[str], *, listed: bool = False) -> dict[str, int]:
+    """Bytes of each file ``names`` gives, relative to ``root``; none may leave ``root``.
+
+    Every name is resolved (:func:`ckptlab.format._paths.resolve_inside`): ``..``, absolute
+    names and symlinks out of the directory raise :class:`ArchiveError`, and so does a
+    FIFO, device or socket. With ``listed`` (names from ``os.listdir``, not from the
+    metadata) such entries and subdirectories are left out instead, and a name that cannot be
+    stat'ed is too; a name the metadata gives that does not exist is left out (the caller
+    reports the missing file).
+    """
+    out = {}
+    for name in names:
+        full = os.path.join(root, name)
+        try:
+            real = resolve_inside(root, name)
+            info = os.stat(real)
+        except ArchiveError:
+            if listed:
+                continue
+            raise
+        except OSError:
+            continue
+        if stat.S_ISDIR(info.st_mode) and listed:
+            continue
+        if not stat.S_ISREG(info.st_mode):
+            if listed:
+                continue
+            check_regular(info.st_mode, full)
+        out[name] = info.st_size
+    return out
 
 
 def inspect_dcp(path: str | os.PathLike[str], *, item_layouts: bool = True) -> DcpLayout:
@@ -238,15 +198,14 @@ def inspect_dcp(path: str | os.PathLike[str], *, item_layouts: bool = True) -> D
     """
     path = os.fspath(path)
     meta = load_metadata(path)
-    metadata_nbytes = os.path.getsize(os.path.join(path, METADATA))
-    files = {}
-    for name in sorted(os.listdir(path)):
-        full = os.path.join(path, name)
-        if name != METADATA and os.path.isfile(full):
-            files[name] = os.path.getsize(full)
+    metadata_nbytes = _data_files(path, [METADATA])[METADATA]
+    files = _data_files(path, [name for name in sorted(os.listdir(path)) if name != METADATA],
+                        listed=True)
     items = []
     handles: dict[str, io.BufferedReader] = {}
     try:
+        referenced = {str(info.relative_path) for info in meta.storage_data.values()}
+        files.update(_data_files(path, sorted(referenced - set(files))))  # refuses escapes
         for index, info in meta.storage_data.items():
             file = str(info.relative_path)
             if file not in files:
@@ -270,7 +229,7 @@ def inspect_dcp(path: str | os.PathLike[str], *, item_layouts: bool = True) -> D
             data_offset = None
             if item_layouts and not getattr(info, "transform_descriptors", None):
                 if file not in handles:
-                    handles[file] = open(os.path.join(path, file), "rb")
+                    handles[file] = open_inside(path, file)  # inside the directory, regular
                 try:
                     layout = _item_layout(handles[file], file, info.offset, info.length)
                 except ArchiveError as exc:

@@ -1,0 +1,192 @@
+"""Tensor entries from a scanned pickle, and tensors rebuilt from the bytes of their parts.
+
+Building never runs the file's pickle: the parts' bytes are read with ``os.pread`` and turned
+into tensors with torch's own constructors (``set_`` on a storage, ``sparse_coo_tensor``,
+``_empty_affine_quantized``, ``_nested_view_from_buffer``, ``NestedTensor``), the way torch's
+rebuild functions do.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from ckptlab.checkpoint.model import Part, TensorEntry, span_nbytes, tensor_name
+from ckptlab.errors import CorruptArchiveError, UnsupportedFormatError
+from ckptlab.format._dtypes import DTYPE_ITEMSIZE
+from ckptlab.format.layout import StorageInfo
+
+__all__ = ["build_tensor", "entries_from_logical", "part_tensor", "read_part_bytes",
+           "tensor_from_bytes", "unique_names"]
+
+NJT = "torch.nested._internal.nested_tensor.NestedTensor"
+
+
+def entries_from_logical(logical: Iterable[Any], storages: dict[str, StorageInfo], file: str,
+                         *, prefix: tuple[Any, ...] = ()) -> list[TensorEntry]:
+    """:class:`TensorEntry` for each ``ScannedTensor``; parts located through ``storages``."""
+    out = []
+    for t in logical:
+        parts = []
+        for role, info in t.parts:
+            if not info.storage_key:
+                continue  # a meta tensor: no bytes
+            storage = storages[info.storage_key]
+            itemsize = DTYPE_ITEMSIZE[info.dtype]
+            parts.append(Part(role, file, storage.data_offset + info.storage_offset * itemsize,
+                              span_nbytes(info.shape, info.stride, itemsize), info.dtype,
+                              info.shape, info.stride, info.storage_offset, info.storage_key))
+        path = (*prefix, *t.path)
+        out.append(TensorEntry(tensor_name(path), path, t.dtype, t.shape, t.stride, t.kind,
+                               tuple(parts), t.layout, t.requires_grad, t.is_parameter,
+                               t.subclass, t.extra))
+    return out
+
+
+def unique_names(entries: Iterable[TensorEntry]) -> dict[str, TensorEntry]:
+    """Name -> entry; a name seen again (two paths rendering alike) gets ``#2``, ``#3``..."""
+    import dataclasses
+
+    out: dict[str, TensorEntry] = {}
+    for e in entries:
+        name, n = e.name, 1
+        while name in out:
+            n += 1
+            name = f"{e.name}#{n}"
+        out[name] = e if name == e.name else dataclasses.replace(e, name=name)
+    return out
+
+
+def read_part_bytes(path: str, part: Part) -> bytes:
+    """The bytes of one part (one ``pread``), checked for length."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        raw = os.pread(fd, part.nbytes, part.offset) if part.nbytes else b""
+    finally:
+        os.close(fd)
+    if len(raw) != part.nbytes:
+        raise CorruptArchiveError("file ends inside a tensor's bytes", path=path,
+                                  record=part.storage_key or part.role, offset=part.offset,
+                                  expected=f"{part.nbytes} bytes", actual=f"{len(raw)} bytes")
+    return raw
+
+
+def torch_dtype(name: str) -> Any:
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise UnsupportedFormatError(f"dtype {name!r} is not in this torch ({torch.__version__})")
+    return dtype
+
+
+def tensor_from_bytes(raw: bytes | bytearray, dtype: str, shape: tuple[int, ...],
+                      stride: tuple[int, ...]) -> Any:
+    """A dense tensor viewing ``raw`` (its first element at byte 0) with shape and stride."""
+    import torch
+
+    storage = torch.frombuffer(bytearray(raw), dtype=torch.uint8).untyped_storage() if raw \
+        else torch.UntypedStorage(0)
+    if dtype in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4"):
+        tensor = torch._empty_affine_quantized((0,), scale=1.0, zero_point=0,
+                                               dtype=torch_dtype(dtype))
+    else:
+        tensor = torch.empty((0,), dtype=torch_dtype(dtype))
+    return tensor.set_(storage, 0, shape, stride)
+
+
+def part_tensor(path_of: Any, part: Part) -> Any:
+    """One part as a dense tensor (its own shape and stride)."""
+    return tensor_from_bytes(read_part_bytes(path_of(part.file), part), part.dtype, part.shape,
+                             part.stride)
+
+
+def _assemble(entry: TensorEntry, path_of: Any) -> Any:
+    """A DCP tensor: the global tensor, each saved chunk copied into its box."""
+    import torch
+
+    out = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
+    for p in entry.parts:
+        chunk = part_tensor(path_of, p)
+        box = tuple(slice(o, o + n) for o, n in zip(p.chunk_offsets or (), p.shape))
+        out[box] = chunk
+    if entry.requires_grad and (out.dtype.is_floating_point or out.dtype.is_complex):
+        out.requires_grad_(True)
+    return out
+
+
+def build_tensor(entry: TensorEntry, path_of: Any, *, source: str = "") -> Any:
+    """The tensor ``entry`` describes, from its parts' bytes (``path_of(file) -> disk path``)."""
+    import torch
+
+    parts = {p.role: p for p in entry.parts}
+
+    def part(role: str) -> Any:
+        if role not in parts:
+            raise CorruptArchiveError(f"tensor has no {role!r} part", path=source,
+                                      record=entry.name)
+        return part_tensor(path_of, parts[role])
+
+    extra = dict(entry.extra)
+    if entry.parts and all(p.chunk_offsets is not None for p in entry.parts):
+        return _assemble(entry, path_of)
+    if entry.kind in ("dense", "subclass") and entry.layout == "strided" and \
+            list(parts) == ["data"]:
+        tensor = part("data")
+    elif not entry.parts and entry.kind == "dense":  # a meta tensor: no bytes in the file
+        tensor = torch.empty_strided(entry.shape, entry.stride, dtype=torch_dtype(entry.dtype),
+                                     device="meta")
+    elif entry.kind == "sparse":
+        size = entry.shape
+        if entry.layout == "sparse_coo":
+            tensor = torch.sparse_coo_tensor(part("indices"), part("values"), size,
+                                             check_invariants=False,
+                                             is_coalesced=extra.get("is_coalesced"))
+        else:
+            row = entry.layout in ("sparse_csr", "sparse_bsr")
+            tensor = torch.sparse_compressed_tensor(
+                part("crow_indices" if row else "ccol_indices"),
+                part("col_indices" if row else "row_indices"), part("values"), size,
+                layout=getattr(torch, entry.layout), check_invariants=False)
+    elif entry.kind == "quantized":
+        data = parts["data"]
+        raw = read_part_bytes(path_of(data.file), data)
+        storage = torch.frombuffer(bytearray(raw), dtype=torch.uint8).untyped_storage() \
+            if raw else torch.UntypedStorage(0)
+        dtype = torch_dtype(entry.dtype)
+        scheme = extra["qscheme"]
+        if scheme == "per_tensor_affine":
+            tensor = torch._empty_affine_quantized(data.shape, scale=extra["scale"],
+                                                   zero_point=extra["zero_point"], dtype=dtype)
+        else:
+            scales = part("scales") if "scales" in parts else torch.tensor(
+                extra["scales"], dtype=torch.double if scheme == "per_channel_affine"
+                else torch.float)
+            zero_points = part("zero_points") if "zero_points" in parts else torch.tensor(
+                extra["zero_points"], dtype=torch.long if scheme == "per_channel_affine"
+                else torch.float)
+            tensor = torch._empty_per_channel_affine_quantized(
+                data.shape, scales=scales, zero_points=zero_points, axis=extra["axis"],
+                dtype=dtype)
+        tensor.set_(storage, 0, data.shape, data.stride)
+    elif entry.kind == "nested" and entry.layout == "strided":
+        tensor = torch._nested_view_from_buffer(part("buffer"), part("nested_sizes"),
+                                                part("nested_strides"), part("storage_offsets"))
+    elif entry.kind == "nested" and entry.layout == "jagged" and entry.subclass == NJT:
+        from torch.nested._internal.nested_tensor import NestedTensor
+
+        cache = {k: part(k) for k in ("min_seqlen", "max_seqlen") if k in parts}
+        tensor = NestedTensor(values=part("values"), offsets=part("offsets"),
+                              lengths=part("lengths") if "lengths" in parts else None,
+                              _ragged_idx=extra.get("ragged_idx", 1), _metadata_cache=cache)
+    else:
+        raise UnsupportedFormatError(
+            f"{entry.kind} tensor of {entry.subclass or entry.layout}: ckptlab never imports a "
+            "class a file names; read its parts with Checkpoint.read_part(name, role)",
+            path=source, record=entry.name)
+    if entry.requires_grad and (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
+        tensor.requires_grad_(True)
+    if entry.is_parameter:
+        tensor = torch.nn.Parameter(tensor, requires_grad=entry.requires_grad)
+    return tensor

@@ -1,0 +1,354 @@
+"""The checkpoint model: every format as files, tensors by name, and inert non-tensor values.
+
+A :class:`Checkpoint` is what :func:`ckptlab.open` returns for any checkpoint a PyTorch user
+has. Views and the CLI take a ``Checkpoint`` and never ask which format it came from: each
+tensor says which byte ranges of which file make it (:class:`Part`), and each file carries its
+own segments (they tile the file).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptlab.format._dtypes import DTYPE_ITEMSIZE
+from ckptlab.format.layout import Segment, SegmentKind
+
+__all__ = ["Checkpoint", "FileEntry", "Part", "TensorEntry", "plain_value", "tensor_name"]
+
+KINDS = ("dense", "sparse", "quantized", "nested", "subclass")
+FORMATS = ("torch-zip", "torch-legacy", "torchscript", "pt2", "safetensors", "hf", "dcp", "dir")
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One byte range of one file that holds (a component of) a tensor.
+
+    ``offset`` is the file offset of the element at ``storage_offset`` and ``nbytes`` the span
+    from there to one past the last element the view reaches (``numel * itemsize`` when the
+    part is contiguous): the bytes ``[offset, offset + nbytes)`` viewed with ``shape`` and
+    ``stride`` are the part.
+    """
+
+    role: str  # "data"; "indices"/"values"; "crow_indices"; "scales"; "buffer"; "chunk"; ...
+    file: str  # path relative to the opened checkpoint
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int = 0  # in elements, inside the storage the part views
+    storage_key: str = ""  # the storage (torch formats), tensor key (safetensors)
+    chunk_offsets: tuple[int, ...] | None = None  # DCP: where the chunk sits in the tensor
+    compression: str | None = None  # DCP transforms ("zstd"), None for raw bytes
+    stored_nbytes: int | None = None  # bytes on disk when compressed
+    item_offset: int | None = None  # DCP: first byte of the item holding this part
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def contiguous(self) -> bool:
+        return self.stride == contiguous_strides(self.shape) or self.numel <= 1
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"role": self.role, "file": self.file, "offset": self.offset,
+               "nbytes": self.nbytes, "dtype": self.dtype, "shape": list(self.shape),
+               "stride": list(self.stride), "storage_offset": self.storage_offset}
+        if self.storage_key:
+            out["storage_key"] = self.storage_key
+        if self.chunk_offsets is not None:
+            out["chunk_offsets"] = list(self.chunk_offsets)
+        if self.compression is not None:
+            out["compression"] = self.compression
+            out["stored_nbytes"] = self.stored_nbytes
+        return out
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for dim in reversed(shape):
+        strides.append(acc)
+        acc *= max(dim, 1)
+    return tuple(reversed(strides))
+
+
+def span_nbytes(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> int:
+    """Bytes from a view's first element to one past its last (0 for an empty view)."""
+    if any(d == 0 for d in shape):
+        return 0
+    return (sum((d - 1) * s for d, s in zip(shape, stride)) + 1) * itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """A tensor as the user knows it: its state-dict name and the bytes that make it."""
+
+    name: str  # the key users know: nested keys joined with "."
+    path: tuple[Any, ...]  # the exact keys from the root object
+    dtype: str  # torch's name without prefix
+    shape: tuple[int, ...] | None  # None where only the bytes know it (strided nested)
+    stride: tuple[int, ...] | None
+    kind: str  # dense | sparse | quantized | nested | subclass
+    parts: tuple[Part, ...]
+    layout: str = "strided"  # strided | sparse_coo | sparse_csr | ... | jagged
+    requires_grad: bool = False
+    is_parameter: bool = False
+    subclass: str | None = None  # qualified name of a Tensor subclass
+    extra: tuple[tuple[str, Any], ...] = ()  # qscheme, scale, zero_point, axis, ragged_idx...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the tensor's parts occupy in their files (as stored, before any compression)."""
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def numel(self) -> int | None:
+        """Elements of the logical tensor (None when the shape is not known from metadata)."""
+        if self.shape is None or any(d < 0 for d in self.shape):
+            return None
+        return math.prod(self.shape)
+
+    @property
+    def parameters(self) -> int:
+        """Parameter count: elements of the stored values (what a model summary counts)."""
+        if self.kind == "dense" or self.kind == "quantized":
+            return self.numel or 0
+        values = [p for p in self.parts if p.role in ("values", "buffer")]
+        if values:
+            return sum(p.numel for p in values)
+        return sum(p.numel for p in self.parts)
+
+    @property
+    def file(self) -> str:
+        """The file holding the first part ("" for a tensor without bytes)."""
+        return self.parts[0].file if self.parts else ""
+
+    @property
+    def offset(self) -> int | None:
+        return self.parts[0].offset if self.parts else None
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_ITEMSIZE.get(self.dtype, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "name": self.name, "path": list(self.path), "dtype": self.dtype,
+            "shape": None if self.shape is None else list(self.shape),
+            "stride": None if self.stride is None else list(self.stride),
+            "kind": self.kind, "layout": self.layout, "nbytes": self.nbytes,
+            "parameters": self.parameters, "requires_grad": self.requires_grad,
+            "is_parameter": self.is_parameter, "file": self.file,
+            "parts": [p.to_dict() for p in self.parts]}
+        if self.subclass:
+            out["subclass"] = self.subclass
+        if self.extra:
+            out["extra"] = {k: plain_value(v) for k, v in self.extra}
+        # the torch-zip fields of DESIGN's tensor entries, from the (first) data part
+        data = self.parts[0] if self.parts else None
+        if data is not None:
+            out["storage_key"] = data.storage_key
+            out["storage_offset"] = data.storage_offset
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    """One file of a checkpoint with its byte layout."""
+
+    path: str  # relative to the opened checkpoint (its own name for a single file)
+    format: str  # torch-zip, torch-legacy, torchscript, pt2, safetensors, distcp, dcp-metadata,
+    #              json, other
+    nbytes: int
+    segments: tuple[Segment, ...]  # tile [0, nbytes)
+    layout: Any = field(default=None, compare=False)  # ArchiveLayout / DcpLayout / None
+    full_path: str = field(default="", compare=False)  # where it is on disk ("" for bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "format": self.format, "nbytes": self.nbytes}
+
+
+def tensor_name(path: tuple[Any, ...]) -> str:
+    """The state-dict name of a path: keys joined with "." as DCP flattens them."""
+    if not path:
+        return "<root>"
+    return ".".join(str(k) for k in path)
+
+
+class Checkpoint:
+    """Any checkpoint, tensor first. Made by :func:`ckptlab.open`; see the module docstring.
+
+    Attributes
+    ----------
+    format
+        ``"torch-zip"``, ``"torch-legacy"``, ``"torchscript"``, ``"pt2"``, ``"safetensors"``,
+        ``"hf"``, ``"dcp"`` or ``"dir"``.
+    path
+        What was opened.
+    files
+        Every file with its byte layout (segments tile each file).
+    tensors
+        Name -> :class:`TensorEntry`, in the checkpoint's own order.
+    objects
+        Name -> inert, printable non-tensor value (step, lr, config...).
+    """
+
+    def __init__(self, format: str, path: str, files: tuple[FileEntry, ...],
+                 tensors: Mapping[str, TensorEntry], objects: Mapping[str, Any],
+                 reader: Callable[[Checkpoint, TensorEntry], Any],
+                 notes: tuple[str, ...] = ()) -> None:
+        self.format = format
+        self.path = path
+        self.files = files
+        self.tensors = dict(tensors)
+        self._objects = objects
+        self._reader = reader
+        self.notes = notes  # what ckptlab could not describe fully, in words
+
+    @property
+    def objects(self) -> dict[str, Any]:
+        return {k: plain_value(v) for k, v in self._objects.items()}
+
+    def file(self, path: str) -> FileEntry:
+        for f in self.files:
+            if f.path == path:
+                return f
+        raise KeyError(path)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+    @property
+    def parameters(self) -> int:
+        return sum(t.parameters for t in self.tensors.values())
+
+    def __repr__(self) -> str:
+        return (f"<Checkpoint {self.format} {self.path!r}: {len(self.tensors)} tensors, "
+                f"{len(self._objects)} objects, {len(self.files)} files, {self.nbytes:,} bytes>")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def read(self, name: str) -> Any:
+        """The tensor ``name`` as ``torch.load`` (or the format's own loader) gives it.
+
+        Only that tensor's bytes are read and no pickle runs: sparse, quantized and nested
+        tensors are rebuilt with torch's constructors from their parts; a DCP tensor is
+        assembled from its chunks.
+
+        Raises
+        ------
+        KeyError
+            No tensor of that name (see :attr:`tensors`).
+        UnsupportedFormatError
+            A tensor ckptlab describes but cannot rebuild without importing code the file
+            names (a Tensor subclass other than torch's own).
+        """
+        try:
+            entry = self.tensors[name]
+        except KeyError:
+            raise KeyError(f"{name!r} is not a tensor of {self.path}") from None
+        return self._reader(self, entry)
+
+    def read_part(self, name: str, role: str) -> Any:
+        """One part of tensor ``name`` (``"indices"``, ``"scales"``, an inner tensor of a
+        subclass...) as a dense tensor with the part's own shape and stride."""
+        from ckptlab.checkpoint._tensors import part_tensor
+
+        entry = self.tensors[name]
+        for part in entry.parts:
+            if part.role == role:
+                return part_tensor(lambda rel: self.file(rel).full_path, part)
+        raise KeyError(f"{name!r} has no part {role!r} (parts: "
+                       f"{', '.join(p.role for p in entry.parts)})")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``format``, ``path``, ``files``, ``tensors`` (list), ``objects``."""
+        return {"format": self.format, "path": self.path, "file_nbytes": self.nbytes,
+                "files": [f.to_dict() for f in self.files],
+                "tensors": [t.to_dict() for t in self.tensors.values()],
+                "objects": self.objects, "notes": list(self.notes)}
+
+
+def full_path(root: str, relative: str) -> str:
+    return os.path.join(root, relative) if relative else root
+
+
+def file_segments_or_unknown(nbytes: int, segments: tuple[Segment, ...] | None
+                             ) -> tuple[Segment, ...]:
+    """``segments`` or one unknown segment over the whole file."""
+    if segments:
+        return segments
+    return (Segment(SegmentKind.UNKNOWN, 0, nbytes),) if nbytes else ()
+
+
+def _key_text(key: Any) -> str:
+    """A dict key as bounded text (keys can be deep tuples or records)."""
+    from ckptlab.format._pickle import path_key_text
+
+    return path_key_text(key)
+
+
+_MAX_ITEMS = 64
+_MAX_DEPTH = 6
+_MAX_TEXT = 200
+
+
+def plain_value(value: Any, depth: int = 0) -> Any:
+    """An inert, JSON-ready, bounded rendering of a value the checkpoint holds.
+
+    Plain numbers, strings, bools and None stay as they are (strings cut at 200 characters);
+    containers become lists and dicts (at most 64 items, 6 levels); anything the file builds
+    from a class becomes ``{"type": "module.Class", ...}`` with its arguments and state.
+    """
+    from ckptlab.format._unpickle import Global, OpaqueKey, Reduced
+
+    kind = type(value)
+    if value is None or kind is bool or kind is float:
+        return value
+    if kind is int:
+        return value if -(1 << 63) <= value < (1 << 64) else str(value)
+    if kind is str:
+        return value if len(value) <= _MAX_TEXT else value[:_MAX_TEXT] + "…"
+    if kind in (bytes, bytearray):
+        return {"type": "bytes", "nbytes": len(value)}
+    if kind is complex:
+        return {"type": "complex", "real": value.real, "imag": value.imag}
+    if isinstance(value, Global):
+        return value.qualname
+    if isinstance(value, OpaqueKey):
+        return plain_value(value.value, depth)
+    if depth >= _MAX_DEPTH:
+        return "…"
+    if isinstance(value, dict):
+        out = {}
+        for i, (k, v) in enumerate(value.items()):
+            if i >= _MAX_ITEMS:
+                out["…"] = f"{len(value) - _MAX_ITEMS} more"
+                break
+            out[_key_text(k)] = plain_value(v, depth + 1)
+        return out
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [plain_value(v, depth + 1) for v in list(value)[:_MAX_ITEMS]]
+        if len(value) > _MAX_ITEMS:
+            items.append(f"… {len(value) - _MAX_ITEMS} more")
+        return items
+    if isinstance(value, Reduced):
+        out = {"type": value.func.qualname}
+        if value.args:
+            out["args"] = plain_value(value.args, depth + 1)
+        if value.state is not None:
+            out["state"] = plain_value(value.state, depth + 1)
+        if value.pairs:  # keys never hashed: they may be anything the file built
+            out["items"] = {_key_text(k): plain_value(v, depth + 1)
+                            for k, v in value.pairs[:_MAX_ITEMS]}
+        elif value.items:
+            out["items"] = plain_value(value.items, depth + 1)
+        return out
+    return {"type": type(value).__name__}

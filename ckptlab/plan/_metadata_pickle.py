@@ -1,0 +1,340 @@
+"""DCP's ``.metadata`` pickle, decoded by ckptlab's bounded interpreter and type-checked.
+
+The pickle is interpreted by :mod:`ckptlab.format._unpickle` into inert records (nothing is
+imported, called or ``setattr``'d). This module then turns the records of an allow-list of DCP
+classes into the real torch objects, field by field: every field must have the type DCP
+declares (``offset`` a non-negative int below 2**63, ``fqn`` a str, ``chunks`` a list of
+chunks...), and the real constructors are only ever called with values that passed. Shared
+records are converted once (a pickle can reference one record many times; converting it as a
+tree would be exponential).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ckptlab.format._unpickle import (
+    Global,
+    OpaqueKey,
+    PickleBudgetError,
+    PickleDataError,
+    Reduced,
+    failure_offset,
+    interpret,
+)
+
+__all__ = ["MetadataDecodeError", "decode_metadata"]
+
+_DCP = "torch.distributed.checkpoint"
+_MD = f"{_DCP}.metadata"
+_MAX_INDEX = (1 << 63) - 1
+_MAX_PLAIN_DEPTH = 64
+
+DTYPES = frozenset({
+    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
+    "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "bool",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2", "qint8", "quint8", "qint32", "quint4x2", "half", "float", "double",
+    "long", "int", "short", "cfloat", "cdouble", "chalf",
+})
+LAYOUTS = frozenset({"torch.strided", "torch.sparse_coo", "torch.sparse_csr", "torch.sparse_csc",
+                     "torch.sparse_bsr", "torch.sparse_bsc", "torch._mkldnn", "torch.jagged"})
+
+
+class MetadataDecodeError(Exception):
+    """``.metadata`` is not a DCP Metadata ckptlab accepts; ``.offset`` where known."""
+
+    def __init__(self, message: str, offset: int | None = None, foreign: bool = False) -> None:
+        super().__init__(message)
+        self.offset = offset
+        self.foreign = foreign  # names a class outside the allow-list
+
+
+def _name(value: Any) -> str:
+    if isinstance(value, Reduced):
+        return value.func.qualname
+    if isinstance(value, Global):
+        return value.qualname
+    return type(value).__name__
+
+
+class _Size:
+    """``torch.Size(...)`` as the pickle calls it: a validated tuple of ints."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: tuple[int, ...]) -> None:
+        self.value = value
+
+
+def _handlers() -> dict[tuple[str, str], Any]:
+    def size(value: Any = ()) -> _Size:
+        if isinstance(value, list):
+            value = tuple(value)
+        if not (isinstance(value, tuple) and len(value) <= 64 and
+                all(type(v) is int and 0 <= v <= _MAX_INDEX for v in value)):
+            raise PickleDataError("torch.Size of something other than non-negative ints")
+        return _Size(value)
+
+    def layout(value: Any = "") -> Any:
+        if value not in LAYOUTS:
+            raise PickleDataError(f"_get_layout of {str(value)[:60]!r}")
+        import torch
+
+        return getattr(torch, value.removeprefix("torch."))
+
+    def path(*parts: Any) -> str:
+        if not all(type(p) is str for p in parts):
+            raise PickleDataError("a path made of non-strings")
+        return "/".join(parts)
+
+    def ordered_dict(items: Any = None) -> dict[Any, Any]:
+        if items not in (None, (), []):
+            raise PickleDataError("OrderedDict() with arguments")
+        return {}
+
+    table: dict[tuple[str, str], Any] = {("torch", "Size"): size,
+                                         ("torch.serialization", "_get_layout"): layout,
+                                         ("collections", "OrderedDict"): ordered_dict}
+    for cls in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+        table[("pathlib", cls)] = path
+    return table
+
+
+class _Converter:
+    """Inert records -> real DCP objects, checked field by field."""
+
+    def __init__(self) -> None:
+        import torch
+        import torch.distributed.checkpoint.filesystem as fs
+        import torch.distributed.checkpoint.metadata as md
+
+        self.torch, self.md, self.fs = torch, md, fs
+        self.done: dict[int, Any] = {}
+        self.keep: list[Any] = []  # keeps converted sources alive so ids stay unique
+
+    def fail(self, message: str, foreign: bool = False) -> MetadataDecodeError:
+        return MetadataDecodeError(message, foreign=foreign)
+
+    # -- leaves -------------------------------------------------------------------------
+    def int_(self, value: Any, what: str, *, optional: bool = False) -> int | None:
+        if value is None and optional:
+            return None
+        if type(value) is not int or not 0 <= value <= _MAX_INDEX:
+            raise self.fail(f"{what} must be a non-negative int below 2**63, got "
+                            f"{_name(value)}")
+        return value
+
+    def str_(self, value: Any, what: str, *, optional: bool = False) -> str | None:
+        if value is None and optional:
+            return None
+        if type(value) is not str:
+            raise self.fail(f"{what} must be a str, got {_name(value)}")
+        return value
+
+    def bool_(self, value: Any, what: str) -> bool:
+        if type(value) is not bool:
+            raise self.fail(f"{what} must be a bool, got {_name(value)}")
+        return value
+
+    def size(self, value: Any, what: str, *, optional: bool = False) -> Any:
+        if value is None and optional:
+            return None
+        if isinstance(value, _Size):
+            return self.torch.Size(value.value)
+        raise self.fail(f"{what} must be a torch.Size, got {_name(value)}")
+
+    def dtype(self, value: Any, what: str) -> Any:
+        if isinstance(value, Global) and value.module == "torch" and value.name in DTYPES:
+            return getattr(self.torch, value.name)
+        raise self.fail(f"{what} must be a torch dtype, got {_name(value)}")
+
+    # -- records ------------------------------------------------------------------------
+    def fields(self, value: Any, cls: str, allowed: tuple[str, ...]) -> dict[str, Any]:
+        """The state of a record of class ``cls`` as a dict of allowed field names."""
+        if not isinstance(value, Reduced) or value.func.qualname != cls:
+            raise self.fail(f"expected a {cls}, got {_name(value)}",
+                            foreign=isinstance(value, Reduced))
+        if value.args or value.kwargs or value.items or value.pairs:
+            raise self.fail(f"{cls} built with arguments or items")
+        state = value.state
+        if isinstance(state, tuple) and len(state) == 2 and state[0] is None:
+            state = state[1]  # (None, slots) from a slotted dataclass
+        if state is None:
+            state = {}
+        if not isinstance(state, dict) or not all(type(k) is str for k in state):
+            raise self.fail(f"{cls} state is not a dict of field names")
+        extra = set(state) - set(allowed)
+        if extra:
+            raise self.fail(f"{cls} has unknown fields {sorted(extra)[:5]}")
+        return state
+
+    def memo(self, value: Any, build: Any) -> Any:
+        hit = self.done.get(id(value))
+        if hit is None:
+            hit = build(value)
+            self.done[id(value)] = hit
+            self.keep.append(value)
+        return hit
+
+    def metadata(self, value: Any) -> Any:
+        names = tuple(f.name for f in dataclasses.fields(self.md.Metadata))
+        state = self.fields(value, f"{_MD}.Metadata", names)
+        sdm = state.get("state_dict_metadata")
+        if not isinstance(sdm, dict):
+            raise self.fail("Metadata.state_dict_metadata must be a dict")
+        entries = {}
+        for key, item in sdm.items():
+            entries[self.str_(key, "a state_dict_metadata key")] = self.memo(item, self.storage)
+        storage_data = state.get("storage_data")
+        if storage_data is not None:
+            if not isinstance(storage_data, dict):
+                raise self.fail("Metadata.storage_data must be a dict")
+            converted = {}
+            for key, info in storage_data.items():
+                if isinstance(key, OpaqueKey):  # records are dict keys by identity
+                    key = key.value
+                converted[self.memo(key, self.index)] = self.memo(info, self.storage_info)
+            storage_data = converted
+        meta = state.get("storage_meta")
+        kwargs = {"state_dict_metadata": entries, "planner_data": self.plain(
+                      state.get("planner_data"), "Metadata.planner_data"),
+                  "storage_data": storage_data,
+                  "storage_meta": None if meta is None else self.storage_meta(meta)}
+        if "version" in names:
+            kwargs["version"] = self.str_(state.get("version"), "Metadata.version",
+                                          optional=True)
+        return self.md.Metadata(**kwargs)
+
+    def storage(self, value: Any) -> Any:
+        qualname = _name(value)
+        if qualname == f"{_MD}.BytesStorageMetadata":
+            self.fields(value, qualname, ())
+            return self.md.BytesStorageMetadata()
+        state = self.fields(value, f"{_MD}.TensorStorageMetadata",
+                            ("properties", "size", "chunks"))
+        chunks = state.get("chunks")
+        if not isinstance(chunks, list):
+            raise self.fail("TensorStorageMetadata.chunks must be a list")
+        return self.md.TensorStorageMetadata(
+            properties=self.memo(state.get("properties"), self.properties),
+            size=self.size(state.get("size"), "TensorStorageMetadata.size"),
+            chunks=[self.memo(c, self.chunk) for c in chunks])
+
+    def chunk(self, value: Any) -> Any:
+        state = self.fields(value, f"{_MD}.ChunkStorageMetadata", ("offsets", "sizes"))
+        offsets = self.size(state.get("offsets"), "ChunkStorageMetadata.offsets")
+        sizes = self.size(state.get("sizes"), "ChunkStorageMetadata.sizes")
+        if len(offsets) != len(sizes):
+            raise self.fail("a chunk's offsets and sizes differ in length")
+        return self.md.ChunkStorageMetadata(offsets=offsets, sizes=sizes)
+
+    def properties(self, value: Any) -> Any:
+        cls = f"{_MD}.TensorProperties"
+        if not isinstance(value, Reduced) or value.func.qualname != cls or value.args or \
+                value.items or value.pairs:
+            raise self.fail(f"expected a {cls}, got {_name(value)}")
+        state = value.state
+        if not (isinstance(state, tuple) and len(state) == 5):
+            raise self.fail("TensorProperties state is not a 5-tuple")
+        dtype, layout, requires_grad, fmt, pin = state
+        if not (isinstance(fmt, Reduced) and fmt.func.qualname == f"{_MD}._MEM_FORMAT_ENCODING"
+                and len(fmt.args) == 1 and type(fmt.args[0]) is int):
+            raise self.fail("TensorProperties.memory_format is not a _MEM_FORMAT_ENCODING")
+        try:
+            encoding = self.md._MEM_FORMAT_ENCODING(fmt.args[0])
+        except ValueError:
+            raise self.fail(f"unknown memory format code {fmt.args[0]}") from None
+        if not isinstance(layout, type(self.torch.strided)):
+            raise self.fail(f"TensorProperties.layout must be a layout, got {_name(layout)}")
+        props = object.__new__(self.md.TensorProperties)
+        props.__setstate__((self.dtype(dtype, "TensorProperties.dtype"), layout,
+                            self.bool_(requires_grad, "TensorProperties.requires_grad"),
+                            encoding, self.bool_(pin, "TensorProperties.pin_memory")))
+        return props
+
+    def index(self, value: Any) -> Any:
+        state = self.fields(value, f"{_MD}.MetadataIndex", ("fqn", "offset", "index"))
+        return self.md.MetadataIndex(
+            fqn=self.str_(state.get("fqn"), "MetadataIndex.fqn"),
+            offset=self.size(state.get("offset"), "MetadataIndex.offset", optional=True),
+            index=self.int_(state.get("index"), "MetadataIndex.index", optional=True))
+
+    def storage_info(self, value: Any) -> Any:
+        names = tuple(f.name for f in dataclasses.fields(self.fs._StorageInfo))
+        state = self.fields(value, f"{_DCP}.filesystem._StorageInfo", names)
+        kwargs: dict[str, Any] = {
+            "relative_path": self.str_(state.get("relative_path"), "_StorageInfo.relative_path"),
+            "offset": self.int_(state.get("offset"), "_StorageInfo.offset"),
+            "length": self.int_(state.get("length"), "_StorageInfo.length")}
+        descriptors = state.get("transform_descriptors")
+        if descriptors is not None:
+            if not (isinstance(descriptors, (list, tuple)) and
+                    all(type(d) is str for d in descriptors)):
+                raise self.fail("_StorageInfo.transform_descriptors must be strings")
+            kwargs["transform_descriptors"] = list(descriptors)
+        return self.fs._StorageInfo(**kwargs)
+
+    def storage_meta(self, value: Any) -> Any:
+        state = self.fields(value, f"{_MD}.StorageMeta",
+                            ("checkpoint_id", "save_id", "load_id", "modules"))
+        modules = state.get("modules") or []
+        if not (isinstance(modules, list) and all(type(m) is str for m in modules)):
+            raise self.fail("StorageMeta.modules must be a list of str")
+        return self.md.StorageMeta(
+            checkpoint_id=self.str_(state.get("checkpoint_id"), "StorageMeta.checkpoint_id",
+                                    optional=True),
+            save_id=self.str_(state.get("save_id"), "StorageMeta.save_id", optional=True),
+            load_id=self.str_(state.get("load_id"), "StorageMeta.load_id", optional=True),
+            modules=list(modules))
+
+    def plain(self, value: Any, what: str, depth: int = 0) -> Any:
+        """Plain data (planner_data): str/int/float/bool/None/bytes in lists, tuples, dicts.
+
+        Depth is bounded (so the recursion is) and shared values are converted once.
+        """
+        kind = type(value)
+        if kind in (str, int, float, bool, bytes) or value is None:
+            return value
+        if isinstance(value, _Size):
+            return self.torch.Size(value.value)
+        if depth >= _MAX_PLAIN_DEPTH:
+            raise self.fail(f"{what} nested deeper than {_MAX_PLAIN_DEPTH} levels")
+        if kind in (list, tuple):
+            return self.memo(value, lambda v: kind(self.plain(x, what, depth + 1) for x in v))
+        if kind is dict:
+            for k in value:
+                if type(k) not in (str, int, bool, float, bytes, tuple) or (
+                        type(k) is tuple and not all(type(e) in (str, int) for e in k)):
+                    raise self.fail(f"{what} has a key of type {_name(k)}")
+            return self.memo(value, lambda v: {k: self.plain(x, what, depth + 1)
+                                               for k, x in v.items()})
+        raise self.fail(f"{what} holds a {_name(value)}", foreign=isinstance(value, Reduced))
+
+
+def decode_metadata(data: bytes) -> Any:
+    """``.metadata`` bytes -> ``torch.distributed.checkpoint.metadata.Metadata``.
+
+    Raises
+    ------
+    MetadataDecodeError
+        With ``.offset`` (in the pickle) for interpretation failures and ``.foreign`` set when
+        the pickle names a class outside DCP's metadata classes.
+    """
+    try:
+        result = interpret(data, handlers=_handlers())
+    except PickleDataError as exc:
+        kind = "over ckptlab's budget" if isinstance(exc, PickleBudgetError) else "malformed"
+        raise MetadataDecodeError(f"not a readable pickle ({kind}): {exc}",
+                                  failure_offset(exc)) from None
+    if result.end != len(data):
+        raise MetadataDecodeError("bytes after the pickle's STOP opcode", result.end)
+    for qualname in result.globals:
+        module = qualname.rsplit(".", 1)[0]
+        if not (module.startswith(_DCP) or qualname.startswith(("torch.", "pathlib.")) or
+                qualname == "collections.OrderedDict"):
+            raise MetadataDecodeError(
+                f"names {qualname}, which is not a DCP metadata class; refusing it (loading it "
+                "with pickle would run it)", foreign=True)
+    return _Converter().metadata(result.root)
