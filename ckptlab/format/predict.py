@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckptlab.errors import InvalidArgumentError
+from ckptlab.errors import InvalidArgumentError, UnsupportedFormatError
 from ckptlab.format import _zip
 from ckptlab.format._pickle import scan_pickle
 from ckptlab.format.archive import _segments, largest_alignment, storage_infos
@@ -58,6 +59,24 @@ class _Recorder:
         self.records.append((name, nbytes))
 
 
+@contextlib.contextmanager
+def skeleton_errors(what: str, path: str | None = None) -> Iterator[None]:
+    """torch's refusals to pickle or rebuild an object without its data, as ckptlab errors.
+
+    ``skip_data`` cannot write tensors whose pickle needs their values (quantized tensors keep
+    scales in the quantizer, strided nested tensors their sizes in buffers), and a skeleton
+    load cannot rebuild wrapper subclasses on a callable ``map_location``; torch raises a
+    bare ``RuntimeError`` for each.
+    """
+    try:
+        yield
+    except (RuntimeError, NotImplementedError, pickle.PicklingError) as exc:
+        raise UnsupportedFormatError(
+            f"{what} needs torch to handle the object without its data, and torch refuses: "
+            f"{str(exc).splitlines()[0][:200]} (use torch.save / torch.load for it)",
+            path=path) from None
+
+
 def torch_records(obj: Any, *, alignment: int = 64, pickle_protocol: int = 2,
                   disable_byteorder_record: bool = False) -> tuple[list[tuple[str, int]], bytes]:
     """(record name, nbytes) in write order, and the data.pkl bytes, for ``torch.save(obj)``.
@@ -68,7 +87,7 @@ def torch_records(obj: Any, *, alignment: int = 64, pickle_protocol: int = 2,
     import torch.serialization as ts
 
     recorder = _Recorder()
-    with ts.skip_data():
+    with skeleton_errors("predicting the layout"), ts.skip_data():
         ts._save(obj, recorder, pickle, pickle_protocol, disable_byteorder_record)
     records = [(n, len(str(alignment)) if n == ".storage_alignment" else nbytes)
                for n, nbytes in recorder.records]

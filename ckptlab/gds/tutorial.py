@@ -10,6 +10,7 @@ is read in place.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import struct
@@ -19,10 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptlab.errors import CorruptArchiveError
+from ckptlab.errors import CorruptArchiveError, UnsupportedFormatError
 from ckptlab.format._source import ByteSource
 from ckptlab.format.archive import archive_prefix, read_central_directory
 from ckptlab.format.offsets import storage_offsets
+from ckptlab.format.predict import skeleton_errors
 from ckptlab.gds._buffers import (
     ALIGNED_STORAGE_MIN,
     aligned_storage,
@@ -171,8 +173,15 @@ def save(obj: Any, path: str | os.PathLike[str], *, backend: str = "auto",
     t = time.perf_counter()
     from torch.utils.serialization import config
 
-    with config.patch({"save.storage_alignment": alignment}), torch.serialization.skip_data():
-        torch.save(obj, path)
+    try:
+        with skeleton_errors("gds.save writes a skip_data skeleton and", path), \
+                config.patch({"save.storage_alignment": alignment}), \
+                torch.serialization.skip_data():
+            torch.save(obj, path)
+    except UnsupportedFormatError:
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # torch had started the file: never leave a torn archive behind
+        raise
     phases["skeleton"] = time.perf_counter() - t
     t = time.perf_counter()
     pairs, entries, prefix = _plan(path, obj)
@@ -223,6 +232,26 @@ def _aligned_host(storage: Any, location: str) -> Any:
     return aligned_storage(n) if n >= ALIGNED_STORAGE_MIN else storage
 
 
+def _refuse_skeleton_unsafe(path: str) -> None:
+    """Refuse files whose tensors a skip_data skeleton cannot rebuild, read without pickle.
+
+    A strided nested tensor keeps its sizes in storages: under ``skip_data`` torch rebuilds it
+    from buffers that were never read (uninitialised memory). Wrapper subclasses cannot be
+    rebuilt on a ``map_location`` callable.
+    """
+    from ckptlab.format import inspect
+
+    for t in inspect(path).logical:
+        if (t.kind == "nested" and t.layout == "strided") or (
+                t.kind == "subclass" and [r for r, _ in t.parts] != ["data"]):
+            name = ".".join(map(str, t.path)) or "<root>"
+            raise UnsupportedFormatError(
+                f"tensor {name!r} is a {t.kind} tensor ({t.subclass or t.layout}) whose "
+                "structure lives in its storages; gds.load fills storages after a skip_data "
+                "skeleton and cannot rebuild it: use torch.load (or ckptlab.open(path).read)",
+                path=path, record=name)
+
+
 def load(path: str | os.PathLike[str], device: Any = "cpu", *, backend: str = "auto",
          weights_only: bool = True) -> tuple[Any, TransferReport]:
     """Load a checkpoint the GDS way: objects with empty storages on ``device``, then reads.
@@ -248,7 +277,9 @@ def load(path: str | os.PathLike[str], device: Any = "cpu", *, backend: str = "a
     phases: dict[str, float] = {}
     t = time.perf_counter()
     on_host = torch.device(device).type == "cpu"
-    with torch.serialization.skip_data():
+    _refuse_skeleton_unsafe(path)
+    with skeleton_errors("gds.load builds a skip_data skeleton and", path), \
+            torch.serialization.skip_data():
         # host storages: page-aligned memory, so O_DIRECT reads land in place (no bounce copy)
         obj = torch.load(path, map_location=_aligned_host if on_host else device,
                          weights_only=weights_only)

@@ -352,3 +352,27 @@ def test_padding_writes_to_4096_corrupts_the_archive_and_the_handle_does_not(
     assert (np.frombuffer(got, np.uint8)[outside] == np.frombuffer(blank, np.uint8)[outside]).all()
     assert_round_trip(torch.load(careful, weights_only=True), ckpt)
     assert len(cl.inspect(careful).storages) == len(pairs)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_tensors_a_skeleton_cannot_carry_are_ckptlab_errors(tmp_path) -> None:
+    """Strided nested tensors and wrapper subclasses cannot be rebuilt from a skip_data
+    skeleton, quantized and nested ones cannot be written as one: each is refused with a
+    ckptlab error (nothing read from uninitialised memory, no torn file left)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from ckptlab.errors import UnsupportedFormatError
+
+    nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)])
+    two = TwoTensor(torch.randn(3), torch.randn(3))
+    quantized = torch.quantize_per_tensor(torch.randn(3, 4), 0.1, 10, torch.quint8)
+    for name, value in (("nested", nested), ("two", two)):
+        torch.save({name: value}, tmp_path / f"{name}.pt")
+        with pytest.raises(UnsupportedFormatError, match=f"tensor '{name}'"):
+            gds.load(tmp_path / f"{name}.pt", weights_only=False)
+    for value in (quantized, nested):
+        with pytest.raises(UnsupportedFormatError, match="torch refuses"):
+            gds.save({"x": value}, tmp_path / "out.pt")
+        assert not (tmp_path / "out.pt").exists()
+        with pytest.raises(UnsupportedFormatError, match="torch refuses"):
+            cl.predict_layout({"x": value})
