@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 from typing import BinaryIO, Union
@@ -122,6 +123,10 @@ class ByteSource:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        if self._file is not None:  # hand the file object back where it stood
+            with contextlib.suppress(OSError, ValueError):
+                self._file.seek(self._base)
+            self._file = None
 
     def __enter__(self) -> ByteSource:
         return self
