@@ -57,7 +57,7 @@ MAX_STORAGE_ALIGNMENT = 32768
 
 # verb -> what it does, in one line: the parser's help and the bare ``ckptlab`` usage
 VERBS: dict[str, str] = {
-    "inspect": "layout of a torch.save archive, .safetensors file or DCP checkpoint directory",
+    "inspect": "the tensors of any checkpoint (file or directory), with --records its bytes",
     "offsets": "storage data offsets, computed without random reads",
     "sample": "write the embedded sample checkpoint",
     "report": "write a self-contained offline HTML report",
@@ -107,6 +107,115 @@ def render_layout(layout: ArchiveLayout) -> str:
           t.storage_offset) for t in layout.tensors],
         ("tensor", "dtype", "shape", "storage", "offset"), {4}))
     return "\n".join(out)
+
+
+def _human(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{nbytes:,} {unit}" if unit == "B" else f"{nbytes:,.1f} {unit}"
+        nbytes /= 1024  # type: ignore[assignment]
+    return str(nbytes)
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def select_tensors(ck: Any, pattern: str | None, sort: str | None) -> list[Any]:
+    """The tensors ``inspect`` shows: those matching ``pattern`` (a glob), in ``sort`` order."""
+    import fnmatch
+
+    tensors = [t for t in ck.tensors.values()
+               if pattern is None or fnmatch.fnmatchcase(t.name, pattern)]
+    if sort == "name":
+        tensors.sort(key=lambda t: t.name)
+    elif sort == "size":
+        tensors.sort(key=lambda t: (-t.nbytes, t.name))
+    elif sort == "offset":
+        tensors.sort(key=lambda t: (t.file, t.offset if t.offset is not None else -1))
+    return tensors
+
+
+def render_checkpoint(ck: Any, tensors: list[Any], pattern: str | None = None) -> str:
+    """``ckptlab inspect``: a summary, totals by dtype, the tensor table, the other values."""
+    total = ck.parameters
+    out = [f"{ck.path}",
+           f"  {ck.format} checkpoint: {len(ck.tensors):,} tensors, {_count(total)} parameters, "
+           f"{_human(ck.nbytes)} in {len(ck.files)} file{'s' * (len(ck.files) != 1)}"]
+    by_dtype: dict[str, list[int]] = {}
+    for t in ck.tensors.values():
+        acc = by_dtype.setdefault(t.dtype, [0, 0, 0])
+        acc[0] += 1
+        acc[1] += t.parameters
+        acc[2] += t.nbytes
+    out.append("  " + "; ".join(f"{d}: {n} tensors, {_count(p)} params, {_human(b)}"
+                                for d, (n, p, b) in sorted(by_dtype.items(),
+                                                           key=lambda kv: -kv[1][2])))
+    for note in ck.notes:
+        out.append(f"  note: {note}")
+    out.append("")
+    shown = f" matching {pattern!r}" if pattern else ""
+    out.append(f"tensors{shown} ({len(tensors):,}):")
+    multi = len(ck.files) > 1
+    rows = []
+    for t in tensors:
+        shape = "?" if t.shape is None else ("x".join("j" if d < 0 else str(d) for d in t.shape)
+                                             or "scalar")
+        row = [_text(t.name), t.dtype, shape, t.kind, f"{t.nbytes:,}", f"{t.parameters:,}"]
+        if multi:
+            row.append(_text(t.file))
+        row.append("-" if t.offset is None else f"{t.offset:,}")
+        rows.append(row)
+    header = ["name", "dtype", "shape", "kind", "bytes", "params", *(["file"] if multi else []),
+              "offset"]
+    right = {4, 5, len(header) - 1}
+    out.append(_table(rows, header, right) if rows else "  (none)")
+    values = ck.objects
+    if values and pattern is None:
+        out.append("")
+        out.append(f"other values ({len(values):,}):")
+        out.append(_table([(_text(k), _text(_short_value(v))) for k, v in values.items()],
+                          ("name", "value"), set()))
+    return "\n".join(out)
+
+
+def _text(value: Any) -> str:
+    """Printable text for a terminal: names can hold anything (lone surrogates, controls)."""
+    text = str(value)
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _short_value(value: Any, limit: int = 80) -> str:
+    text = json.dumps(value, default=str, ensure_ascii=False)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def checkpoint_json(ck: Any, tensors: list[Any]) -> dict[str, Any]:
+    """DESIGN's ``inspect --json`` object for any checkpoint: the layout's byte-level keys
+    where the format has them, and ``files``, ``tensors`` (name, kind, nbytes, parts, ...)
+    and ``objects`` from the checkpoint model."""
+    from ckptlab.format.archive import largest_alignment
+
+    layout = next((f.layout for f in ck.files if f.layout is not None), None)
+    base: dict[str, Any]
+    if ck.format in ("torch-zip", "safetensors") and layout is not None:
+        base = layout.to_dict()
+    elif ck.format == "dcp":
+        base = inspect(ck.path).to_dict()
+    else:
+        offsets = [p.offset for t in ck.tensors.values() for p in t.parts if p.nbytes]
+        base = {"path": ck.path, "file_nbytes": ck.nbytes, "archive_name": "",
+                "alignment": largest_alignment(offsets) if offsets else 4096,
+                "zip64": any(getattr(f.layout, "zip64", False) for f in ck.files),
+                "records": [], "storages": []}
+    base.update(format=ck.format, path=ck.path, files=[f.to_dict() for f in ck.files],
+                tensors=[t.to_dict() for t in tensors], objects=ck.objects,
+                notes=list(ck.notes))
+    return base
 
 
 def render_dcp(layout: DcpLayout) -> str:
@@ -204,6 +313,12 @@ def _parser() -> _Parser:
     ins.add_argument("path", nargs="?", metavar="PATH",
                      help="checkpoint file or DCP directory" + default)
     ins.add_argument("--json", action="store_true", help="print one JSON object")
+    ins.add_argument("--records", action="store_true",
+                     help="the byte-level view: zip records / DCP items instead of tensors")
+    ins.add_argument("--filter", metavar="GLOB", default=None,
+                     help="only tensors whose name matches GLOB (e.g. '*.mlp.*')")
+    ins.add_argument("--sort", choices=("name", "size", "offset"), default=None,
+                     help="order the tensors by name, by bytes (largest first) or by offset")
     off = sub.add_parser("offsets", help=VERBS["offsets"], description=VERBS["offsets"])
     off.add_argument("path", metavar="PATH", help="checkpoint file")
     off.add_argument("--json", action="store_true", help="print one JSON object")
@@ -438,11 +553,23 @@ def _needs(extra: str, exc: ImportError) -> NoReturn:
 def _run(args: argparse.Namespace) -> None:
     verb = args.verb
     if verb == "inspect":
-        layout = inspect(_input_path(args.path, verb, directory=True))
+        path = _input_path(args.path, verb, directory=True)
+        if args.records:
+            layout = inspect(path)
+            if args.json:
+                _print_json(layout.to_dict())
+            else:
+                print(render_dcp(layout) if isinstance(layout, DcpLayout)
+                      else render_layout(layout))
+            return
+        from ckptlab.checkpoint import open_checkpoint
+
+        ck = open_checkpoint(path)
+        tensors = select_tensors(ck, args.filter, args.sort)
         if args.json:
-            _print_json(layout.to_dict())
+            _print_json(checkpoint_json(ck, tensors))
         else:
-            print(render_dcp(layout) if isinstance(layout, DcpLayout) else render_layout(layout))
+            print(render_checkpoint(ck, tensors, args.filter))
     elif verb == "offsets":
         result = storage_offsets(args.path, scan=args.scan)
         if args.json:

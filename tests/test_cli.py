@@ -48,8 +48,10 @@ def test_inspect_without_path_uses_the_embedded_sample(tmp_path):
     assert doc["archive_name"] == "sample" and len(doc["storages"]) > 100
     table = run("inspect", env={"XDG_CACHE_HOME": str(tmp_path)})
     assert table.returncode == 0
-    assert "data/0" in table.stdout and "transformer.wte.weight" in table.stdout
-    assert "bfloat16" in table.stdout
+    assert "transformer.wte.weight" in table.stdout and "bfloat16" in table.stdout
+    assert "data/0" not in table.stdout  # tensors first; records behind --records
+    records = run("inspect", "--records", env={"XDG_CACHE_HOME": str(tmp_path)})
+    assert records.returncode == 0 and "data/0" in records.stdout
 
 
 def test_offsets_json(sample_file):

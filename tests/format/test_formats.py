@@ -604,15 +604,19 @@ def test_zip_with_comment() -> None:
     check_offsets_point_at_storages(out, result.offsets)
 
 
-def test_file_object_positions_are_restored_or_irrelevant(tmp_path: Path) -> None:
-    """A file object not at position 0 is still read from the start of the file."""
+def test_file_object_positions_count_and_are_restored(tmp_path: Path) -> None:
+    """A file object is read from where it stands, as torch.load reads it, and is handed
+    back at that position."""
     path = tmp_path / "c.pt"
     torch.save(state(), path)
     with open(path, "rb") as fh:
-        fh.seek(100)
         layout = ckptlab.inspect(fh)
-        fh.seek(5)
+        assert fh.tell() == 0
         result = ckptlab.storage_offsets(fh)
+        fh.seek(100)
+        with pytest.raises(ArchiveError):
+            ckptlab.inspect(fh)  # 100 bytes in, there is no archive
+        assert fh.tell() == 100
     assert result.offsets == {s.key: s.data_offset for s in layout.storages}
     assert layout.path == str(path)
 

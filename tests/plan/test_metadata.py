@@ -108,7 +108,9 @@ def test_single_process_checkpoint_and_cli_json(single, capsys) -> None:
     assert {f"model.{k}" for k in state["model"]} <= fqns and {"step", "note"} <= fqns
     assert main(["inspect", str(path)]) == 0
     text = capsys.readouterr().out
-    assert "DCP checkpoint" in text and "model.transformer.wte.weight" in text
+    assert "dcp checkpoint" in text and "model.transformer.wte.weight" in text
+    assert main(["inspect", "--records", str(path)]) == 0
+    assert "DCP checkpoint" in capsys.readouterr().out
 
 
 class _Boom:

@@ -1,0 +1,86 @@
+"""``ckptlab inspect`` on every format: tensors first, filter and sort, DESIGN's JSON contract."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptlab.cli import main
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckptlab", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("formats")
+    sd = {"model.layers.0.mlp.weight": torch.randn(8, 4),
+          "model.layers.0.attn.weight": torch.randn(4, 4).bfloat16(),
+          "model.embed.weight": torch.randn(16, 4)}
+    torch.save({**sd, "step": 7}, root / "m.pt")
+    save_file(sd, root / "m.safetensors")
+    hf = root / "hf"
+    hf.mkdir()
+    save_file({k: v for k, v in sd.items() if "layers" in k}, hf / "model-1.safetensors")
+    save_file({"model.embed.weight": sd["model.embed.weight"]}, hf / "model-2.safetensors")
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "model.layers.0.mlp.weight": "model-1.safetensors",
+        "model.layers.0.attn.weight": "model-1.safetensors",
+        "model.embed.weight": "model-2.safetensors"}}))
+    dcp.save({**sd, "step": 7}, checkpoint_id=root / "dcp")
+    return {"torch-zip": root / "m.pt", "safetensors": root / "m.safetensors", "hf": hf,
+            "dcp": root / "dcp"}
+
+
+@pytest.mark.parametrize("fmt", ["torch-zip", "safetensors", "hf", "dcp"])
+def test_json_contract_on_every_format(checkpoints, fmt: str, capsys) -> None:
+    assert main(["inspect", str(checkpoints[fmt]), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["format"] == fmt
+    for key in ("path", "file_nbytes", "archive_name", "alignment", "zip64", "records",
+                "storages", "tensors", "files"):
+        assert key in doc, key
+    assert {f["path"] for f in doc["files"]} and all(
+        {"path", "format", "nbytes"} <= set(f) for f in doc["files"])
+    names = {t["name"] for t in doc["tensors"]}
+    assert names == {"model.layers.0.mlp.weight", "model.layers.0.attn.weight",
+                     "model.embed.weight"}
+    for t in doc["tensors"]:
+        assert {"name", "path", "dtype", "shape", "stride", "kind", "nbytes", "parts"} <= set(t)
+        assert t["parts"] and all({"role", "file", "offset", "nbytes"} <= set(p)
+                                  for p in t["parts"])
+    if fmt == "dcp":
+        assert doc["items"]
+
+
+def test_table_filter_and_sort(checkpoints, capsys) -> None:
+    assert main(["inspect", str(checkpoints["hf"]), "--filter", "*.layers.*", "--sort",
+                 "size"]) == 0
+    out = capsys.readouterr().out
+    assert "hf checkpoint: 3 tensors" in out
+    table = out.split("tensors matching")[1]
+    assert table.index("mlp.weight") < table.index("attn.weight")  # 128 B before 32 B
+    assert "embed" not in table
+    assert main(["inspect", str(checkpoints["torch-zip"])]) == 0
+    out = capsys.readouterr().out
+    assert "other values" in out and "step" in out
+
+
+def test_names_that_do_not_print_are_shown_escaped(tmp_path: Path) -> None:
+    torch.save({"\ud800bad": torch.ones(2), "tab\there": torch.zeros(1)}, tmp_path / "odd.pt")
+    proc = run("inspect", str(tmp_path / "odd.pt"))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "\\ud800bad" in proc.stdout and "tab\\there" in proc.stdout
+    proc = run("inspect", str(tmp_path / "odd.pt"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert {t["name"] for t in json.loads(proc.stdout)["tensors"]} == {"\ud800bad", "tab\there"}
