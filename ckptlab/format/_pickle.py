@@ -108,6 +108,24 @@ class _TensorRef:
         self.pending = False
 
 
+class StateDict(collections.OrderedDict):  # type: ignore[type-arg]
+    """An ``OrderedDict`` as the pickle rebuilds it, with the attributes BUILD gives it.
+
+    ``Module.state_dict()`` returns an OrderedDict carrying ``_metadata`` (per-module
+    versions); pickling it adds a BUILD of ``{'_metadata': ...}``. The attributes are kept
+    as inert data in :attr:`attrs`, never set on anything.
+    """
+
+    __slots__ = ("attrs",)
+
+    def ckptlab_build(self, state: Any) -> None:
+        if getattr(self, "attrs", None) is not None:
+            raise _bad("BUILD applied twice to an OrderedDict")
+        if not (isinstance(state, dict) and all(type(k) is str for k in state)):
+            raise _bad(f"OrderedDict state of an unknown form: {_short(state)}")
+        self.attrs = state
+
+
 class _CompositeRef:
     """A tensor made of several tensors: sparse, quantized, nested, wrapper subclass."""
 
@@ -133,6 +151,7 @@ class _CompositeRef:
 
 
 _TENSOR_REFS = (_TensorRef, _CompositeRef)
+_BUILDABLE = (*_TENSOR_REFS, StateDict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -479,7 +498,7 @@ class _TorchHandlers:
     def ordered_dict(items: Any = None) -> dict[Any, Any]:
         if items not in (None, (), []):
             raise _bad("OrderedDict() with arguments")
-        return collections.OrderedDict()
+        return StateDict()
 
     @staticmethod
     def set_of(kind: type) -> Any:
@@ -685,7 +704,7 @@ def scan_pickle(data: bytes, *, path: str = "<bytes>", record: str = "data.pkl",
     handlers, table = torch_handlers()
     try:
         result = interpret(data, handlers=table, persistent_load=handlers.persistent_load,
-                           buildable=_TENSOR_REFS)
+                           buildable=_BUILDABLE)
         found, values = _walk(result.root)
     except PickleDataError as exc:
         kind = "is over ckptlab's budget" if isinstance(exc, PickleBudgetError) \

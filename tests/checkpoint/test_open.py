@@ -337,3 +337,12 @@ def test_inspect_and_offsets_of_a_file_object_count_from_its_position() -> None:
     assert cl.storage_offsets(buf).offsets == {s.key: s.data_offset for s in layout.storages}
     buf.seek(40)
     assert torch.equal(torch.load(buf)["a"], torch.arange(3.0))  # torch reads from there too
+
+
+def test_module_state_dict_with_its_metadata(tmp_path: Path) -> None:
+    """``state_dict()`` is an OrderedDict whose ``_metadata`` torch pickles with BUILD."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    torch.save(model.state_dict(), tmp_path / "sd.pt")
+    ck = cl.open(tmp_path / "sd.pt")
+    assert list(ck.tensors) == list(model.state_dict())
+    check_all(ck, torch.load(tmp_path / "sd.pt", weights_only=True))
