@@ -97,7 +97,16 @@ def tensor_from_bytes(raw: bytes | bytearray, dtype: str, shape: tuple[int, ...]
 
 
 def part_tensor(path_of: Any, part: Part) -> Any:
-    """One part as a dense tensor (its own shape and stride)."""
+    """One part as a dense tensor (its own shape and stride); a compressed part (a DCP item
+    through ZStandard) is inflated, never past its chunk's bytes plus the torch.save framing."""
+    if part.compression is not None:
+        from ckptlab.plan.metadata import decode_compressed_chunk
+
+        path = path_of(part.file)
+        raw, stride = decode_compressed_chunk(
+            read_part_bytes(path, part), part.compression, dtype=part.dtype, shape=part.shape,
+            path=path, record=part.storage_key or part.role, offset=part.offset)
+        return tensor_from_bytes(raw, part.dtype, part.shape, stride)
     return tensor_from_bytes(read_part_bytes(path_of(part.file), part), part.dtype, part.shape,
                              part.stride)
 

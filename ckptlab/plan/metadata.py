@@ -5,28 +5,67 @@ ckptlab's bounded interpreter and only an allow-list of DCP metadata classes, ch
 field, becomes real objects (:mod:`ckptlab.plan._metadata_pickle`). Each item in a ``.distcp``
 file is an independent torch.save zip; its layout is read with :mod:`ckptlab.format` through a
 window on the file, without reading tensor bytes.
+
+What ``FileSystemWriter`` puts in a data file (torch 2.13, ``filesystem.py``; checked by
+``tests/checkpoint/test_dcp_variants.py``):
+
+- ``SerializationFormat.TORCH_SAVE`` (the default): every item, tensor chunk or object, is one
+  torch.save zip at ``[offset, offset + length)``.
+- ``SerializationFormat.SAFETENSORS``: the object items are torch.save zips at the start of the
+  file; the tensor items write nothing themselves, and one safetensors blob holding every tensor
+  of the file (keyed by fqn, ``__metadata__["DCP_SHARDING_INFO"]`` giving each chunk's
+  ``saved_offsets``) runs from there to the end of the file. Each tensor item's
+  ``_StorageInfo`` says ``offset`` = the blob's first byte and ``length`` = the chunk's
+  ``numel * itemsize``. ckptlab models such an item as the blob (``serialization=
+  "safetensors"``, ``offset``/``nbytes``/``layout`` those of the blob, shared by the file's
+  tensor items) with ``data_offset`` the chunk's bytes inside it. No torch reader reads these
+  directories back (``FileSystemReader`` torch.loads every item).
+- ``_extensions=[ZStandard()]``: each item's bytes go through a zstd stream writer, so the item
+  is one zstd frame (no content size in its header) of the torch.save zip it would otherwise
+  be; ``_StorageInfo.transform_descriptors`` is ``["stream.zstd/1"]`` (the only trace in
+  ``.metadata``: no extension registry is pickled). Tensor items are not inflated to be
+  described (``compression="zstd"``, ``layout=None``); object items are, at most
+  :data:`MAX_OBJECT_NBYTES`, to show their values. With SAFETENSORS as well, each tensor item is
+  an empty 9-byte frame (its ``length`` still the chunk's bytes) and the blob after the last
+  one is not compressed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import json
 import os
 import stat
 from dataclasses import dataclass
 from typing import Any
 
 from ckptlab.errors import ArchiveError, CorruptArchiveError, UnsupportedFormatError
+from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.format._paths import check_regular, open_inside, resolve_inside
 from ckptlab.format._source import ByteSource
 from ckptlab.format._window import FileWindow
 from ckptlab.format.archive import largest_alignment, scan_torch_zip
-from ckptlab.format.layout import ArchiveLayout
+from ckptlab.format.layout import ArchiveLayout, TensorInfo
+from ckptlab.format.safetensors import looks_like_safetensors, scan_safetensors
 from ckptlab.plan._metadata_pickle import MetadataDecodeError, decode_metadata
 
-__all__ = ["DcpItem", "DcpLayout", "inspect_dcp", "is_dcp_dir", "load_metadata"]
+__all__ = ["DcpItem", "DcpLayout", "compression_of", "decode_compressed_chunk", "inflate_item",
+           "inspect_dcp", "is_dcp_dir", "load_metadata"]
 
 METADATA = ".metadata"
 MAX_METADATA_NBYTES = 1 << 30
+# a compressed object item is inflated to show its value: never to more than this
+MAX_OBJECT_NBYTES = 64 << 20
+# what the torch.save zip of one chunk adds to the chunk's bytes (record headers, names, the
+# pickle, alignment padding, the central directory): about 1.5 KiB at the default 64-byte
+# alignment; the bound a compressed chunk may inflate to is numel * itemsize plus this
+ITEM_ARCHIVE_NBYTES = 1 << 20
+ZIP_MAGIC = b"PK\x03\x04"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+# transform descriptors DCP writes (Extension.get_descriptor) -> ckptlab's compression names
+_TRANSFORMS = {"stream.zstd": "zstd"}
+_SHARDING_INFO = "DCP_SHARDING_INFO"  # torch.distributed.checkpoint._hf_utils.CUSTOM_METADATA_KEY
 
 
 def load_metadata(path: str | os.PathLike[str]) -> Any:
@@ -79,11 +118,17 @@ class DcpItem:
     chunk_sizes: tuple[int, ...]  # the chunk's shape (tensor items)
     index: int | None  # the chunk's index in the tensor's chunk list
     file: str  # data file relative to the directory ("__0_0.distcp")
-    offset: int  # first byte of the item (a torch.save zip) in the file
-    nbytes: int  # bytes of the item
+    offset: int  # first byte of the item (a torch.save zip, a zstd frame, a safetensors blob)
+    nbytes: int  # bytes of the item as stored
     dtype: str | None  # tensor items: the tensor's dtype
-    data_offset: int | None  # tensor items: where the chunk's bytes start in the file
-    layout: ArchiveLayout | None  # the item's own torch.save layout (offsets inside the item)
+    data_offset: int | None  # tensor items: where the chunk's bytes start in the file (None
+    #                          when they are compressed)
+    layout: ArchiveLayout | None  # the item's own layout, offsets inside the item: its
+    #   torch.save zip (of the inflated bytes for a compressed object), or the file's safetensors
+    #   blob (shared by the file's tensor items); None for a compressed tensor chunk
+    serialization: str = "torch-save"  # "torch-save" (a zip per item) or "safetensors"
+    compression: str | None = None  # "zstd" when the stored bytes must be inflated to read
+    transforms: tuple[str, ...] = ()  # .metadata's transform_descriptors ("stream.zstd/1")
 
     @property
     def data_alignment(self) -> int | None:
@@ -94,7 +139,9 @@ class DcpItem:
         return {"fqn": self.fqn, "kind": self.kind, "chunk_offsets": list(self.chunk_offsets),
                 "chunk_sizes": list(self.chunk_sizes), "index": self.index, "file": self.file,
                 "offset": self.offset, "nbytes": self.nbytes, "dtype": self.dtype,
-                "data_offset": self.data_offset, "data_alignment": self.data_alignment}
+                "data_offset": self.data_offset, "data_alignment": self.data_alignment,
+                "serialization": self.serialization, "compression": self.compression,
+                "transforms": list(self.transforms)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +194,189 @@ def _item_layout(f: io.BufferedReader, file: str, offset: int, nbytes: int) -> A
         return scan_torch_zip(src)
 
 
+def _pread(f: io.BufferedReader, offset: int, nbytes: int) -> bytes:
+    return os.pread(f.fileno(), nbytes, offset) if nbytes > 0 else b""
+
+
+def compression_of(descriptors: Any) -> str | None:
+    """ckptlab's name for an item's transform descriptors: ``"zstd"`` for
+    ``["stream.zstd/1"]``, names joined with ``"+"`` for a chain (in the order they are
+    undone, which is the order DCP lists them), a descriptor ckptlab does not know as it is."""
+    names = []
+    for descriptor in descriptors or ():
+        name, _, version = str(descriptor).partition("/")
+        known = _TRANSFORMS.get(name)
+        names.append(known if known and version.partition(".")[0] == "1" else str(descriptor))
+    return "+".join(names) if names else None
+
+
+def _unzstd(data: bytes, limit: int, where: dict[str, Any]) -> bytes:
+    try:
+        import zstandard
+    except ImportError:
+        raise UnsupportedFormatError(
+            "the item is zstd-compressed (DCP's ZStandard extension); install the 'zstandard' "
+            "package to read it", **where) from None
+    if data[:4] != ZSTD_MAGIC:
+        raise CorruptArchiveError("compressed item is not a zstd frame",
+                                  expected="magic 28 b5 2f fd", actual=data[:4].hex(" "),
+                                  **where)
+    # zstd inflates at most 128 KiB per 4-byte block: a frame this small cannot hold more,
+    # whatever .metadata's shapes claim (so a bogus shape never allocates terabytes)
+    limit = min(limit, len(data) << 15)
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as exc:
+        raise CorruptArchiveError(f"zstd frame header is damaged: {exc}", **where) from None
+    if declared > limit:  # decompress() would allocate what the header declares
+        raise CorruptArchiveError("zstd frame declares more bytes than the item can hold",
+                                  expected=f"<= {limit} bytes", actual=f"{declared} bytes",
+                                  **where)
+    try:
+        return zstandard.ZstdDecompressor().decompress(data, max_output_size=max(limit, 1))
+    except (zstandard.ZstdError, MemoryError) as exc:
+        raise CorruptArchiveError(
+            f"zstd frame does not inflate to at most {limit} bytes (damaged, truncated or a "
+            f"bomb): {exc}", **where) from None
+
+
+def inflate_item(stored: bytes, compression: str, limit: int, *, path: str,
+                 record: str | None = None, offset: int | None = None) -> bytes:
+    """An item's bytes as DCP wrote them before its transforms: at most ``limit`` bytes.
+
+    Raises
+    ------
+    UnsupportedFormatError
+        A transform ckptlab does not undo, or zstd without the ``zstandard`` package.
+    CorruptArchiveError
+        Not a zstd frame, a damaged or truncated one, or one that would inflate past ``limit``.
+    """
+    where: dict[str, Any] = {"path": path, "record": record, "offset": offset}
+    data = stored
+    for name in compression.split("+"):
+        if name != "zstd":
+            raise UnsupportedFormatError(
+                f"item transformed by {name!r}, which ckptlab does not undo (it undoes "
+                "stream.zstd/1)", **where)
+        data = _unzstd(data, limit, where)
+    return data
+
+
+def _span_nbytes(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> int:
+    if any(d == 0 for d in shape):
+        return 0
+    return (sum((d - 1) * s for d, s in zip(shape, stride)) + 1) * itemsize
+
+
+def _only_tensor(layout: ArchiveLayout, where: dict[str, Any]) -> TensorInfo:
+    tensors = [t for t in layout.tensors if t.path == ()]
+    if len(tensors) != 1 or len(layout.tensors) != 1:
+        raise CorruptArchiveError("a DCP tensor item must hold exactly one tensor",
+                                  expected="1 tensor at the root",
+                                  actual=f"{len(layout.tensors)} tensors", **where)
+    return tensors[0]
+
+
+def decode_compressed_chunk(stored: bytes, compression: str, *, dtype: str,
+                            shape: tuple[int, ...], path: str, record: str | None = None,
+                            offset: int | None = None) -> tuple[bytes, tuple[int, ...]]:
+    """The bytes and stride of a compressed chunk: ``stored`` inflated (never past the chunk's
+    ``numel * itemsize`` plus :data:`ITEM_ARCHIVE_NBYTES`), read as the torch.save zip DCP
+    wrote, checked against the dtype and shape ``.metadata`` gives.
+
+    Raises
+    ------
+    CorruptArchiveError
+        A damaged stream, or an inflated item that is not a torch.save zip of one tensor of
+        that dtype and shape.
+    """
+    where: dict[str, Any] = {"path": path, "record": record, "offset": offset}
+    itemsize = DTYPE_ITEMSIZE.get(dtype, 1)
+    numel = 1
+    for d in shape:
+        numel *= d
+    raw = inflate_item(stored, compression, numel * itemsize + ITEM_ARCHIVE_NBYTES, **where)
+    if raw[:4] != ZIP_MAGIC:
+        raise CorruptArchiveError("inflated item is not a torch.save archive",
+                                  expected="PK\\x03\\x04", actual=raw[:4].hex(" "), **where)
+    try:
+        with ByteSource(raw) as src:
+            layout = scan_torch_zip(src)
+    except ArchiveError as exc:
+        raise CorruptArchiveError(f"inflated item is not a torch.save archive: {exc}",
+                                  **where) from None
+    info = _only_tensor(layout, where)
+    if info.dtype != dtype or tuple(info.shape) != tuple(shape):
+        raise CorruptArchiveError("inflated item holds another tensor than .metadata lists",
+                                  expected=f"{dtype} {list(shape)}",
+                                  actual=f"{info.dtype} {list(info.shape)}", **where)
+    storage = next((s for s in layout.storages if s.key == info.storage_key), None)
+    span = _span_nbytes(tuple(shape), tuple(info.stride), itemsize)
+    start = info.storage_offset * itemsize
+    if storage is None or start + span > storage.nbytes:
+        raise CorruptArchiveError("inflated item's tensor runs past its storage",
+                                  expected=f"<= {0 if storage is None else storage.nbytes} "
+                                  "bytes", actual=f"{start + span} bytes", **where)
+    begin = storage.data_offset + start
+    return raw[begin:begin + span], tuple(info.stride)
+
+
+def _sharding_offsets(layout: ArchiveLayout) -> dict[str, Any]:
+    """``__metadata__["DCP_SHARDING_INFO"]`` of a safetensors blob: fqn -> saved offsets."""
+    text = (layout.metadata or {}).get(_SHARDING_INFO)
+    if text is None:
+        return {}
+    try:
+        info = json.loads(text)
+    except (ValueError, RecursionError):
+        info = None
+    if not isinstance(info, dict):
+        raise CorruptArchiveError(f"{_SHARDING_INFO} is not a JSON object", path=layout.path,
+                                  offset=8)
+    out = {}
+    for fqn, value in info.items():
+        offsets = value.get("saved_offsets") if isinstance(value, dict) else None
+        if not (isinstance(offsets, list) and all(type(o) is int and o >= 0 for o in offsets)):
+            raise CorruptArchiveError(f"{_SHARDING_INFO} has no saved_offsets list of "
+                                      "non-negative ints", path=layout.path, record=fqn,
+                                      offset=8)
+        out[fqn] = tuple(offsets)
+    return out
+
+
+def _safetensors_blob(f: io.BufferedReader, file: str, start: int, file_nbytes: int
+                      ) -> ArchiveLayout | None:
+    """The safetensors blob ``FileSystemWriter(serialization_format=SAFETENSORS)`` appends to a
+    data file: from ``start`` to the end of the file; None when ``start`` holds none."""
+    if not looks_like_safetensors(_pread(f, start, 9), file_nbytes - start):
+        return None
+    name = f"{file}@{start}"
+    with ByteSource(FileWindow(f, start, file_nbytes - start, name)) as src:
+        return scan_safetensors(src)
+
+
+def _zstd_frame_end(f: io.BufferedReader, offset: int) -> int | None:
+    """Where the zstd frame at ``offset`` ends if it is an empty one (what a tensor item with
+    ZStandard writes in the SAFETENSORS format, its ``length`` then being the chunk's bytes, not
+    the frame's), else None. Reads at most 64 bytes, which inflate to at most 2 MiB."""
+    try:
+        import zstandard
+    except ImportError:
+        return None
+    head = _pread(f, offset, 64)
+    if head[:4] != ZSTD_MAGIC:
+        return None
+    try:
+        # an empty frame needs no window; a header asking for a large one is not that frame
+        obj = zstandard.ZstdDecompressor(max_window_size=1 << 20).decompressobj()
+        out = obj.decompress(head)
+    except zstandard.ZstdError:
+        return None
+    if out or not obj.eof:
+        return None
+    return offset + len(head) - len(obj.unused_data)
+
+
 def _data_files(root: str, names: list[str], *, listed: bool = False) -> dict[str, int]:
     """Bytes of each file ``names`` gives, relative to ``root``; none may leave ``root``.
 
@@ -187,22 +417,30 @@ def inspect_dcp(path: str | os.PathLike[str], *, item_layouts: bool = True) -> D
     path
         The directory ``dcp.save`` wrote (``.metadata`` plus ``*.distcp`` files).
     item_layouts
-        Also read each item's own torch.save layout (its headers, pickle and central
-        directory; never the tensor bytes).
+        Also read each item's own layout (its torch.save headers, pickle and central directory,
+        or its file's safetensors header; never the tensor bytes). Without it nothing but
+        ``.metadata`` is read, and every item is taken for a torch.save zip.
 
     Returns
     -------
     DcpLayout
         Items sorted by file and offset; tensor items carry their chunk's offsets and sizes in
-        the global tensor and the absolute file offset of their bytes.
+        the global tensor and the absolute file offset of their bytes (see the module docstring
+        for the SAFETENSORS serialization and compressed items).
     """
     path = os.fspath(path)
     meta = load_metadata(path)
     metadata_nbytes = _data_files(path, [METADATA])[METADATA]
     files = _data_files(path, [name for name in sorted(os.listdir(path)) if name != METADATA],
                         listed=True)
-    items = []
+    entries = []
     handles: dict[str, io.BufferedReader] = {}
+
+    def handle(file: str) -> io.BufferedReader:
+        if file not in handles:
+            handles[file] = open_inside(path, file)  # inside the directory, regular
+        return handles[file]
+
     try:
         referenced = {str(info.relative_path) for info in meta.storage_data.values()}
         files.update(_data_files(path, sorted(referenced - set(files))))  # refuses escapes
@@ -225,28 +463,115 @@ def inspect_dcp(path: str | os.PathLike[str], *, item_layouts: bool = True) -> D
                 if chunk is None:
                     chunk = next((c for c in md.chunks if index.offset is not None
                                   and tuple(c.offsets) == tuple(index.offset)), None)
-            layout = None
-            data_offset = None
-            if item_layouts and not getattr(info, "transform_descriptors", None):
-                if file not in handles:
-                    handles[file] = open_inside(path, file)  # inside the directory, regular
-                try:
-                    layout = _item_layout(handles[file], file, info.offset, info.length)
-                except ArchiveError as exc:
-                    raise CorruptArchiveError(
-                        f"item is not a torch.save archive: {exc}", path=os.path.join(path, file),
-                        record=index.fqn, offset=info.offset) from None
-                if is_tensor and layout.storages:
-                    data_offset = info.offset + layout.storages[0].data_offset
-            items.append(DcpItem(
-                fqn=index.fqn, kind="tensor" if is_tensor else "bytes",
+            transforms = tuple(getattr(info, "transform_descriptors", None) or ())
+            entries.append((index, info, file, md if is_tensor else None, chunk, transforms))
+        # which tensor items are in a safetensors blob, and where each file's blob starts
+        serialization: dict[int, str] = {}
+        blob_start: dict[str, int] = {}
+        for n, (_, info, file, md, _, transforms) in enumerate(entries):
+            if md is None or not item_layouts:
+                continue
+            if not transforms:
+                head = _pread(handle(file), info.offset, 9)
+                if head[:4] != ZIP_MAGIC and looks_like_safetensors(head,
+                                                                    files[file] - info.offset):
+                    serialization[n] = "safetensors"
+                    blob_start[file] = max(blob_start.get(file, 0), info.offset)
+            elif compression_of(transforms) is not None:
+                end = _zstd_frame_end(handle(file), info.offset)
+                if end is not None:  # an empty frame: the chunk is in the blob after it
+                    serialization[n] = "safetensors"
+                    blob_start[file] = max(blob_start.get(file, 0), end)
+        blobs: dict[str, ArchiveLayout] = {}
+        for file, start in blob_start.items():
+            full = os.path.join(path, file)
+            try:
+                blob = _safetensors_blob(handle(file), file, start, files[file])
+            except ArchiveError as exc:
+                raise CorruptArchiveError(f"the file's safetensors blob is damaged: {exc}",
+                                          path=full, offset=start) from None
+            if blob is None:
+                raise CorruptArchiveError("no safetensors blob where the file's tensor items "
+                                          "end", path=full, offset=start)
+            blobs[file] = blob
+        items = []
+        for n, (index, info, file, md, chunk, transforms) in enumerate(entries):
+            full = os.path.join(path, file)
+            compression = compression_of(transforms)
+            dtype = str(md.properties.dtype).removeprefix("torch.") if md is not None else None
+            item = DcpItem(
+                fqn=index.fqn, kind="tensor" if md is not None else "bytes",
                 chunk_offsets=tuple(chunk.offsets) if chunk is not None else (),
                 chunk_sizes=tuple(chunk.sizes) if chunk is not None else (),
                 index=index.index, file=file, offset=info.offset, nbytes=info.length,
-                dtype=str(md.properties.dtype).removeprefix("torch.") if is_tensor else None,
-                data_offset=data_offset, layout=layout))
+                dtype=dtype, data_offset=None, layout=None, compression=compression,
+                transforms=transforms)
+            if not item_layouts:
+                pass
+            elif serialization.get(n) == "safetensors":
+                item = _blob_item(item, blobs[file], blob_start[file], full)
+            elif compression is not None:
+                if md is None:  # an object: inflate it (bounded) to show its value
+                    item = dataclasses.replace(item, layout=_inflated_object(
+                        _pread(handle(file), info.offset, info.length), compression, full,
+                        index.fqn, info.offset))
+            else:
+                try:
+                    layout = _item_layout(handle(file), file, info.offset, info.length)
+                except ArchiveError as exc:
+                    raise CorruptArchiveError(
+                        f"item is not a torch.save archive: {exc}", path=full,
+                        record=index.fqn, offset=info.offset) from None
+                data_offset = info.offset + layout.storages[0].data_offset \
+                    if md is not None and layout.storages else None
+                item = dataclasses.replace(item, layout=layout, data_offset=data_offset)
+            items.append(item)
     finally:
         for f in handles.values():
             f.close()
     items.sort(key=lambda i: (i.file, i.offset))
     return DcpLayout(path, meta, metadata_nbytes, tuple(files.items()), tuple(items))
+
+
+def _blob_item(item: DcpItem, blob: ArchiveLayout, start: int, full: str) -> DcpItem:
+    """A tensor item of the SAFETENSORS serialization: the file's blob, checked against the
+    chunk ``.metadata`` lists (torch keys the blob by fqn, so a second chunk of one fqn in one
+    file overwrote the first: that shows here as a mismatch)."""
+    where = {"path": full, "record": item.fqn, "offset": start}
+    storage = next((s for s in blob.storages if s.key == item.fqn), None)
+    tensor = next((t for t in blob.tensors if t.storage_key == item.fqn), None)
+    if storage is None or tensor is None:
+        raise CorruptArchiveError("the file's safetensors blob has no tensor of this name",
+                                  **where)
+    saved = _sharding_offsets(blob).get(item.fqn)
+    if tensor.dtype != item.dtype or tuple(tensor.shape) != item.chunk_sizes or (
+            saved is not None and saved != item.chunk_offsets):
+        raise CorruptArchiveError(
+            "the safetensors blob holds another chunk than .metadata lists",
+            expected=f"{item.dtype} {list(item.chunk_sizes)} at {list(item.chunk_offsets)}",
+            actual=f"{tensor.dtype} {list(tensor.shape)} at "
+                   f"{list(saved) if saved is not None else '?'}", **where)
+    if item.nbytes != storage.nbytes:
+        raise CorruptArchiveError("the item's length is not its chunk's bytes",
+                                  expected=f"{storage.nbytes} bytes",
+                                  actual=f"{item.nbytes} bytes", **where)
+    return dataclasses.replace(item, offset=start, nbytes=blob.file_nbytes,
+                               data_offset=start + storage.data_offset, layout=blob,
+                               serialization="safetensors", compression=None)
+
+
+def _inflated_object(stored: bytes, compression: str, full: str, fqn: str,
+                     offset: int) -> ArchiveLayout | None:
+    """The torch.save layout of a compressed object item's inflated bytes (None when ckptlab
+    cannot undo its transform: its value then shows as a placeholder)."""
+    try:
+        raw = inflate_item(stored, compression, MAX_OBJECT_NBYTES, path=full, record=fqn,
+                           offset=offset)
+    except UnsupportedFormatError:
+        return None
+    try:
+        with ByteSource(raw) as src:
+            return scan_torch_zip(src)
+    except ArchiveError as exc:
+        raise CorruptArchiveError(f"inflated item is not a torch.save archive: {exc}",
+                                  path=full, record=fqn, offset=offset) from None
