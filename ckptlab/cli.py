@@ -4,12 +4,17 @@ Verbs (``ckptlab VERB --help`` tells each one's arguments):
 
 - ``inspect [PATH] [--json]``: layout of a torch.save archive, ``.safetensors`` file or DCP
   checkpoint directory (PATH defaults to the embedded sample).
-- ``offsets PATH [--json] [--scan]``: storage data offsets, computed without random reads.
+- ``offsets PATH [--json] [--scan]``: where each tensor's bytes start: a torch.save file's
+  storage data offsets, computed without random reads; for a safetensors file, a Hugging Face,
+  DCP or plain directory, every tensor part's file, offset and bytes, from headers only.
 - ``sample PATH [--alignment N]``: write the embedded sample checkpoint (N: a power of two,
   1 to :data:`MAX_STORAGE_ALIGNMENT`).
-- ``report [PATH] [-o OUT]``: a self-contained offline HTML report with the figures.
+- ``report [PATH] [-o OUT]``: a self-contained offline HTML report with the figures, of any
+  checkpoint file or directory (one section per file of a multi-file checkpoint).
 - ``readiness PATH [--json]``: is a checkpoint ready for GPUDirect Storage / O_DIRECT reads?
-- ``serve [PATH] [--port N] [--address A] [--show]``: the interactive workbench (panel).
+  What is 4 KiB aligned and what would align the rest, in the format's own terms.
+- ``serve [PATH] [--port N] [--address A] [--show]``: the interactive workbench (panel), for
+  one torch.save file; other checkpoints are refused with a line saying what works.
 
 ``ckptlab --version`` prints ``ckptlab <version>``; ``ckptlab`` alone lists the verbs.
 
@@ -58,11 +63,11 @@ MAX_STORAGE_ALIGNMENT = 32768
 # verb -> what it does, in one line: the parser's help and the bare ``ckptlab`` usage
 VERBS: dict[str, str] = {
     "inspect": "the tensors of any checkpoint (file or directory), with --records its bytes",
-    "offsets": "storage data offsets, computed without random reads",
+    "offsets": "where each tensor's bytes start, found from headers only",
     "sample": "write the embedded sample checkpoint",
-    "report": "write a self-contained offline HTML report",
+    "report": "write a self-contained offline HTML report of any checkpoint",
     "readiness": "is a checkpoint ready for GPUDirect Storage / O_DIRECT reads?",
-    "serve": "serve the interactive workbench (panel) on 127.0.0.1",
+    "serve": "serve the interactive workbench (panel) for a torch.save file on 127.0.0.1",
 }
 
 
@@ -233,16 +238,63 @@ def render_dcp(layout: DcpLayout) -> str:
     return "\n".join(out)
 
 
+_FORMAT_WORDS = {"safetensors": "a safetensors file", "hf": "a Hugging Face directory",
+                 "dcp": "a DCP directory", "dir": "a directory of checkpoint files",
+                 "torch-zip": "a torch.save file", "torch-legacy": "a legacy torch.save file",
+                 "torchscript": "a TorchScript archive", "pt2": "a torch.export archive"}
+_READINESS_ROWS = 20  # ranges listed by ``ckptlab readiness``; --json lists every one
+_READINESS_FIXES = 8  # files whose fix is printed
+
+
 def _render_readiness(r: Any) -> str:
+    """``ckptlab readiness``: the verdict, what is aligned in the format's words, the machine,
+    and what to do."""
     yes = {True: "yes", False: "no"}
-    lines = [
-        f"{r.path}: {'READY' if r.ready else 'NOT READY'} for 4 KiB-aligned direct reads"
-        + (" (GPU direct possible)" if r.gds else ""),
-        f"  storages 4 KiB aligned  {r.storages_4k_aligned} of {r.storages}"
-        + (f" (storage_alignment {r.storage_alignment})" if r.storage_alignment else ""),
-        f"  size at alignment 64    {r.file_nbytes_at_64:,} B",
-        f"  size at alignment 4096  {r.file_nbytes_at_4096:,} B "
-        f"(+{r.padding_cost_nbytes:,} B of padding)",
+    torch_file = r.file_nbytes_at_64 is not None and r.file_nbytes_at_4096 is not None
+    lines = [f"{r.path}: {'READY' if r.ready else 'NOT READY'} for 4 KiB-aligned direct reads"
+             + (" (GPU direct possible)" if r.gds else "")]
+    if torch_file:
+        lines += [
+            f"  storages 4 KiB aligned  {r.storages_4k_aligned} of {r.storages}"
+            + (f" (storage_alignment {r.storage_alignment})" if r.storage_alignment else ""),
+            f"  size at alignment 64    {r.file_nbytes_at_64:,} B",
+            f"  size at alignment 4096  {r.file_nbytes_at_4096:,} B "
+            f"(+{r.padding_cost_nbytes:,} B of padding)"]
+    else:
+        units = {f.unit for f in r.files} or {"tensors"}
+        unit = units.pop() if len(units) == 1 else "byte ranges"
+        what = _FORMAT_WORDS.get(r.format, f"a {r.format} checkpoint")
+        lines.append(f"  {(unit + ' 4 KiB aligned').ljust(22)}  {r.storages_4k_aligned} of "
+                     f"{r.storages} ({what}, {len(r.files)} file"
+                     f"{'s' * (len(r.files) != 1)} with tensor bytes)")
+        multi = len(r.files) > 1
+        if multi:
+            starts = any(f.data_offset is not None for f in r.files)  # safetensors files
+            rows = [[_text(f.path), f.format, f"{f.aligned} of {len(f.ranges)} {f.unit}"]
+                    + (["-" if f.data_offset is None else f"{f.data_offset:,}"] * starts)
+                    for f in r.files]
+            lines.append(_indent(_table(rows, ("file", "format", "4 KiB aligned",
+                                               *(["data starts at"] * starts)), {3})))
+        every = [(f, x) for f in r.files for x in f.ranges]
+        rows = []
+        for f, x in every[:_READINESS_ROWS]:
+            row = [_text(x.name)] + ([_text(f.path)] if multi else [])
+            row += [f"{x.offset:,}", f"{x.nbytes:,}",
+                     "compressed" if x.compression else
+                     ("yes" if x.aligned else f"no (alignment {x.alignment})")]
+            rows.append(row)
+        if rows:
+            header = [unit.rstrip("s"), *(["file"] * multi), "data offset", "bytes",
+                      "4 KiB aligned"]
+            lines.append(_indent(_table(rows, header, {header.index("data offset"),
+                                                       header.index("bytes")})))
+        if len(every) > _READINESS_ROWS:
+            lines.append(f"  ... {len(every) - _READINESS_ROWS:,} more (--json lists every one)")
+        for f in r.files:
+            if f.data_offset is not None and not multi:
+                lines.append(f"  data section starts     byte {f.data_offset:,} (after the "
+                             "JSON header)")
+    lines += [
         f"  filesystem              {r.filesystem} on {r.mount_point}",
         f"  O_DIRECT                {yes[r.o_direct]}: {r.o_direct_reason}",
         f"  nvidia-fs driver        {yes[r.nvidia_fs]}",
@@ -250,10 +302,242 @@ def _render_readiness(r: Any) -> str:
         f"  torch.cuda.gds          {yes[r.torch_gds]}: {r.torch_gds_reason}",
         f"  kvikio                  {yes[r.kvikio]}: {r.kvikio_reason}",
     ]
-    if r.unaligned_keys and r.storages_4k_aligned < r.storages:
-        lines.append("  fix: save with torch.utils.serialization.config.save.storage_alignment "
-                     "= 4096 (or ckptlab.gds.save)")
+    fixes = r.fixes
+    if len(fixes) == 1 or (fixes and len({fix for _, fix in fixes}) == 1):
+        where = "" if len(r.files) <= 1 else (
+            f" ({fixes[0][0]})" if len(fixes) == 1 else
+            (" (both files)" if len(fixes) == 2 else f" (all {len(fixes)} files)"))
+        lines.append(f"  fix{where}: {fixes[0][1]}")
+    else:
+        for path, fix in fixes[:_READINESS_FIXES]:
+            lines.append(f"  fix {_text(path)}: {fix}")
+        if len(fixes) > _READINESS_FIXES:
+            lines.append(f"  ... {len(fixes) - _READINESS_FIXES} more files to fix (--json has "
+                         "each file's fix)")
     return "\n".join(lines)
+
+
+def _indent(text: str, by: str = "  ") -> str:
+    return "\n".join(by + line for line in text.splitlines())
+
+
+# -- offsets of any checkpoint ----------------------------------------------------------------
+def _is_torch_zip_file(path: str) -> bool:
+    """A single file that is a zip (or no checkpoint at all): the torch.save offsets path, with
+    its own errors for an empty or foreign file. Safetensors, legacy files and directories go
+    through the checkpoint model."""
+    from ckptlab.format._source import ByteSource
+    from ckptlab.format.inspect import sniff
+
+    if os.path.isdir(path):
+        return False
+    with ByteSource(path) as src:
+        return sniff(src) in ("torch-zip", "empty", "unknown")
+
+
+class _Count:
+    """Read calls and bytes of the header pass, per file and in words."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self.bytes_read = 0
+        self.files: dict[str, dict[str, Any]] = {}
+
+    def add(self, file: str, how: str, reads: int, nbytes: int) -> None:
+        entry = self.files.setdefault(file, {"how": how, "reads": 0, "bytes_read": 0})
+        entry["reads"] += reads
+        entry["bytes_read"] += nbytes
+        self.reads += reads
+        self.bytes_read += nbytes
+
+
+def _mismatch(ck: Any, key: str, part: Any, found: int | None) -> NoReturn:
+    from ckptlab.errors import CorruptArchiveError
+
+    raise CorruptArchiveError(
+        "the file's headers and ckptlab's checkpoint model place this tensor differently "
+        "(the file changed while it was read, or a bug in ckptlab: report it)",
+        path=os.path.join(ck.path, part.file) if len(ck.files) > 1 else ck.path, record=key,
+        offset=part.offset, expected=part.offset, actual=found)
+
+
+def _check_parts(ck: Any, parts: list[tuple[str, Any]], found: Callable[[Any], int | None]
+                 ) -> None:
+    for key, part in parts:
+        at = found(part)
+        if at != part.offset:
+            _mismatch(ck, key, part, at)
+
+
+def _itemsize(dtype: str) -> int:
+    from ckptlab.format._dtypes import DTYPE_ITEMSIZE
+
+    return DTYPE_ITEMSIZE.get(dtype, 1)
+
+
+def _dcp_header_pass(ck: Any, entry: Any, parts: list[tuple[str, Any]], count: _Count,
+                     item_nbytes: dict[tuple[str, int], int]) -> None:
+    """A DCP data file: each torch.save item's zip directory (the storage offsets way), each
+    safetensors blob's header; a compressed chunk's place is in .metadata (no read)."""
+    import bisect
+
+    from ckptlab.format._source import ByteSource
+    from ckptlab.format._window import FileWindow
+    from ckptlab.format.layout import SegmentKind
+    from ckptlab.format.safetensors import scan_safetensors
+
+    starts = [s.offset for s in entry.segments]
+    found: dict[int, Callable[[Any], int | None]] = {}
+    with open(entry.full_path, "rb") as fh:
+        for key, part in parts:
+            item = part.item_offset if part.item_offset is not None else part.offset
+            if part.compression is not None:
+                if part.offset != item:
+                    _mismatch(ck, key, part, item)
+                continue
+            if item not in found:
+                i = bisect.bisect_right(starts, item) - 1
+                kind = entry.segments[i].kind if i >= 0 and entry.segments[i].offset == item \
+                    else None
+                if kind is SegmentKind.LOCAL_HEADER:
+                    nbytes = item_nbytes.get((entry.path, item), entry.nbytes - item)
+                    window = FileWindow(fh, item, nbytes, f"{entry.full_path}@{item}")
+                    so = storage_offsets(window)
+                    count.add(entry.path, "item zip directories", so.reads, so.bytes_read)
+                    first = next(iter(so.offsets.values()), None)
+                    found[item] = (lambda p, first=first, item=item: None if first is None
+                                   else item + first + p.storage_offset * _itemsize(p.dtype))
+                elif kind is SegmentKind.HEADER_LENGTH:
+                    window = FileWindow(fh, item, entry.nbytes - item,
+                                        f"{entry.full_path}@{item}")
+                    with ByteSource(window) as src:
+                        blob = scan_safetensors(src)
+                    count.add(entry.path, "safetensors header", src.reads, src.bytes_read)
+                    where = {s.key: item + s.data_offset for s in blob.storages}
+                    found[item] = lambda p, where=where: where.get(p.storage_key)
+                else:
+                    found[item] = lambda p: p.offset  # a layout ckptlab only models
+                    count.files.setdefault(entry.path, {"how": "not counted", "reads": 0,
+                                                        "bytes_read": 0})
+            at = found[item](part)
+            if at != part.offset:
+                _mismatch(ck, key, part, at)
+
+
+def checkpoint_offsets(ck: Any) -> dict[str, Any]:
+    """``ckptlab offsets --json`` of a checkpoint that is not one torch.save file.
+
+    ``offsets`` maps every tensor part (keys as :func:`ckptlab.gds.readiness.tensor_ranges`
+    names them) to the absolute offset of its bytes in its file; ``files`` and ``nbytes``
+    say which file and how many bytes. The offsets are the checkpoint model's; a second,
+    counted pass re-derives each from its file's headers alone (safetensors: the header;
+    torch.save: the zip directory, as ``storage_offsets`` does; DCP: ``.metadata`` and each
+    item's zip directory or safetensors header) and must agree. ``reads`` and
+    ``bytes_read`` count that pass: what a reader needs to find the bytes without loading
+    anything. Files of a kind it does not cover are listed in ``uncounted_files``.
+    """
+    from ckptlab.format._source import ByteSource
+    from ckptlab.format.safetensors import scan_safetensors
+    from ckptlab.gds.readiness import tensor_ranges
+
+    parts = [(r.name, p) for r, p in zip(
+        tensor_ranges(ck), (p for t in ck.tensors.values() for p in t.parts), strict=True)]
+    by_file: dict[str, list[tuple[str, Any]]] = {}
+    for key, part in parts:
+        by_file.setdefault(part.file, []).append((key, part))
+    count = _Count()
+    item_nbytes: dict[tuple[str, int], int] = {}
+    if ck.format == "dcp":
+        from ckptlab.plan.metadata import METADATA, inspect_dcp
+
+        meta = inspect_dcp(ck.path, item_layouts=False)  # .metadata alone, in one read
+        count.add(METADATA, ".metadata", 1, meta.metadata_nbytes)
+        item_nbytes = {(i.file, i.offset): i.nbytes for i in meta.items}
+    for entry in ck.files:
+        if entry.format == "json" and entry.path.endswith(".json") and ".index" in entry.path:
+            count.add(entry.path, "index", 1, entry.nbytes)  # names the shards
+    uncounted = []
+    for entry in ck.files:
+        mine = by_file.get(entry.path)
+        if not mine:
+            continue
+        if not entry.full_path:
+            uncounted.append(entry.path)
+        elif entry.format == "safetensors":
+            with ByteSource(entry.full_path) as src:
+                layout = scan_safetensors(src)
+            count.add(entry.path, "safetensors header", src.reads, src.bytes_read)
+            where = {s.key: s.data_offset for s in layout.storages}
+            _check_parts(ck, mine, lambda p, where=where: where.get(p.storage_key))
+        elif entry.format == "torch-zip":
+            so = storage_offsets(entry.full_path)
+            count.add(entry.path, "zip directory", so.reads, so.bytes_read)
+            _check_parts(ck, mine, lambda p, so=so: None if p.storage_key not in so.offsets
+                         else so.offsets[p.storage_key] + p.storage_offset * _itemsize(p.dtype))
+        elif entry.format == "distcp":
+            _dcp_header_pass(ck, entry, mine, count, item_nbytes)
+        else:
+            uncounted.append(entry.path)
+    uncounted += [f for f, c in count.files.items() if c["how"] == "not counted"]
+    doc: dict[str, Any] = {
+        "offsets": {k: p.offset for k, p in parts},
+        "files": {k: p.file for k, p in parts},
+        "nbytes": {k: p.nbytes for k, p in parts},
+        "reads": count.reads if count.files or not uncounted else None,
+        "bytes_read": count.bytes_read if count.files or not uncounted else None,
+        "method": "headers" if count.files else "model", "format": ck.format,
+        "path": ck.path,
+        "tensors": {k: name for (k, _), name in zip(parts, (
+            t.name for t in ck.tensors.values() for _ in t.parts))},
+        "read_per_file": {f: c for f, c in count.files.items() if c["how"] != "not counted"},
+        "uncounted_files": sorted(set(uncounted))}
+    compressed = {k: p.compression for k, p in parts if p.compression is not None}
+    if compressed:
+        doc["compression"] = compressed
+    return doc
+
+
+def render_offsets(doc: dict[str, Any]) -> str:
+    """``ckptlab offsets`` of any checkpoint: one row per tensor part, then what was read."""
+    multi = len(set(doc["files"].values())) > 1
+    compressed = doc.get("compression", {})
+    chunked = any("@" in k and doc["tensors"].get(k) != k for k in doc["offsets"])
+    unit = "tensor (@chunk offsets)" if chunked else "tensor"
+    rows = []
+    for key, offset in sorted(doc["offsets"].items(),
+                              key=lambda kv: (doc["files"][kv[0]], kv[1], kv[0])):
+        row = [_text(key)]
+        if multi:
+            row.append(_text(doc["files"][key]))
+        row += [f"{offset:,}", f"{doc['nbytes'][key]:,}"]
+        if compressed:
+            row.append(compressed.get(key, "-"))
+        rows.append(row)
+    header = [unit, *(["file"] * multi), "data offset", "bytes",
+              *(["compressed"] * bool(compressed))]
+    right = {header.index("data offset"), header.index("bytes")}
+    out = [_table(rows, header, right) if rows else "(no tensors)"]
+    if doc["reads"] is None:
+        out.append(f"reads not counted: ckptlab has no header-only reader for "
+                   f"{', '.join(doc['uncounted_files'])}; the offsets come from its model")
+    else:
+        hows: dict[str, list[int]] = {}
+        for c in doc["read_per_file"].values():
+            acc = hows.setdefault(c["how"], [0, 0])
+            acc[0] += 1
+            acc[1] += c["reads"]
+        said = "; ".join((f"{how} of {files} files" if files > 1 else how)
+                         + f" ({reads} read{'s' * (reads != 1)})"
+                         for how, (files, reads) in hows.items())
+        out.append(f"{doc['reads']} read{'s' * (doc['reads'] != 1)}, {doc['bytes_read']:,} "
+                   f"bytes read: {said}")
+        if doc["uncounted_files"]:
+            out.append(f"not counted (no header-only reader): "
+                       f"{', '.join(doc['uncounted_files'])}")
+    if compressed:
+        out.append("a compressed chunk's offset and bytes are those of its stored frame: it is "
+                   "inflated on read, never read in place")
+    return "\n".join(out)
 
 
 # -- arguments ------------------------------------------------------------------------------
@@ -320,25 +604,29 @@ def _parser() -> _Parser:
     ins.add_argument("--sort", choices=("name", "size", "offset"), default=None,
                      help="order the tensors by name, by bytes (largest first) or by offset")
     off = sub.add_parser("offsets", help=VERBS["offsets"], description=VERBS["offsets"])
-    off.add_argument("path", metavar="PATH", help="checkpoint file")
+    off.add_argument("path", metavar="PATH",
+                     help="checkpoint file or directory (safetensors, Hugging Face, DCP)")
     off.add_argument("--json", action="store_true", help="print one JSON object")
     off.add_argument("--scan", action="store_true",
-                     help="take the storage order from data.pkl (torch's way) instead of the "
-                          "central directory; slower, same offsets for torch-written files")
+                     help="torch.save files only: take the storage order from data.pkl "
+                          "(torch's way) instead of the central directory; slower, same "
+                          "offsets for torch-written files")
     smp = sub.add_parser("sample", help=VERBS["sample"], description=VERBS["sample"])
     smp.add_argument("path", metavar="PATH", help="file to write (its directory must exist)")
     smp.add_argument("--alignment", type=_alignment, default=64, metavar="N",
                      help=f"storage alignment: a power of two from 1 to "
                           f"{MAX_STORAGE_ALIGNMENT} (default 64)")
     rep = sub.add_parser("report", help=VERBS["report"], description=VERBS["report"])
-    rep.add_argument("path", nargs="?", metavar="PATH", help="checkpoint file" + default)
+    rep.add_argument("path", nargs="?", metavar="PATH",
+                     help="checkpoint file or directory" + default)
     rep.add_argument("-o", "--output", default="report.html", metavar="OUT",
                      help="HTML file to write (default report.html)")
     rdy = sub.add_parser("readiness", help=VERBS["readiness"], description=VERBS["readiness"])
-    rdy.add_argument("path", metavar="PATH", help="checkpoint file")
+    rdy.add_argument("path", metavar="PATH", help="checkpoint file or directory")
     rdy.add_argument("--json", action="store_true", help="print one JSON object")
     srv = sub.add_parser("serve", help=VERBS["serve"], description=VERBS["serve"])
-    srv.add_argument("path", nargs="?", metavar="PATH", help="checkpoint file" + default)
+    srv.add_argument("path", nargs="?", metavar="PATH",
+                     help="torch.save checkpoint file" + default)
     srv.add_argument("--port", type=_port, default=5006, metavar="N",
                      help="port, 1 to 65535 (default 5006)")
     srv.add_argument("--address", default="127.0.0.1", metavar="A",
@@ -517,13 +805,45 @@ def _check_listen(address: str, port: int) -> None:
                     f"cannot listen on {address}:{port}: {exc.strerror or exc}") from None
 
 
+# what ``serve`` says of a file it does not show (detect_format's kinds)
+_NOT_SERVED = {"safetensors": "a safetensors file", "legacy-pickle": "a legacy torch.save file "
+               "(written before torch 1.6)", "legacy-tar": "a legacy torch.save tar archive",
+               "pickle": "a plain pickle"}
+
+
+def _check_servable(path: str) -> None:
+    """``serve`` shows one torch.save file (its zip records, byte map and alignment): refuse a
+    directory or another format up front, in one line that says what works instead."""
+    from ckptlab.format._source import ByteSource
+    from ckptlab.format.inspect import not_a_checkpoint, sniff
+
+    st = _stat(path)
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise InvalidArgumentError(
+            f"{path}: is a directory: ckptlab serve shows one torch.save file (.pt, .pth, "
+            f".bin; torch 1.6 or later) so far; for a directory, 'ckptlab inspect {path}' "
+            f"lists its tensors and 'ckptlab report {path}' draws its files")
+    _input_path(path, "serve")
+    with ByteSource(path) as src:
+        kind = sniff(src)
+        if kind in ("empty", "unknown"):
+            raise not_a_checkpoint(src, kind)
+    if kind in _NOT_SERVED:
+        raise InvalidArgumentError(
+            f"{path}: {_NOT_SERVED[kind]}: ckptlab serve shows torch.save files (.pt, .pth, "
+            f".bin; torch 1.6 or later) so far; 'ckptlab inspect {path}' lists its tensors "
+            f"and 'ckptlab report {path}' draws its bytes")
+
+
 def _check(args: argparse.Namespace) -> None:
     """Check every argument that names something outside (paths, ports) before any work."""
     verb = args.verb
     if verb == "serve":
         _check_listen(args.address, args.port)
-    if verb != "sample" and args.path is not None:
-        _input_path(args.path, verb, directory=verb == "inspect")
+    if verb == "serve" and args.path is not None:
+        _check_servable(args.path)
+    elif verb != "sample" and args.path is not None:
+        _input_path(args.path, verb, directory=True)
     if verb == "sample":
         _output_path(args.path, "sample")
     if verb == "report":
@@ -571,14 +891,30 @@ def _run(args: argparse.Namespace) -> None:
         else:
             print(render_checkpoint(ck, tensors, args.filter))
     elif verb == "offsets":
-        result = storage_offsets(args.path, scan=args.scan)
+        path = _input_path(args.path, verb, directory=True)
+        if _is_torch_zip_file(path):  # torch.save: storage keys, in at most 3 reads
+            result = storage_offsets(path, scan=args.scan)
+            if args.json:
+                _print_json({**result.to_dict(), "format": "torch-zip"})
+            else:
+                print(_table(sorted(result.offsets.items(), key=lambda kv: kv[1]),
+                             ("storage", "data offset"), {1}))
+                print(f"{result.reads} read{'s' * (result.reads != 1)}, "
+                      f"{result.bytes_read:,} bytes read, method "
+                      f"{result.method}" + (f" ({result.reason})" if result.reason else ""))
+            return
+        from ckptlab.checkpoint import open_checkpoint
+
+        ck = open_checkpoint(path)
+        if args.scan:
+            raise InvalidArgumentError(
+                f"{path}: --scan takes the storage order from a torch.save file's data.pkl; "
+                f"this is a {ck.format} checkpoint: run without --scan")
+        doc = checkpoint_offsets(ck)
         if args.json:
-            _print_json(result.to_dict())
+            _print_json(doc)
         else:
-            print(_table(sorted(result.offsets.items(), key=lambda kv: kv[1]),
-                         ("storage", "data offset"), {1}))
-            print(f"{result.reads} reads, {result.bytes_read:,} bytes read, method "
-                  f"{result.method}" + (f" ({result.reason})" if result.reason else ""))
+            print(render_offsets(doc))
     elif verb == "sample":
         from ckptlab.samples import write_sample
 
@@ -586,16 +922,24 @@ def _run(args: argparse.Namespace) -> None:
                     lambda tmp: write_sample(tmp, storage_alignment=args.alignment))
         print(args.path)
     elif verb == "report":
+        from ckptlab.checkpoint import open_checkpoint
         from ckptlab.format import read_range
 
+        path = _input_path(args.path, verb, directory=True)
+        ck = open_checkpoint(path)  # the input first: a bad one fails before any plotting
         try:
             from ckptlab.viz import report_html
         except ImportError as exc:
             _needs("widgets", exc)
-        path = _input_path(args.path, verb)
-        layout = inspect(path)
-        head = read_range(path, 0, min(layout.file_nbytes, 1024))
-        document = report_html(layout, hex_bytes=head)
+        first = next((f for f in ck.files if f.full_path and any(
+            p.file == f.path for t in ck.tensors.values() for p in t.parts)),
+            next((f for f in ck.files if f.full_path), None))
+        head = read_range(first.full_path, 0, min(first.nbytes, 1024)) if first else None
+        layout = ck.files[0].layout if len(ck.files) == 1 else None
+        if ck.format == "torch-zip" and isinstance(layout, ArchiveLayout):
+            document = report_html(layout, hex_bytes=head)  # records, alignment what-if
+        else:
+            document = report_html(ck, hex_bytes=head, hex_file=first.path if first else None)
 
         def write(tmp: str) -> None:
             with open(tmp, "w", encoding="utf-8") as f:
@@ -606,7 +950,7 @@ def _run(args: argparse.Namespace) -> None:
     elif verb == "readiness":
         from ckptlab.gds.readiness import readiness
 
-        r = readiness(args.path)
+        r = readiness(_input_path(args.path, verb, directory=True))
         if args.json:
             _print_json(r.to_dict())
         else:

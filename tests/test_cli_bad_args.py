@@ -53,8 +53,9 @@ CASES: list[tuple[str, tuple[str, ...], str]] = [
     # offsets
     ("offsets", (), "required: PATH"),
     ("offsets", ("{missing}", "--json"), "No such file"),
-    ("offsets", ("{dir}",), "is a directory"),
+    ("offsets", ("{dir}",), "a directory without checkpoint files"),
     ("offsets", ("{fifo}", "--json"), "FIFO"),
+    ("offsets", ("{fifo_dir}",), "FIFO"),
     ("offsets", ("{garbage}", "--scan"), "not a checkpoint"),
     # sample
     ("sample", (), "required: PATH"),
@@ -74,8 +75,9 @@ CASES: list[tuple[str, tuple[str, ...], str]] = [
     ("sample", ("/proc/ckptlab-sample.pt",), "cannot create a file in /proc"),
     # report
     ("report", ("{missing}",), "No such file"),
-    ("report", ("{dir}",), "is a directory"),
+    ("report", ("{dir}",), "a directory without checkpoint files"),
     ("report", ("{fifo}", "-o", "{out}"), "FIFO"),
+    ("report", ("{fifo_dir}", "-o", "{out}"), "FIFO"),
     ("report", ("{garbage}", "-o", "{out}"), "not a checkpoint"),
     ("report", ("-o", "{missing_dir}/r.html"), "does not exist"),
     ("report", ("-o", "{dir}"), "is a directory"),
@@ -85,8 +87,10 @@ CASES: list[tuple[str, tuple[str, ...], str]] = [
     # readiness
     ("readiness", (), "required: PATH"),
     ("readiness", ("{missing}",), "No such file"),
-    ("readiness", ("{dir}", "--json"), "is a directory"),
+    ("readiness", ("{dir}", "--json"), "a directory without checkpoint files"),
     ("readiness", ("{fifo}",), "FIFO"),
+    ("readiness", ("{fifo_dir}",), "FIFO"),
+    ("readiness", ("{garbage}",), "not a checkpoint"),
     ("readiness", ("{empty}",), "empty file"),
     # serve (none of these may start a server)
     ("serve", ("--port", "{busy_port}"), "already in use"),
@@ -99,7 +103,9 @@ CASES: list[tuple[str, tuple[str, ...], str]] = [
     ("serve", ("--address", "", "--port", "{free_port}"), "--address is empty"),
     ("serve", ("{missing}", "--port", "{free_port}"), "No such file"),
     ("serve", ("{fifo}", "--port", "{free_port}"), "FIFO"),
-    ("serve", ("{dir}", "--port", "{free_port}"), "is a directory"),
+    ("serve", ("{dir}", "--port", "{free_port}"), "is a directory: ckptlab serve shows one"),
+    ("serve", ("{garbage}", "--port", "{free_port}"), "not a checkpoint"),
+    ("serve", ("{empty}", "--port", "{free_port}"), "empty file"),
     ("serve", ("--show=1",), "--show"),
     # no verb, unknown verb
     ("", ("--bogus",), "unrecognized arguments: --bogus"),

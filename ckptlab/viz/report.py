@@ -1,27 +1,43 @@
-"""A self-contained offline HTML report of one checkpoint (``ckptlab report``)."""
+"""A self-contained offline HTML report of one checkpoint (``ckptlab report``).
+
+:func:`report_html` takes the byte layout of one torch.save file (its zip records, the
+alignment what-if) or any :class:`~ckptlab.checkpoint.Checkpoint` (safetensors files, Hugging
+Face, DCP and plain directories): then the report is tensor first, with one section per file
+of a multi-file checkpoint. Words follow the format: records, zip64 and padding what-ifs only
+where the file is a zip whose writer chooses its alignment.
+"""
 
 from __future__ import annotations
 
 import html
+from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
+from typing import Any
 
 import plotly.graph_objects as go
 import plotly.io as pio
 
 from ckptlab.format import ArchiveLayout, alignment_costs
-from ckptlab.viz._style import KIND_COLORS, KIND_LABELS, html_table, human_nbytes
+from ckptlab.format.archive import largest_alignment
+from ckptlab.format.layout import SegmentKind
+from ckptlab.viz._style import KIND_COLORS, KIND_LABELS, html_table, human_nbytes, plain_text
 from ckptlab.viz.alignment import alignment_figure
 from ckptlab.viz.bytemap import ByteMap, bytemap_figure, overhead_figure
 from ckptlab.viz.hexview import hex_html
 from ckptlab.viz.tensors import storage_figure
 
-__all__ = ["report_html"]
+__all__ = ["MAX_FILE_MAPS", "report_html"]
 
 MAX_TABLE_ROWS = 500
+MAX_FILE_MAPS = 8  # byte maps of a multi-file checkpoint: its largest files, at most this many
+MAX_PLACEMENT_ROWS = 60
+_FILE_COLORS = ("#4c78a8", "#54a24b", "#b279a2", "#f58518", "#72b7b2", "#e45756", "#9d755d",
+                "#eeca3b")
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 24px auto; max-width: 1280px; color: #222; }
 h1 { font-size: 22px; } h2 { font-size: 17px; margin-top: 28px; border-bottom: 1px solid #ddd; }
+h3 { font-size: 15px; margin-top: 20px; }
 table { border-collapse: collapse; font-size: 12px; }
 th, td { padding: 2px 8px; border-bottom: 1px solid #eee; }
 .legend span { display: inline-block; padding: 1px 6px; margin: 2px; border-radius: 3px;
@@ -36,15 +52,23 @@ def _more(total: int) -> str:
             if total > MAX_TABLE_ROWS else "")
 
 
-def report_html(layout: ArchiveLayout, *, hex_bytes: bytes | None = None) -> str:
+def report_html(source: Any, *, hex_bytes: bytes | None = None, hex_file: str | None = None,
+                max_file_maps: int = MAX_FILE_MAPS) -> str:
     """One HTML document with the figures, tables and plotly.js inline (works offline).
 
     Parameters
     ----------
-    layout
-        The checkpoint's layout.
+    source
+        The :class:`~ckptlab.ArchiveLayout` of one file (``ckptlab.inspect``), or a
+        :class:`~ckptlab.checkpoint.Checkpoint` (``ckptlab.open``) of any format.
     hex_bytes
-        The file's first bytes, for a coloured hex view of the first record (optional).
+        The first bytes of a file (at most 1024 are shown), for a coloured hex view.
+    hex_file
+        For a checkpoint: the file (relative path, as in ``ck.files``) ``hex_bytes`` come from;
+        its first file by default.
+    max_file_maps
+        For a checkpoint of several files: draw the byte maps of the largest this many (the
+        report says when it leaves some out).
 
     Returns
     -------
@@ -52,55 +76,305 @@ def report_html(layout: ArchiveLayout, *, hex_bytes: bytes | None = None) -> str
         The document. Its figures are the same builders the widgets use; plotly.js is
         embedded once, so the file opens with no network access.
     """
-    bm = ByteMap.from_layout(layout)
-    figures: list[tuple[str, go.Figure]] = [("Byte map", bytemap_figure(bm)),
-                                            ("Overhead", overhead_figure(bm))]
-    if layout.format == "torch-zip":
-        figures.append(("Alignment cost", alignment_figure(alignment_costs(layout),
-                                                           current=layout.storage_alignment)))
-    if layout.tensors:
-        figures.append(("Tensors → storages → bytes", storage_figure(layout)))
+    if isinstance(source, ArchiveLayout):
+        return _layout_report(source, hex_bytes)
+    return _checkpoint_report(source, hex_bytes, hex_file, max_file_maps)
+
+
+def _figures_html(figures: Sequence[tuple[str, go.Figure]]) -> str:
     parts = []
     for i, (title, fig) in enumerate(figures):
         div = pio.to_html(fig, include_plotlyjs=(i == 0), full_html=False,
                           div_id=f"ckptlab-fig-{i}", config={"displaylogo": False})
         parts.append(f'<h2>{html.escape(title)}</h2><div class="ckptlab-figure">{div}</div>')
-    legend = "".join(f'<span style="background:{KIND_COLORS[k]}">{KIND_LABELS[k]}</span>'
-                     for k in bm.lanes)
-    records = [[r.short_name, r.header_offset, r.data_offset, r.data_nbytes, r.padding_nbytes,
-                r.zip64_extra_nbytes, r.descriptor_nbytes, f"{r.crc32:#010x}"]
-               for r in layout.records]
-    tensors = [[".".join(map(str, t.path)), t.dtype, str(list(t.shape)), t.storage_key,
-                t.storage_offset] for t in layout.tensors]
-    name = html.escape(layout.path.rsplit("/", 1)[-1])
-    pct = 100 * layout.overhead_nbytes / max(layout.file_nbytes, 1)
-    facts = [["format", layout.format], ["file", layout.path], ["size", layout.file_nbytes],
-             ["records", len(layout.records)], ["storages", len(layout.storages)],
-             ["tensors", len(layout.tensors)], ["alignment (largest dividing every storage)",
-                                                layout.alignment],
-             ["storage_alignment record", layout.storage_alignment or "—"],
-             ["zip64", layout.zip64], ["overhead", f"{layout.overhead_nbytes:,} B ({pct:.3f}%)"],
-             ["FB padding", layout.padding_nbytes]]
-    hexview = ""
-    if hex_bytes:
-        hexview = ("<h2>First bytes</h2>" + hex_html(hex_bytes[:1024], 0, layout))
+    return "".join(parts)
+
+
+def _legend(lanes: Iterable[SegmentKind]) -> str:
+    return "".join(f'<span style="background:{KIND_COLORS[k]}">{KIND_LABELS[k]}</span>'
+                   for k in lanes)
+
+
+def _page(name: str, nbytes: int, body: str) -> str:
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>ckptlab report · {name}</title>
 <style>{_CSS}</style></head>
 <body class="ckptlab-report">
 <h1>ckptlab report · {name}</h1>
-<p class="note">{human_nbytes(layout.file_nbytes)} · generated {stamp} · self-contained: no
+<p class="note">{human_nbytes(nbytes)} · generated {stamp} · self-contained: no
 network access needed.</p>
-{html_table(["", ""], facts)}
-<div class="legend">{legend}</div>
-{"".join(parts)}
-<h2>Records</h2>
-{html_table(["record", "header", "data offset", "data bytes", "FB padding", "zip64 extra",
-         "descriptor", "crc32"], records[:MAX_TABLE_ROWS])}{_more(len(records))}
-<h2>Tensors</h2>
-{html_table(["tensor", "dtype", "shape", "storage", "storage_offset"],
-        tensors[:MAX_TABLE_ROWS])}{_more(len(tensors))}
-{hexview}
+{body}
 </body></html>
 """
+
+
+_ZIP_WORDS = {"header + name": "header", "FB padding": "header padding"}
+
+
+def _fitting_overhead(fig: go.Figure, fmt: str) -> go.Figure:
+    """The overhead figure in the words of a format that is not a zip (safetensors: the
+    header and its padding; no records, no FB padding)."""
+    if fmt == "torch-zip":
+        return fig
+    for trace in fig.data:
+        label = _ZIP_WORDS.get(trace.name, trace.name)
+        trace.update(name=label, hovertemplate=f"{label}: " + "%{y:,.0f} B<extra></extra>")
+    unit = "tensor" if fmt == "safetensors" else "item"
+    fig.update_layout(xaxis={"title": f"{unit} (in file order; the header first)"})
+    return fig
+
+
+def _layout_report(layout: ArchiveLayout, hex_bytes: bytes | None) -> str:
+    """One file's byte layout: records and alignment what-if for a torch.save zip."""
+    zip_ = layout.format == "torch-zip"
+    bm = ByteMap.from_layout(layout)
+    name = plain_text(layout.path.rsplit("/", 1)[-1])
+    title = None if zip_ else (f"{name} · {human_nbytes(layout.file_nbytes)} · "
+                               f"{len(layout.tensors)} tensors · data alignment "
+                               f"{layout.alignment}")
+    figures: list[tuple[str, go.Figure]] = [
+        ("Byte map", bytemap_figure(bm, title=title)),
+        ("Overhead", _fitting_overhead(overhead_figure(bm), layout.format))]
+    if zip_:
+        figures.append(("Alignment cost", alignment_figure(alignment_costs(layout),
+                                                           current=layout.storage_alignment)))
+    if layout.tensors:
+        figures.append(("Tensors → storages → bytes" if zip_ else "Tensors → bytes",
+                        storage_figure(layout)))
+    tensors = [[".".join(map(str, t.path)), t.dtype, str(list(t.shape)), t.storage_key,
+                t.storage_offset] for t in layout.tensors]
+    pct = 100 * layout.overhead_nbytes / max(layout.file_nbytes, 1)
+    facts: list[list[Any]] = [["format", layout.format], ["file", layout.path],
+                              ["size", layout.file_nbytes]]
+    if zip_:
+        facts += [["records", len(layout.records)], ["storages", len(layout.storages)],
+                  ["tensors", len(layout.tensors)],
+                  ["alignment (largest dividing every storage)", layout.alignment],
+                  ["storage_alignment record", layout.storage_alignment or "—"],
+                  ["zip64", layout.zip64],
+                  ["overhead", f"{layout.overhead_nbytes:,} B ({pct:.3f}%)"],
+                  ["FB padding", layout.padding_nbytes]]
+    else:
+        facts += [["tensors", len(layout.tensors)],
+                  ["data alignment (largest power of two ≤ 4096 dividing every tensor's "
+                   "offset)", layout.alignment],
+                  ["header and padding", f"{layout.overhead_nbytes:,} B ({pct:.3f}%)"],
+                  ["header padding", layout.padding_nbytes]]
+    body = [html_table(["", ""], facts), f'<div class="legend">{_legend(bm.lanes)}</div>',
+            _figures_html(figures)]
+    if zip_:
+        records = [[r.short_name, r.header_offset, r.data_offset, r.data_nbytes,
+                    r.padding_nbytes, r.zip64_extra_nbytes, r.descriptor_nbytes,
+                    f"{r.crc32:#010x}"] for r in layout.records]
+        body.append("<h2>Records</h2>" + html_table(
+            ["record", "header", "data offset", "data bytes", "FB padding", "zip64 extra",
+             "descriptor", "crc32"], records[:MAX_TABLE_ROWS]) + _more(len(records)))
+        body.append("<h2>Tensors</h2>" + html_table(
+            ["tensor", "dtype", "shape", "storage", "storage_offset"],
+            tensors[:MAX_TABLE_ROWS]) + _more(len(tensors)))
+    else:
+        storages = {s.key: s for s in layout.storages}
+        rows = [[".".join(map(str, t.path)), t.dtype, str(list(t.shape)),
+                 storages[t.storage_key].data_offset if t.storage_key in storages else "—",
+                 storages[t.storage_key].nbytes if t.storage_key in storages else "—"]
+                for t in layout.tensors]
+        body.append("<h2>Tensors</h2>" + html_table(
+            ["tensor", "dtype", "shape", "data offset", "bytes"], rows[:MAX_TABLE_ROWS])
+            + _more(len(rows)))
+    if hex_bytes:
+        body.append("<h2>First bytes</h2>" + hex_html(hex_bytes[:1024], 0, layout))
+    return _page(name, layout.file_nbytes, "\n".join(body))
+
+
+# -- any checkpoint ------------------------------------------------------------------------------
+def _file_layout(entry: Any, offsets: list[int]) -> ArchiveLayout:
+    """The file's own layout, or one made of its segments (a DCP data file, a JSON index)."""
+    if isinstance(entry.layout, ArchiveLayout):
+        return entry.layout
+    return ArchiveLayout(format=entry.format, path=entry.path, file_nbytes=entry.nbytes,
+                         archive_name="", records=(), storages=(), tensors=(),
+                         segments=tuple(entry.segments),
+                         alignment=largest_alignment(offsets) if offsets else 4096, zip64=False)
+
+
+def _union_nbytes(ranges: Iterable[tuple[int, int]]) -> int:
+    """Bytes covered by ``(offset, nbytes)`` ranges (tensors that view one storage overlap)."""
+    total, end = 0, -1
+    for lo, n in sorted(ranges):
+        hi = lo + n
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total
+
+
+def _shape(shape: Any) -> str:
+    if shape is None:
+        return "?"
+    return "x".join("j" if d < 0 else str(d) for d in shape) or "scalar"
+
+
+def _files_figure(rows: Sequence[tuple[str, int, int]]) -> go.Figure:
+    """Bytes per file, tensor bytes apart from the rest (headers, metadata, other files)."""
+    shown = list(rows)[:MAX_PLACEMENT_ROWS]
+    names = [plain_text(r[0]) for r in shown]
+    fig = go.Figure([
+        go.Bar(y=names, x=[r[2] for r in shown], orientation="h", name="tensor bytes",
+               marker={"color": KIND_COLORS[SegmentKind.DATA]},
+               hovertemplate="%{y}: %{x:,} B of tensors<extra></extra>"),
+        go.Bar(y=names, x=[r[1] - r[2] for r in shown], orientation="h", name="other bytes",
+               marker={"color": "#bab0ac"},
+               hovertemplate="%{y}: %{x:,} B besides tensors<extra></extra>")])
+    fig.update_layout(
+        barmode="stack", title=f"Bytes per file · {len(rows)} files",
+        xaxis={"title": "bytes", "tickformat": ",d"},
+        yaxis={"autorange": "reversed", "automargin": True},
+        height=max(240, 90 + 22 * len(shown)), margin={"l": 20, "r": 20, "t": 50, "b": 45},
+        plot_bgcolor="#ffffff",
+        meta={"kind": "files", "files": [r[0] for r in shown],
+              "nbytes": [r[1] for r in shown], "tensor_nbytes": [r[2] for r in shown],
+              "omitted": len(rows) - len(shown)})
+    return fig
+
+
+def _placement_figure(parts: Sequence[tuple[str, Any]], multi: bool) -> go.Figure:
+    """One bar per tensor part at its bytes in its file (the largest first)."""
+    ordered = sorted(parts, key=lambda kp: (-kp[1].nbytes, kp[0]))
+    shown = ordered[:MAX_PLACEMENT_ROWS]
+    files = list(dict.fromkeys(p.file for _, p in shown))
+    color = {f: _FILE_COLORS[i % len(_FILE_COLORS)] for i, f in enumerate(files)}
+    labels = [plain_text(f"{k} · {p.file}" if multi else k) for k, p in shown]
+    fig = go.Figure(go.Bar(
+        y=labels, x=[max(p.nbytes, 1) for _, p in shown], base=[p.offset for _, p in shown],
+        orientation="h", marker={"color": [color[p.file] for _, p in shown]},
+        customdata=[[p.offset, p.offset + p.nbytes, p.nbytes] for _, p in shown],
+        text=[plain_text(f"{p.dtype}{list(p.shape)}") for _, p in shown], textposition="none",
+        hovertemplate=("%{y}<br>%{text}<br>file bytes [%{customdata[0]:,}, "
+                       "%{customdata[1]:,}) · %{customdata[2]:,} B<extra></extra>")))
+    fig.update_layout(
+        title=(f"Tensors in their file{'s' * multi} · the largest {len(shown)} of "
+               f"{len(parts)}" if len(parts) > len(shown) else
+               f"Tensors in their file{'s' * multi} · {len(parts)}"),
+        xaxis={"title": "file offset (bytes)", "tickformat": ",d"},
+        yaxis={"autorange": "reversed", "automargin": True}, showlegend=False,
+        height=max(260, 80 + 18 * len(shown)), margin={"l": 20, "r": 20, "t": 50, "b": 45},
+        plot_bgcolor="#ffffff",
+        meta={"kind": "placement", "rows": [k for k, _ in shown],
+              "omitted": len(parts) - len(shown)})
+    return fig
+
+
+def _checkpoint_report(ck: Any, hex_bytes: bytes | None, hex_file: str | None,
+                       max_file_maps: int) -> str:
+    from ckptlab.gds.readiness import tensor_ranges
+
+    multi = len(ck.files) > 1
+    owned = [(p, len(t.parts) > 1) for t in ck.tensors.values() for p in t.parts]
+    parts = [(r.name, p) for r, (p, _) in zip(tensor_ranges(ck), owned, strict=True)]
+    by_file: dict[str, list[Any]] = {}
+    for _, p in parts:
+        by_file.setdefault(p.file, []).append(p)
+    tensors_in = {f.path: len({t.name for t in ck.tensors.values()
+                               if any(p.file == f.path for p in t.parts)}) for f in ck.files}
+    data_offsets = [p.offset for _, p in parts if p.nbytes and p.compression is None]
+    figures: list[tuple[str, go.Figure]] = []
+    file_rows = sorted(((f.path, f.nbytes, _union_nbytes((p.offset, p.nbytes)
+                                                          for p in by_file.get(f.path, ())))
+                        for f in ck.files), key=lambda r: (-r[1], r[0]))
+    if multi:
+        figures.append(("Files", _files_figure(file_rows)))
+    # the files that hold tensor bytes (an index or .metadata is one run of bytes: the table
+    # says all there is), the largest first; any file when none holds tensors
+    drawable = [f for f in sorted(ck.files, key=lambda f: (-f.nbytes, f.path))
+                if f.nbytes and f.segments]
+    drawable = [f for f in drawable if f.path in by_file] or drawable
+    mapped = drawable[:max(max_file_maps, 0)]
+    lanes: dict[SegmentKind, None] = {}
+    zip_layout = None
+    for f in mapped:
+        offsets = [p.offset for p in by_file.get(f.path, ()) if p.nbytes]
+        layout = _file_layout(f, offsets)
+        bm = ByteMap.from_layout(layout)
+        lanes.update(dict.fromkeys(bm.lanes))
+        title = (f"{plain_text(f.path)} · {human_nbytes(f.nbytes)} · "
+                 f"{tensors_in.get(f.path, 0)} tensors" +
+                 (f" · data alignment {largest_alignment(offsets)}" if offsets else ""))
+        figures.append((f"Byte map · {f.path}" if multi else "Byte map",
+                        bytemap_figure(bm, title=title)))
+        if not multi:
+            figures.append(("Overhead", _fitting_overhead(overhead_figure(bm), f.format)))
+            if layout.format == "torch-zip":
+                zip_layout = layout
+                figures.append(("Alignment cost", alignment_figure(
+                    alignment_costs(layout), current=layout.storage_alignment)))
+    if parts:
+        figures.append(("Tensors in their files" if multi else "Tensors in the file",
+                        _placement_figure(parts, multi)))
+    maps_note = ""
+    if multi and len(mapped) < len(ck.files):
+        n = len(drawable)
+        which = (f"file{'s' * (n != 1)}" + (f" that hold{'s' * (n == 1)} tensor bytes"
+                                            if n < len(ck.files) else ""))
+        shown = (f"Byte maps of the largest {len(mapped)} of the {n} {which}"
+                 if len(mapped) < n else
+                 f"Byte map{'s' * (n != 1)} of the {'one' if n == 1 else n} {which}")
+        maps_note = f'<p class="note">{shown}; the table above lists every file.</p>'
+
+    name = html.escape(ck.path.rstrip("/").rsplit("/", 1)[-1] or ck.path)
+    facts: list[list[Any]] = [
+        ["format", ck.format], ["path", ck.path], ["size", ck.nbytes],
+        ["files", len(ck.files)], ["tensors", len(ck.tensors)],
+        ["parameters", ck.parameters],
+        ["data alignment (largest power of two ≤ 4096 dividing every tensor's offset)",
+         largest_alignment(data_offsets) if data_offsets else "—"]]
+    if any(p.compression for _, p in parts):
+        facts.append(["compressed parts", sum(bool(p.compression) for _, p in parts)])
+    body = [html_table(["", ""], facts)]
+    if ck.notes:
+        body.append("<ul class=\"note\">" + "".join(f"<li>{html.escape(n)}</li>"
+                                                    for n in ck.notes) + "</ul>")
+    if multi:
+        body.append("<h2>Files</h2>" + html_table(
+            ["file", "format", "bytes", "tensors", "tensor bytes", "share of the checkpoint"],
+            [[f.path, f.format, f.nbytes, tensors_in.get(f.path, 0),
+              next(r[2] for r in file_rows if r[0] == f.path),
+              f"{100 * f.nbytes / max(ck.nbytes, 1):.2f}%"] for f in ck.files][:MAX_TABLE_ROWS])
+            + _more(len(ck.files)))
+    body.append(f'<div class="legend">{_legend(k for k in lanes)}</div>')
+    body.append(_figures_html(figures))
+    body.append(maps_note)
+    if zip_layout is not None:
+        records = [[r.short_name, r.header_offset, r.data_offset, r.data_nbytes,
+                    r.padding_nbytes, r.zip64_extra_nbytes, r.descriptor_nbytes,
+                    f"{r.crc32:#010x}"] for r in zip_layout.records]
+        body.append("<h2>Records</h2>" + html_table(
+            ["record", "header", "data offset", "data bytes", "FB padding", "zip64 extra",
+             "descriptor", "crc32"], records[:MAX_TABLE_ROWS]) + _more(len(records)))
+    rows = []
+    for t in ck.tensors.values():
+        row = [t.name, t.dtype, _shape(t.shape), t.kind, t.nbytes, t.parameters]
+        if multi:
+            row.append(t.file or "—")
+        row.append("—" if t.offset is None else t.offset)
+        rows.append(row)
+    header = ["name", "dtype", "shape", "kind", "bytes", "params", *(["file"] * multi),
+              "offset"]
+    body.append("<h2>Tensors</h2>" + html_table(header, rows[:MAX_TABLE_ROWS])
+                + _more(len(rows)))
+    several = [(k, p) for (k, p), (_, many) in zip(parts, owned) if many]
+    if several:
+        prow = [[k, p.role, ",".join(map(str, p.chunk_offsets or ())) or "—", p.file,
+                 p.offset, p.nbytes, p.compression or "—"] for k, p in several]
+        body.append("<h2>Parts of tensors stored in several pieces</h2>" + html_table(
+            ["part", "role", "chunk offsets", "file", "offset", "bytes", "compression"],
+            prow[:MAX_TABLE_ROWS]) + _more(len(prow)))
+    if hex_bytes:
+        entry = next((f for f in ck.files if f.path == hex_file), ck.files[0] if ck.files
+                     else None)
+        if entry is not None:
+            offsets = [p.offset for p in by_file.get(entry.path, ()) if p.nbytes]
+            title = f"First bytes of {entry.path}" if multi else "First bytes"
+            body.append(f"<h2>{html.escape(title)}</h2>" + hex_html(
+                hex_bytes[:1024], 0, _file_layout(entry, offsets) if entry.segments else None))
+    return _page(name, ck.nbytes, "\n".join(body))
