@@ -1,9 +1,12 @@
 """``ckptlab.open``: recognise any checkpoint (file, directory, file object) and model it.
 
 Files: torch.save zip archives, safetensors. Directories: DCP (``.metadata``), Hugging Face
-(``*.index.json`` with shards, a single ``model.safetensors``/``pytorch_model.bin``, Trainer
-``checkpoint-N/`` with optimizer/scheduler/rng state), and any other directory of checkpoint
-files (format ``"dir"``, names prefixed by file). Adapters for further formats register in
+(``*.index.json`` with shards, a single ``model.safetensors``/``pytorch_model.bin``, their
+``variant`` names such as ``model.fp16.safetensors``, Trainer ``checkpoint-N/`` and accelerate
+``save_state`` directories with optimizer/scheduler/rng state), and any other directory of
+checkpoint files (format ``"dir"``, names prefixed by file). Beside the model's own files, a
+file ckptlab cannot read as a checkpoint is listed as ``"other"`` with a note saying why, and
+never stops the rest from opening. Adapters for further formats register in
 :data:`FILE_ADAPTERS` by the kind :func:`ckptlab.format.detect_format` gives.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
@@ -82,10 +86,22 @@ def _safetensors(src: ByteSource, rel: str) -> FileModel:
     return FileModel(entry, tensors, objects, "safetensors")
 
 
+def _lazy(module: str, name: str) -> Callable[[ByteSource, str], FileModel]:
+    """An adapter from ``module``, imported on first use (the adapters import this module)."""
+    def adapter(src: ByteSource, rel: str) -> FileModel:
+        import importlib
+
+        return getattr(importlib.import_module(module), name)(src, rel)
+    return adapter
+
+
 # detect_format kind -> adapter(source, relative name) -> FileModel
 FILE_ADAPTERS: dict[str, Callable[[ByteSource, str], FileModel]] = {
-    "torch-zip": _torch_zip,
+    # torch.save zips; TorchScript and torch.export (.pt2) zips are told apart by their records
+    "torch-zip": _lazy("ckptlab.checkpoint._torchscript", "model_zip"),
     "safetensors": _safetensors,
+    "legacy-pickle": _lazy("ckptlab.checkpoint._legacy", "model_legacy"),
+    "pickle": _lazy("ckptlab.checkpoint._legacy", "model_pickle"),  # legacy, protocol 3-5
 }
 
 
@@ -160,6 +176,23 @@ def _with_full_path(entry: FileEntry, full: str) -> FileEntry:
 CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pt2", ".tar")
 HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 HF_SINGLE = ("model.safetensors", "pytorch_model.bin")
+# transformers' ``variant`` names (``_add_variant``): model.fp16.safetensors,
+# model.safetensors.index.fp16.json; diffusers' and PEFT's weight files go by the same rules
+_HF_STEMS = r"(?:model|pytorch_model|diffusion_pytorch_model|adapter_model)"
+_HF_INDEX_RE = re.compile(_HF_STEMS + r"\.(?:safetensors|bin)\.index(?:\.[\w-]+)?\.json")
+_HF_SINGLE_RE = re.compile(_HF_STEMS + r"(?:\.[\w-]+)?\.(?:safetensors|bin)")
+_SHARD_RE = re.compile(r".*-\d{5}-of-\d{5}\.\w+")
+
+
+def _hf_model_name(names: list[str], plain: tuple[str, ...], pattern: re.Pattern[str]
+                   ) -> str | None:
+    """The directory's model file or index: the plain names first (safetensors before .bin),
+    then variants, diffusers' and adapters' names in sorted order."""
+    for name in plain:
+        if name in names:
+            return name
+    return next((n for n in names if pattern.fullmatch(n) and not _SHARD_RE.fullmatch(n)),
+                None)
 
 
 def _dir_files(root: str) -> list[str]:
@@ -212,12 +245,21 @@ def _open_hf_index(root: str, index_name: str, names: list[str]) -> Checkpoint:
     models = []
     for shard in shards:
         models.append(_model_path(root, shard))
-    found = {t.name for m in models for t in m.tensors}
+    found = {t.name: m.entry.path for m in models for t in m.tensors}
     missing = [k for k in weight_map if k not in found]
+    unlisted = [k for k in found if k not in weight_map]
+    elsewhere = [k for k, v in weight_map.items() if k in found and found[k] != v]
     notes: tuple[str, ...] = ()
     if missing:
-        notes = (f"{len(missing)} names in {index_name} are in none of its shards "
-                 f"(first: {missing[0]!r})",)
+        notes += (f"{len(missing)} names in {index_name} are in none of its shards "
+                  f"(first: {missing[0]!r})",)
+    if unlisted:
+        notes += (f"{len(unlisted)} tensors of the shards are not in {index_name} "
+                  f"(first: {unlisted[0]!r} in {found[unlisted[0]]})",)
+    if elsewhere:
+        notes += (f"{len(elsewhere)} tensors are in another shard than {index_name} says "
+                  f"(first: {elsewhere[0]!r} in {found[elsewhere[0]]}, index: "
+                  f"{weight_map[elsewhere[0]]})",)
     extra = [n for n in names if n not in shards and n != index_name]
     ck = _checkpoint("hf", root, models, root, False, notes)
     ck = _with_extra_files(ck, root, extra)
@@ -227,30 +269,49 @@ def _open_hf_index(root: str, index_name: str, names: list[str]) -> Checkpoint:
     return ck
 
 
-def _with_extra_files(ck: Checkpoint, root: str, extra: list[str]) -> Checkpoint:
-    """Add the directory's other files: checkpoint files prefixed by name, the rest listed."""
+def _unread_note(name: str, exc: ArchiveError) -> str:
+    where = "".join(f", {k} {v!r}" for k, v in (("record", exc.record), ("offset", exc.offset))
+                    if v is not None)
+    return f"{name}{where}: listed as other, not read: {exc.reason}"
+
+
+def _with_extra_files(ck: Checkpoint, root: str, extra: list[str],
+                      errors: list[ArchiveError] | None = None) -> Checkpoint:
+    """Add the directory's other files: checkpoint files prefixed by name, JSON files as
+    values, and every file that is no checkpoint ckptlab reads (a plain pickle, text, a damaged
+    archive) listed as ``"other"`` with a note; its error is appended to ``errors``."""
     more_models: list[FileModel] = []
     files = list(ck.files)
     objects = dict(ck._objects)
+    notes = list(ck.notes)
     for name in extra:
         if name.endswith(".json"):
-            entry, value = _json_entry(root, name)
+            try:
+                entry, value = _json_entry(root, name)
+            except CorruptArchiveError as exc:
+                files.append(_other_entry(root, name))
+                notes.append(_unread_note(name, exc))
+                continue
             files.append(entry)
             objects[name] = value
             continue
         try:
             more_models.append(_model_path(root, name))
-        except UnsupportedFormatError:
+        except ArchiveError as exc:
             files.append(_other_entry(root, name))
-    tensors = dict(ck.tensors)
+            notes.append(_unread_note(name, exc))
+            if errors is not None:
+                errors.append(exc)
+    tensors = list(ck.tensors.values())
     if more_models:
         extra_ck = _checkpoint("dir", root, more_models, root, True)
         files.extend(extra_ck.files)
-        for name, t in extra_ck.tensors.items():
-            tensors[name if name not in tensors else f"{name}#2"] = t
+        tensors.extend(extra_ck.tensors.values())
         objects.update(extra_ck._objects)
+        notes.extend(extra_ck.notes)
     files.sort(key=lambda f: f.path)
-    return Checkpoint(ck.format, ck.path, tuple(files), tensors, objects, ck._reader, ck.notes)
+    return Checkpoint(ck.format, ck.path, tuple(files), unique_names(tensors), objects,
+                      ck._reader, tuple(notes))
 
 
 def _open_dir(root: str) -> Checkpoint:
@@ -261,10 +322,14 @@ def _open_dir(root: str) -> Checkpoint:
         from ckptlab.checkpoint._dcp import open_dcp
 
         return open_dcp(root)
-    index = next((n for n in HF_INDEXES if n in names), None)
+    index = _hf_model_name(names, HF_INDEXES, _HF_INDEX_RE)
     if index is not None:
         return _open_hf_index(root, index, names)
-    single = next((n for n in HF_SINGLE if n in names), None)
+    from ckptlab.checkpoint._dcp import is_dcp_shards_dir, open_dcp_shards
+
+    if is_dcp_shards_dir(root, names):  # HuggingFaceStorageWriter(save_distributed=True)
+        return open_dcp_shards(root)
+    single = _hf_model_name(names, HF_SINGLE, _HF_SINGLE_RE)
     if single is not None:
         model = _model_path(root, single)
         ck = _checkpoint("hf", root, [model], root, False)
@@ -274,8 +339,12 @@ def _open_dir(root: str) -> Checkpoint:
         raise UnsupportedFormatError("a directory without checkpoint files (no .metadata, no "
                                      "*.index.json, no model files)", path=root)
     ck = Checkpoint("dir", root, (), {}, {}, _reader(root))
-    ck = _with_extra_files(ck, root, names)
+    errors: list[ArchiveError] = []
+    ck = _with_extra_files(ck, root, names, errors)
     if not ck.tensors and not any(f.format not in ("json", "other") for f in ck.files):
+        damaged = next((e for e in errors if not isinstance(e, UnsupportedFormatError)), None)
+        if damaged is not None:  # its own error says best what is wrong
+            raise damaged
         raise UnsupportedFormatError("a directory whose files are not checkpoints ckptlab "
                                      f"reads ({', '.join(names[:5])})", path=root)
     return ck
