@@ -2,15 +2,32 @@
 
 Everything is served from the local server: BokehJS, panel's and plotly's JavaScript come
 with the app (no CDN), so it works on a cluster node without internet.
+
+Many sessions, one server. Panel runs every session's callbacks on one thread, so what a
+session costs is what the next visitor waits for. Work that depends only on the file and an
+alignment (the what-if layout, its byte map arrays, its summary, the alignment costs) is done
+once per (file, alignment) in a :class:`LayoutCache` that the server owns and every session
+reads; a session keeps only its own figures and widgets, and they are freed when panel ends
+the session (``pn.state.on_session_destroyed``). The cache holds frozen data and never a
+session's objects, and it is bounded (least recently used views go first).
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import html
+import os
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import panel as pn
 
+from ckptlab.errors import InvalidArgumentError
 from ckptlab.format import AlignmentCost, ArchiveLayout, alignment_costs, read_range, realign
 from ckptlab.format.predict import DEFAULT_ALIGNMENTS
 from ckptlab.viz import (
@@ -31,12 +48,136 @@ from ckptlab.widgets._common import (
     summary_html,
 )
 
-__all__ = ["LayoutApp", "serve"]
+__all__ = ["LayoutApp", "LayoutCache", "LayoutView", "serve"]
 
+PROMPT = "<i>Click the byte map or pick an item.</i>"
+# A session nobody is connected to ends after SESSION_LIFETIME_MS (bokeh's default: a page
+# connects its websocket only once its scripts ran, seconds after the GET that built its
+# session on a busy machine). Bokeh looks for such sessions every 17 s by default; every 2 s,
+# a closed page's session is freed 15-17 s after it closed.
+SESSION_CHECK_MS = 2_000
+SESSION_LIFETIME_MS = 15_000
 
 
 def _alignment_options(layout: ArchiveLayout) -> list[int]:
     return sorted(set(DEFAULT_ALIGNMENTS) | {layout.storage_alignment or 64})
+
+
+def _own_alignment(layout: ArchiveLayout) -> int:
+    return layout.storage_alignment or 64
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LayoutView:
+    """A checkpoint's layout at one storage alignment, as every session shows it.
+
+    Shared by sessions, so never changed: figures are built from it per session.
+    """
+
+    alignment: int
+    layout: ArchiveLayout  # the file itself at its own alignment, else the what-if layout
+    bytemap: ByteMap  # the arrays the byte map is binned from
+    title: str | None  # the byte map's title; None: the file's own (bytemap_figure's default)
+    summary: str  # summary_html(layout)
+
+
+def _file_identity(layout: ArchiveLayout) -> Hashable:
+    """The file a layout was read from, as the cache keys it: path, inode, size and mtime
+    (a rewritten file is another file), or the layout object itself when there is no file
+    behind it (bytes, a predicted layout)."""
+    path = layout.path
+    if not path.startswith("<"):
+        try:
+            st = os.stat(path)
+        except OSError:
+            pass
+        else:
+            return ("file", os.path.realpath(path), st.st_dev, st.st_ino, st.st_size,
+                    st.st_mtime_ns, layout.file_nbytes)
+    return ("object", id(layout))
+
+
+class LayoutCache:
+    """Per-file, per-alignment work done once and shared by every session of a server.
+
+    :meth:`view` gives the :class:`LayoutView` of a layout at an alignment (the what-if layout
+    is placed by :func:`ckptlab.realign`, and its byte map arrays built, on the first request
+    only); :meth:`costs` gives :func:`ckptlab.alignment_costs` of a file once. Keys are the
+    file's identity (path, inode, size, mtime) and the alignment, so sessions that opened the
+    same file share entries even when each inspected it. Entries hold frozen data only, never
+    a session's objects; the least recently used go when there are more than ``max_views``
+    views or ``max_costs`` cost tables. Safe to use from several threads: a miss is computed
+    once while other callers of the same cache wait.
+
+    ``hits`` and ``misses`` count :meth:`view` lookups.
+    """
+
+    def __init__(self, *, max_views: int = 8, max_costs: int = 4) -> None:
+        for name, value in (("max_views", max_views), ("max_costs", max_costs)):
+            if type(value) is not int or value < 1:
+                raise InvalidArgumentError(f"{name} must be an int >= 1, got {value!r}")
+        self.max_views = max_views
+        self.max_costs = max_costs
+        self.hits = 0
+        self.misses = 0
+        self._lock = threading.RLock()
+        # key -> (the layout a what-if was placed from, kept so an id() key stays unique; view)
+        self._views: OrderedDict[Hashable, tuple[ArchiveLayout, LayoutView]] = OrderedDict()
+        self._costs: OrderedDict[Hashable, tuple[ArchiveLayout, tuple[AlignmentCost, ...]]] = (
+            OrderedDict())
+
+    def __len__(self) -> int:
+        """The number of views held."""
+        return len(self._views)
+
+    def clear(self) -> None:
+        """Drop every entry (the next requests compute them again)."""
+        with self._lock:
+            self._views.clear()
+            self._costs.clear()
+
+    def view(self, layout: ArchiveLayout, alignment: int) -> LayoutView:
+        """``layout`` at storage ``alignment`` (``layout`` itself at its own alignment)."""
+        key = (_file_identity(layout), int(alignment))
+        return self._get(self._views, key, self.max_views, layout,
+                         lambda: _compute_view(layout, int(alignment)), count=True)
+
+    def costs(self, layout: ArchiveLayout,
+              alignments: Sequence[int]) -> tuple[AlignmentCost, ...]:
+        """:func:`ckptlab.alignment_costs` of ``layout`` at ``alignments``."""
+        key = (_file_identity(layout), tuple(alignments))
+        return self._get(self._costs, key, self.max_costs, layout,
+                         lambda: alignment_costs(layout, list(alignments)))
+
+    def _get(self, table: OrderedDict, key: Hashable, bound: int, layout: ArchiveLayout,
+             compute: Callable[[], Any], *, count: bool = False) -> Any:
+        with self._lock:
+            entry = table.get(key)
+            if entry is not None:
+                table.move_to_end(key)
+                if count:
+                    self.hits += 1
+                return entry[1]
+            if count:
+                self.misses += 1
+            value = compute()
+            table[key] = (layout, value)
+            while len(table) > bound:
+                table.popitem(last=False)
+            return value
+
+
+def _compute_view(original: ArchiveLayout, alignment: int) -> LayoutView:
+    own = _own_alignment(original)
+    if alignment == own:
+        return LayoutView(alignment, original, ByteMap.from_layout(original), None,
+                          summary_html(original))
+    layout = realign(original, alignment)
+    title = (f"what-if: {plain_text(original.path.rsplit('/', 1)[-1])} at alignment "
+             f"{alignment} · {human_nbytes(layout.file_nbytes)} "
+             f"({layout.file_nbytes - original.file_nbytes:+,} B)")
+    return LayoutView(alignment, layout, ByteMap.from_layout(layout), title,
+                      summary_html(layout))
 
 
 class LayoutApp:
@@ -46,39 +187,42 @@ class LayoutApp:
     same records re-placed, :func:`ckptlab.realign`); the file's own alignment shows the file
     as it is. Zooming the byte map re-bins it; clicking it, or picking an item, shows that
     item's bytes, tensors and hex.
+
+    ``cache`` holds the work every session of the same file shares (:class:`LayoutCache`);
+    the server passes its own, and an app made without one gets a private cache.
     """
 
-    def __init__(self, source: LayoutSource, *, bytemap: ByteMap | None = None,
-                 costs: tuple[AlignmentCost, ...] | None = None) -> None:
+    def __init__(self, source: LayoutSource, *, cache: LayoutCache | None = None) -> None:
         self.original: ArchiveLayout = as_layout(source)
-        own = self.original.storage_alignment or 64
+        self.cache = cache if cache is not None else LayoutCache()
+        own = _own_alignment(self.original)
         options = _alignment_options(self.original)
         self.is_zip = self.original.format == "torch-zip"
         self.alignment = pn.widgets.DiscreteSlider(
             name="what-if storage alignment", options=options, value=own,
             disabled=not self.is_zip, width=520, css_classes=["ckptlab-alignment"])
+        view = self.cache.view(self.original, own)
         self.current = self.original
-        self.bytemap = bytemap if bytemap is not None else ByteMap.from_layout(self.current)
+        self.bytemap = view.bytemap
         self.map_pane = pn.pane.Plotly(bytemap_figure(self.bytemap), sizing_mode="stretch_width",
                                        css_classes=["ckptlab-bytemap"])
-        self.summary = pn.pane.HTML(summary_html(self.original), sizing_mode="stretch_width")
+        self.summary = pn.pane.HTML(view.summary, sizing_mode="stretch_width")
         self.items = pn.widgets.Select(name="items (file order)", size=14, width=380)
-        self.details = pn.pane.HTML("<i>Click the byte map or pick an item.</i>",
-                                    sizing_mode="stretch_width")
+        self.details = pn.pane.HTML(PROMPT, sizing_mode="stretch_width")
         self.hex = pn.pane.HTML("", sizing_mode="stretch_width", css_classes=["ckptlab-hex"])
         # the other tabs' figures are built when their tab is first opened (see _draw_tab)
         self.overhead_pane = pn.pane.Plotly(None, sizing_mode="stretch_width")
         self.cost_pane = pn.pane.Plotly(None, sizing_mode="stretch_width")
         self.tensor_pane = pn.pane.Plotly(None, sizing_mode="stretch_width")
-        if costs is None:
-            costs = alignment_costs(self.original, options) if self.is_zip else ()
-        self.costs = costs
+        self.costs = self.cache.costs(self.original, options) if self.is_zip else ()
         self._stale = {1, 2, 3}
         self._fill_items()
-        self.alignment.param.watch(self._on_alignment, "value")
-        self.map_pane.param.watch(self._on_relayout, "relayout_data")
-        self.map_pane.param.watch(self._on_click, "click_data")
-        self.items.param.watch(self._on_item, "value")
+        self._watchers = [
+            self.alignment.param.watch(self._on_alignment, "value"),
+            self.map_pane.param.watch(self._on_relayout, "relayout_data"),
+            self.map_pane.param.watch(self._on_click, "click_data"),
+            self.items.param.watch(self._on_item, "value"),
+        ]
         self.tabs = tabs = pn.Tabs(
             ("Byte map", pn.Column(self.map_pane, pn.Row(self.items, pn.Column(
                 self.details, self.hex, sizing_mode="stretch_width")),
@@ -92,7 +236,21 @@ class LayoutApp:
             pn.pane.HTML("<h2 style='margin:4px 0'>ckptlab · checkpoint layout</h2>"),
             self.summary, self.alignment, tabs, sizing_mode="stretch_width",
             css_classes=["ckptlab-app"])
-        tabs.param.watch(lambda event: self._draw_tab(event.new), "active")
+        self._watchers.append(tabs.param.watch(self._on_tab, "active"))
+
+    def close(self) -> None:
+        """Stop reacting to events and drop this session's figures and layouts.
+
+        The server calls it when panel ends the session; the shared cache keeps its views.
+        """
+        for watcher in self._watchers:
+            watcher.inst.param.unwatch(watcher)
+        self._watchers = []
+        self.view = self.tabs = None  # panel's models of this session go with the document
+        self.current = self.bytemap = self.costs = None
+
+    def _on_tab(self, event: Any) -> None:
+        self._draw_tab(event.new)
 
     def _draw_tab(self, index: int) -> None:
         """Build tab ``index``'s figure if the layout changed since it was drawn."""
@@ -120,24 +278,20 @@ class LayoutApp:
 
     def show_alignment(self, alignment: int) -> None:
         """Show the layout at ``alignment`` (the file itself at its own alignment)."""
-        own = self.original.storage_alignment or 64
-        self.current = self.original if alignment == own else realign(self.original, alignment)
-        self.bytemap = ByteMap.from_layout(self.current)
-        title = None if alignment == own else (
-            f"what-if: {plain_text(self.original.path.rsplit('/', 1)[-1])} at alignment "
-            f"{alignment} · "
-            f"{human_nbytes(self.current.file_nbytes)} "
-            f"({self.current.file_nbytes - self.original.file_nbytes:+,} B)")
-        self.map_pane.object = bytemap_figure(self.bytemap, title=title)
+        view = self.cache.view(self.original, alignment)
+        self.current = self.original if alignment == _own_alignment(self.original) else (
+            view.layout)
+        self.bytemap = view.bytemap
+        self.map_pane.object = bytemap_figure(self.bytemap, title=view.title)
         self._stale = {1, 2, 3}
         self._draw_tab(self.tabs.active)
-        self.summary.object = summary_html(self.current)
+        self.summary.object = view.summary
         selected = self.items.value
         self._fill_items(around=selected)
         if selected is not None and selected < len(self.bytemap.item_names):
             self.select(selected)  # the same item, at its place in the new layout
         else:
-            self.details.object = "<i>Click the byte map or pick an item.</i>"
+            self.details.object = PROMPT
             self.hex.object = ""
 
     def _on_relayout(self, event: Any) -> None:
@@ -196,19 +350,96 @@ class LayoutApp:
             self.hex.object = "<i>A what-if layout has no bytes: pick the file's own alignment.</i>"
 
 
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None where there is none (macOS, musl)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def _release_memory(trim: Callable[[int], int] | None) -> None:
+    """Collect the ended sessions' cycles and hand the freed heap pages back to the OS.
+
+    A session's objects go back to Python's allocator and glibc's heap, which keep the pages:
+    measured with 20 sessions on a 5,000-tensor file, RSS stays at its peak (about 205 MiB)
+    after the collection and drops by 20 MiB only once ``malloc_trim`` runs.
+    """
+    gc.collect()
+    if trim is not None:
+        trim(0)
+
+
+class _Sessions:
+    """The server's sessions: one :class:`LayoutApp` each over the shared cache. An ended
+    session's app is closed, and memory is given back once per burst of endings."""
+
+    def __init__(self, layout: ArchiveLayout, cache: LayoutCache, *,
+                 release_delay_s: float = 1.0) -> None:
+        self.layout = layout
+        self.cache = cache
+        self.live = 0
+        self.release_delay_s = release_delay_s
+        self._release_pending = False
+        self._frozen = False
+        self._trim = _malloc_trim()
+
+    def open(self) -> pn.Column:
+        """A new session's view (panel calls this once per browser page)."""
+        app = LayoutApp(self.layout, cache=self.cache)
+        doc = pn.state.curdoc
+        if doc is not None and doc.session_context is not None:
+            self.live += 1
+            pn.state.on_session_destroyed(lambda context: self._ended(app))
+        return app.view
+
+    def _ended(self, app: LayoutApp) -> None:
+        if app.view is None:  # closed already
+            return
+        self.live -= 1
+        app.close()
+        if not self._release_pending:
+            from tornado.ioloop import IOLoop
+
+            self._release_pending = True
+            IOLoop.current().call_later(self.release_delay_s, self._release)
+
+    def _release(self) -> None:
+        self._release_pending = False
+        _release_memory(self._trim)
+        if not self._frozen and self.live == 0:
+            # The first release follows panel's warm-up session (``warm=True``): what is
+            # alive now (the layout, the cache, every module a page needs) lives as long as
+            # the server. Freezing it keeps the collector's full scans to the sessions'
+            # objects: with a 5,000-tensor file one full scan walked 266k objects in 150 ms,
+            # a pause every session waits through.
+            self._frozen = True
+            gc.freeze()
+
+
 def serve(source: LayoutSource, *, port: int = 5006, address: str = "127.0.0.1",
-          show: bool = False) -> None:
+          show: bool = False, cache: LayoutCache | None = None) -> None:
     """Serve the app for ``source`` on ``http://address:port/`` until interrupted.
 
-    Every browser session gets its own :class:`LayoutApp` (the layout is inspected once).
+    Every browser session gets its own :class:`LayoutApp` over one :class:`LayoutCache`
+    (``cache``, or a new one): the layout is inspected once, and each (file, alignment)
+    what-if is computed once for all sessions. A session is freed 15-17 s after its page
+    closed (``SESSION_LIFETIME_MS`` unconnected, looked for every ``SESSION_CHECK_MS``).
     """
     layout = as_layout(source)
-    # the same for every session: computed once (a 100k-record file takes seconds)
-    bytemap = ByteMap.from_layout(layout)
-    costs = (alignment_costs(layout, _alignment_options(layout))
-             if layout.format == "torch-zip" else ())
+    cache = cache if cache is not None else LayoutCache()
+    # the first visitor must not wait for the file's own view and costs: compute them now,
+    # and let panel build (and end) one session before serving (``warm=True``), which
+    # imports what a page needs (plotly's figure widget module alone takes seconds)
+    cache.view(layout, _own_alignment(layout))
+    if layout.format == "torch-zip":
+        cache.costs(layout, _alignment_options(layout))
+    sessions = _Sessions(layout, cache)
     pn.extension("plotly", inline=True)
     origins = [f"{address}:{port}", f"localhost:{port}", f"127.0.0.1:{port}"]
-    pn.serve({"/": lambda: LayoutApp(layout, bytemap=bytemap, costs=costs).view}, port=port,
-             address=address, show=show,
-             websocket_origin=origins, title="ckptlab", threaded=False, print_url=True)
+    pn.serve({"/": sessions.open}, port=port, address=address, show=show,
+             websocket_origin=origins, title="ckptlab", threaded=False, print_url=True,
+             warm=True, check_unused_sessions_milliseconds=SESSION_CHECK_MS,
+             unused_session_lifetime_milliseconds=SESSION_LIFETIME_MS)
