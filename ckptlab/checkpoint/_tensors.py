@@ -194,7 +194,12 @@ def build_tensor(entry: TensorEntry, path_of: Any, *, source: str = "") -> Any:
             f"{entry.kind} tensor of {entry.subclass or entry.layout}: ckptlab never imports a "
             "class a file names; read its parts with Checkpoint.read_part(name, role)",
             path=source, record=entry.name)
-    if entry.requires_grad and (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
+    if entry.requires_grad and not (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
+        raise CorruptArchiveError(
+            f"a {entry.dtype} tensor that requires grad: torch allows that only for floating "
+            "point and complex tensors (torch.load fails on it too)", path=source,
+            record=entry.name)
+    if entry.requires_grad:
         tensor.requires_grad_(True)
     if entry.is_parameter:
         tensor = torch.nn.Parameter(tensor, requires_grad=entry.requires_grad)

@@ -327,7 +327,11 @@ class _Machine:
         if handler is not None:
             if kwargs:
                 raise PickleDataError(f"{func.qualname} called with keyword arguments")
-            return handler(*args)
+            try:
+                return handler(*args)
+            except TypeError as exc:  # arguments the function does not take: bad data
+                raise PickleDataError(f"{func.qualname} called with {len(args)} arguments it "
+                                      f"does not take ({str(exc)[:120]})") from None
         if kwargs is not None and not isinstance(kwargs, dict):
             raise PickleDataError(f"{func.qualname} called with non-dict kwargs")
         return Reduced(func, args, kwargs)

@@ -346,3 +346,31 @@ def test_module_state_dict_with_its_metadata(tmp_path: Path) -> None:
     ck = cl.open(tmp_path / "sd.pt")
     assert list(ck.tensors) == list(model.state_dict())
     check_all(ck, torch.load(tmp_path / "sd.pt", weights_only=True))
+
+
+def test_torch_functions_called_wrongly_and_int_grads_are_ckptlab_errors(tmp_path: Path) -> None:
+    from ckptlab.errors import CorruptArchiveError
+    from ckptlab.testing.pickles import torch_zip
+
+    with pytest.raises(CorruptArchiveError, match="arguments it does not take"):
+        cl.open(torch_zip(b"\x80\x02ccollections\nOrderedDict\n(K\x01K\x02tR."))
+    storage = (b"(X\x07\x00\x00\x00storagectorch\nLongStorage\nX\x01\x00\x00\x000"
+               b"X\x03\x00\x00\x00cpuK\x02tQ")
+    pkl = (b"\x80\x02}X\x01\x00\x00\x00pctorch._utils\n_rebuild_parameter\n("
+           b"ctorch._utils\n_rebuild_tensor_v2\n(" + storage +
+           b"K\x00K\x02\x85K\x01\x85\x88ccollections\nOrderedDict\n)RtR\x88"
+           b"ccollections\nOrderedDict\n)RtRs.")
+    buf = io.BytesIO()
+    torch.save({"p": torch.zeros(2, dtype=torch.int64)}, buf)
+    import zipfile
+
+    src = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        for name in src.namelist():
+            z.writestr(name, pkl if name.endswith("data.pkl") else src.read(name))
+    (tmp_path / "intgrad.pt").write_bytes(out.getvalue())
+    ck = cl.open(tmp_path / "intgrad.pt")
+    assert ck.tensors["p"].requires_grad and ck.tensors["p"].dtype == "int64"
+    with pytest.raises(CorruptArchiveError, match="requires grad"):
+        ck.read("p")
