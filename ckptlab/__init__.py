@@ -1,12 +1,21 @@
 """ckptlab: see and use PyTorch checkpoint internals.
 
 The public API is what ``__all__`` lists; everything else is private.
+
+``import ckptlab`` imports the public names at once, except when it starts the ``ckptlab``
+command (``python -m ckptlab``, or the console script): then each is imported on first use
+(module ``__getattr__``), so ``--version`` and argument errors answer without compiling the
+format and planning code, and no verb loads numpy or torch before it needs them.
 """
 
-from ckptlab import errors, samples
-from ckptlab._inspect import inspect
-from ckptlab.checkpoint import Checkpoint, FileEntry, Part, TensorEntry
-from ckptlab.checkpoint import open_checkpoint as open
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import TYPE_CHECKING
+
+from ckptlab import errors
 from ckptlab.errors import (
     ArchiveError,
     CkptlabError,
@@ -15,21 +24,27 @@ from ckptlab.errors import (
     TruncatedArchiveError,
     UnsupportedFormatError,
 )
-from ckptlab.format import (
-    AlignmentCost,
-    ArchiveLayout,
-    Record,
-    Segment,
-    SegmentKind,
-    StorageInfo,
-    StorageOffsets,
-    TensorInfo,
-    alignment_costs,
-    archive_name_for,
-    predict_layout,
-    realign,
-    storage_offsets,
-)
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
+    from ckptlab import gds, plan, samples, viz, widgets, write
+    from ckptlab._inspect import inspect
+    from ckptlab.checkpoint import Checkpoint, FileEntry, Part, TensorEntry
+    from ckptlab.checkpoint import open_checkpoint as open
+    from ckptlab.format import (
+        AlignmentCost,
+        ArchiveLayout,
+        Record,
+        Segment,
+        SegmentKind,
+        StorageInfo,
+        StorageOffsets,
+        TensorInfo,
+        alignment_costs,
+        archive_name_for,
+        predict_layout,
+        realign,
+        storage_offsets,
+    )
 
 __version__ = "0.1.0"
 
@@ -69,13 +84,46 @@ __all__ = [
     "write",
 ]
 
-# imported on first use: viz and widgets need the [widgets] extra, gds imports torch
-_LAZY_MODULES = ("gds", "plan", "viz", "widgets", "write")
+# imported on first use: viz and widgets need the [widgets] extra, gds imports torch (and
+# when the command starts, all of them, format and checkpoint too)
+_LAZY_MODULES = ("checkpoint", "format", "gds", "plan", "samples", "viz", "widgets", "write")
+# name -> (module, attribute), imported on first use
+_LAZY_NAMES = {
+    "inspect": ("ckptlab._inspect", "inspect"),
+    "open": ("ckptlab.checkpoint", "open_checkpoint"),
+    **{name: ("ckptlab.checkpoint", name) for name in ("Checkpoint", "FileEntry", "Part",
+                                                       "TensorEntry")},
+    **{name: ("ckptlab.format", name) for name in (
+        "AlignmentCost", "ArchiveLayout", "Record", "Segment", "SegmentKind", "StorageInfo",
+        "StorageOffsets", "TensorInfo", "alignment_costs", "archive_name_for",
+        "predict_layout", "realign", "storage_offsets")},
+}
 
 
 def __getattr__(name: str) -> object:
     if name in _LAZY_MODULES:
-        import importlib
-
         return importlib.import_module(f"ckptlab.{name}")
-    raise AttributeError(f"module 'ckptlab' has no attribute {name!r}")
+    target = _LAZY_NAMES.get(name)
+    if target is None:
+        raise AttributeError(f"module 'ckptlab' has no attribute {name!r}")
+    value = getattr(importlib.import_module(target[0]), target[1])
+    globals()[name] = value  # the next access is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+def _starting_the_command() -> bool:
+    """Whether this import starts the command: ``python -m`` sets ``sys.argv[0]`` to "-m"
+    while it imports the package; the console script is named ``ckptlab``."""
+    first = sys.argv[0] if sys.argv else ""
+    return first == "-m" or os.path.basename(first) in ("ckptlab", "ckptlab.exe")
+
+
+if not _starting_the_command():  # a library import: every public name now, as always
+    from ckptlab import samples
+    for _name in _LAZY_NAMES:
+        __getattr__(_name)
+    del _name

@@ -34,19 +34,25 @@ import errno
 import json
 import os
 import re
-import shutil
-import socket
 import stat
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ckptlab import __version__
-from ckptlab._inspect import inspect
 from ckptlab.errors import CkptlabError, InvalidArgumentError
-from ckptlab.format import ArchiveLayout, storage_offsets
-from ckptlab.plan.metadata import DcpLayout
+
+if TYPE_CHECKING:  # imported where used: --version and argument errors need none of them
+    from ckptlab.format import ArchiveLayout
+    from ckptlab.plan.metadata import DcpLayout
+
+
+def __getattr__(name: str) -> Any:  # names of this module imported on first use
+    if name == "storage_offsets":
+        from ckptlab.format import storage_offsets
+
+        return storage_offsets
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["MAX_STORAGE_ALIGNMENT", "VERBS", "main"]
 
@@ -203,6 +209,7 @@ def checkpoint_json(ck: Any, tensors: list[Any]) -> dict[str, Any]:
     """DESIGN's ``inspect --json`` object for any checkpoint: the layout's byte-level keys
     where the format has them, and ``files``, ``tensors`` (name, kind, nbytes, parts, ...)
     and ``objects`` from the checkpoint model."""
+    from ckptlab._inspect import inspect
     from ckptlab.format.archive import largest_alignment
 
     layout = next((f.layout for f in ck.files if f.layout is not None), None)
@@ -381,6 +388,7 @@ def _dcp_header_pass(ck: Any, entry: Any, parts: list[tuple[str, Any]], count: _
     safetensors blob's header; a compressed chunk's place is in .metadata (no read)."""
     import bisect
 
+    from ckptlab.cli import storage_offsets
     from ckptlab.format._source import ByteSource
     from ckptlab.format._window import FileWindow
     from ckptlab.format.layout import SegmentKind
@@ -436,6 +444,7 @@ def checkpoint_offsets(ck: Any) -> dict[str, Any]:
     ``bytes_read`` count that pass: what a reader needs to find the bytes without loading
     anything. Files of a kind it does not cover are listed in ``uncounted_files``.
     """
+    from ckptlab.cli import storage_offsets
     from ckptlab.format._source import ByteSource
     from ckptlab.format.safetensors import scan_safetensors
     from ckptlab.gds.readiness import tensor_ranges
@@ -750,6 +759,9 @@ def _write_file(path: str, what: str, write: Callable[[str], object]) -> None:
     """Call ``write(tmp)`` on a same-named path in a fresh directory beside ``path``, then move
     the result onto ``path``: a failed write leaves no half file, and torch.save, which names
     the archive after the file, sees the same name."""
+    import shutil
+    import tempfile
+
     parent = os.path.dirname(path) or "."
     try:
         tmp = tempfile.mkdtemp(dir=parent, prefix=".ckptlab-")
@@ -776,6 +788,8 @@ def _check_listen(address: str, port: int) -> None:
     the (slow) layout is loaded; bound as tornado binds (SO_REUSEADDR, IPv6 only on IPv6
     sockets, a missing ::1 skipped for localhost). The server's own bind can still fail (a
     race): main reports that too."""
+    import socket
+
     if not address.strip():
         raise InvalidArgumentError("--address is empty (127.0.0.1: this machine only; 0.0.0.0: "
                                    "every interface)")
@@ -875,6 +889,9 @@ def _run(args: argparse.Namespace) -> None:
     if verb == "inspect":
         path = _input_path(args.path, verb, directory=True)
         if args.records:
+            from ckptlab._inspect import inspect
+            from ckptlab.plan.metadata import DcpLayout
+
             layout = inspect(path)
             if args.json:
                 _print_json(layout.to_dict())
@@ -893,6 +910,8 @@ def _run(args: argparse.Namespace) -> None:
     elif verb == "offsets":
         path = _input_path(args.path, verb, directory=True)
         if _is_torch_zip_file(path):  # torch.save: storage keys, in at most 3 reads
+            from ckptlab.cli import storage_offsets  # this module's name (tests replace it)
+
             result = storage_offsets(path, scan=args.scan)
             if args.json:
                 _print_json({**result.to_dict(), "format": "torch-zip"})
@@ -923,7 +942,7 @@ def _run(args: argparse.Namespace) -> None:
         print(args.path)
     elif verb == "report":
         from ckptlab.checkpoint import open_checkpoint
-        from ckptlab.format import read_range
+        from ckptlab.format import ArchiveLayout, read_range
 
         path = _input_path(args.path, verb, directory=True)
         ck = open_checkpoint(path)  # the input first: a bad one fails before any plotting

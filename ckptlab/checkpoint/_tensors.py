@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from itertools import repeat
+from operator import attrgetter, itemgetter
 from typing import Any
 
 from ckptlab.checkpoint.model import Part, TensorEntry, span_nbytes, tensor_name
@@ -26,6 +28,11 @@ NJT = "torch.nested._internal.nested_tensor.NestedTensor"
 def entries_from_logical(logical: Iterable[Any], storages: dict[str, StorageInfo], file: str,
                          *, prefix: tuple[Any, ...] = ()) -> list[TensorEntry]:
     """:class:`TensorEntry` for each ``ScannedTensor``; parts located through ``storages``."""
+    logical = list(logical)
+    if logical and set(map(len, map(_PARTS, logical))) == {1}:
+        fast = _dense_entries(logical, storages, file, prefix)
+        if fast is not None:
+            return fast
     out = []
     for t in logical:
         parts = []
@@ -42,6 +49,50 @@ def entries_from_logical(logical: Iterable[Any], storages: dict[str, StorageInfo
                                tuple(parts), t.layout, t.requires_grad, t.is_parameter,
                                t.subclass, t.extra))
     return out
+
+
+_PARTS = attrgetter("parts")
+_INFO_FIELDS = attrgetter("storage_key", "dtype", "shape", "stride", "storage_offset")
+_TENSOR_FIELDS = attrgetter("path", "dtype", "shape", "stride", "kind", "layout",
+                            "requires_grad", "is_parameter", "subclass", "extra")
+
+
+def _dense_entries(logical: list[Any], storages: dict[str, StorageInfo], file: str,
+                   prefix: tuple[Any, ...]) -> list[TensorEntry] | None:
+    """:func:`entries_from_logical` when every tensor has one part with a storage (dense
+    tensors, the common case), built all at once; None for anything else."""
+    from ckptlab.format._bulk import build, gc_paused
+
+    count = len(logical)
+    roles, infos = zip(*map(itemgetter(0), map(_PARTS, logical)))
+    keys, dtypes, shapes, strides, offsets = zip(*map(_INFO_FIELDS, infos))
+    if not all(keys):
+        return None  # a meta tensor among them: no part
+    with gc_paused():
+        located = list(map(storages.__getitem__, keys))
+        itemsizes = list(map(DTYPE_ITEMSIZE.__getitem__, dtypes))
+        spans: dict[tuple[Any, ...], int] = {}
+        nbytes = []
+        for shape, stride, itemsize in zip(shapes, strides, itemsizes):
+            span = spans.get((shape, stride, itemsize))
+            if span is None:
+                span = spans[shape, stride, itemsize] = span_nbytes(shape, stride, itemsize)
+            nbytes.append(span)
+        parts = build(Part, count, roles, repeat(file),
+                      [s.data_offset + o * i for s, o, i in zip(located, offsets, itemsizes)],
+                      nbytes, dtypes, shapes, strides, offsets, keys)
+        (paths, t_dtypes, t_shapes, t_strides, kinds, layouts, grads, params, subclasses,
+         extras) = zip(*map(_TENSOR_FIELDS, logical))
+        if prefix:
+            paths = tuple((*prefix, *p) for p in paths)
+        try:  # tensor_name of every path; when they are all strings, in one map
+            if () in paths:
+                raise TypeError
+            names = list(map(".".join, paths))
+        except TypeError:
+            names = [".".join(map(str, p)) if p else "<root>" for p in paths]
+        return build(TensorEntry, count, names, paths, t_dtypes, t_shapes, t_strides, kinds,
+                     [(p,) for p in parts], layouts, grads, params, subclasses, extras)
 
 
 def unique_names(entries: Iterable[TensorEntry]) -> dict[str, TensorEntry]:

@@ -22,9 +22,12 @@ import collections
 import reprlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter, itemgetter
 from typing import Any
 
 from ckptlab.errors import CorruptArchiveError
+from ckptlab.format._bulk import build
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE, STORAGE_DTYPE, canonical_dtype
 from ckptlab.format._unpickle import (
     Global,
@@ -51,6 +54,24 @@ class StorageRef:
     location: str
     numel: int
     nbytes: int
+
+
+_SET_STORAGE_REF = tuple(getattr(StorageRef, f).__set__ for f in (
+    "key", "storage_type", "dtype", "location", "numel", "nbytes"))
+
+
+def _storage_ref(key: str, storage_type: str, dtype: str, location: str, numel: int,
+                 nbytes: int) -> StorageRef:
+    """``StorageRef(...)`` through its slots (one per new storage: a third of the time)."""
+    ref = object.__new__(StorageRef)
+    set_key, set_type, set_dtype, set_location, set_numel, set_nbytes = _SET_STORAGE_REF
+    set_key(ref, key)
+    set_type(ref, storage_type)
+    set_dtype(ref, dtype)
+    set_location(ref, location)
+    set_numel(ref, numel)
+    set_nbytes(ref, nbytes)
+    return ref
 
 
 _repr = reprlib.Repr()
@@ -179,10 +200,14 @@ class ScannedTensor:
 def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
     if isinstance(value, list):
         value = tuple(value)
-    if isinstance(value, tuple) and all(type(v) is int and v >= 0 for v in value):
-        if len(value) > 64:
-            raise _bad(f"tensor {what} has {len(value)} dimensions")
-        return value
+    if isinstance(value, tuple):
+        for v in value:  # a loop, not all(...): this runs twice per tensor
+            if type(v) is not int or v < 0:
+                break
+        else:
+            if len(value) > 64:
+                raise _bad(f"tensor {what} has {len(value)} dimensions")
+            return value
     raise _bad(f"tensor {what} is not a tuple of non-negative ints: {_short(value)}")
 
 
@@ -208,8 +233,10 @@ def _dense(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any
     strides = _int_tuple(stride, "stride")
     if len(shape) != len(strides):
         raise _bad(f"tensor shape {shape} and stride {strides} differ in length")
-    return _TensorRef(storage, _check_int(offset, "storage offset"), shape, strides,
-                      bool(requires_grad), dtype or storage.dtype)
+    if type(offset) is not int or offset < 0:
+        _check_int(offset, "storage offset")
+    return _TensorRef(storage, offset, shape, strides, requires_grad is True or (
+        requires_grad is not False and bool(requires_grad)), dtype or storage.dtype)
 
 
 def _layout_name(value: Any) -> str:
@@ -227,6 +254,7 @@ class _TorchHandlers:
         self.storages: dict[str, StorageRef] = {}
         self.storage_order: list[str] = []
         self.pending: list[_TensorRef] = []
+        self.storage_types: dict[int, tuple[Global, str, int]] = {}  # id -> (it, dtype, size)
 
     def table(self) -> dict[tuple[str, str], Any]:
         dense_v2 = self.rebuild_v2
@@ -270,17 +298,24 @@ class _TorchHandlers:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise _bad(f"unexpected persistent id {_short(pid)}")
         _, storage_type, key, location, numel = pid
-        if not (isinstance(storage_type, Global) and storage_type.module in (
-                "torch", "torch.storage") and storage_type.name in STORAGE_DTYPE):
-            raise _bad(f"persistent id names a non-storage type {_short(storage_type)}")
+        # storage classes seen before, by identity (the interpreter makes one Global per name)
+        known = self.storage_types.get(id(storage_type))
+        if known is None or known[0] is not storage_type:
+            if not (isinstance(storage_type, Global) and storage_type.module in (
+                    "torch", "torch.storage") and storage_type.name in STORAGE_DTYPE):
+                raise _bad(f"persistent id names a non-storage type {_short(storage_type)}")
+            dtype = STORAGE_DTYPE[storage_type.name]
+            known = self.storage_types[id(storage_type)] = (storage_type, dtype,
+                                                             DTYPE_ITEMSIZE[dtype])
         if not isinstance(key, str) or not isinstance(location, str):
             raise _bad(f"persistent id key/location are not strings: {_short(pid)}")
-        numel = _check_int(numel, "storage numel")
-        dtype = STORAGE_DTYPE[storage_type.name]
-        nbytes = numel * DTYPE_ITEMSIZE[dtype]
+        if type(numel) is not int or numel < 0:
+            _check_int(numel, "storage numel")
+        dtype = known[1]
+        nbytes = numel * known[2]
         ref = self.storages.get(key)
         if ref is None:
-            ref = StorageRef(key, storage_type.name, dtype, location, numel, nbytes)
+            ref = _storage_ref(key, storage_type.name, dtype, location, numel, nbytes)
             self.storages[key] = ref
             self.storage_order.append(key)
         elif ref.nbytes != nbytes:
@@ -297,6 +332,20 @@ class _TorchHandlers:
 
     def rebuild_v2(self, storage: Any = None, offset: Any = None, size: Any = None,
                    stride: Any = None, requires_grad: Any = False, *rest: Any) -> _TensorRef:
+        # what _dense checks, inline for the common case (one call per tensor saved)
+        if type(storage) is StorageRef and type(size) is tuple and type(stride) is tuple \
+                and len(size) == len(stride) <= 64 and type(offset) is int and offset >= 0 \
+                and (requires_grad is False or requires_grad is True):
+            for v in size:
+                if type(v) is not int or v < 0:
+                    break
+            else:
+                for v in stride:
+                    if type(v) is not int or v < 0:
+                        break
+                else:
+                    return _TensorRef(storage, offset, size, stride, requires_grad,
+                                      storage.dtype)
         return _dense(storage, offset, size, stride, requires_grad, None)
 
     def rebuild_v3(self, storage: Any = None, offset: Any = None, size: Any = None,
@@ -622,13 +671,16 @@ def _walk(root: Any) -> tuple[list[tuple[tuple[Any, ...], Any]],
     seen = {id(root)}
     path: list[Any] = []  # keys from the root to the container on top of the stack
     ids = [id(root)]
+    marked = 0  # how many of ids (from the root) are known to be in holds_tensor
     stack = [_children(root)]
     while stack:
         for key, value in stack[-1]:
             if isinstance(value, _TENSOR_REFS):
                 if not (isinstance(value, _TensorRef) and value.pending):
-                    found.append(((*path, _path_key(key)), value))
-                    holds_tensor.update(ids)
+                    found.append(((*path, key if type(key) is str else _path_key(key)), value))
+                    if marked < len(ids):
+                        holds_tensor.update(ids[marked:])
+                        marked = len(ids)
                 continue
             if isinstance(value, _CONTAINERS) and id(value) not in seen:
                 seen.add(id(value))
@@ -641,6 +693,7 @@ def _walk(root: Any) -> tuple[list[tuple[tuple[Any, ...], Any]],
         else:
             stack.pop()
             ids.pop()
+            marked = min(marked, len(ids))
             if path:
                 path.pop()
     if id(root) not in holds_tensor:
@@ -680,6 +733,38 @@ def _scanned(path: tuple[Any, ...], ref: Any) -> ScannedTensor:
                          False, ref.layout, parts, ref.subclass, tuple(ref.extra.items()))
 
 
+_DENSE_FIELDS = attrgetter("storage", "dtype", "shape", "stride", "storage_offset",
+                           "requires_grad", "is_parameter", "subclass")
+
+
+def _logical(found: list[tuple[tuple[Any, ...], Any]]
+             ) -> tuple[tuple[ScannedTensor, ...], tuple[TensorInfo, ...]]:
+    """:func:`_scanned` of every tensor found, and the storage-backed tensors among their parts.
+
+    Dense tensors (most checkpoints hold nothing else) are built all at once, field by field
+    (:func:`ckptlab.format._bulk.build`); anything else one by one.
+    """
+    if not found or set(map(type, map(itemgetter(1), found))) != {_TensorRef}:
+        logical = tuple(_scanned(p, ref) for p, ref in found)
+        return logical, tuple(info for t in logical for _, info in t.parts
+                              if info.storage_key or t.kind == "dense")
+    count = len(found)
+    paths, refs = zip(*found)
+    (storages, dtypes, shapes, strides, offsets, grads, params,
+     subclasses) = zip(*map(_DENSE_FIELDS, refs))
+    keys = [s.key if s is not None else "" for s in storages]
+    infos = build(TensorInfo, count, paths, keys, dtypes, shapes, strides, offsets, grads, params)
+    plain = not any(subclasses)
+    kinds = repeat("dense") if plain else ["subclass" if s else "dense" for s in subclasses]
+    logical = build(ScannedTensor, count, paths, kinds, dtypes, shapes, strides, grads, params,
+                    repeat("strided"), [(("data", info),) for info in infos], subclasses,
+                    repeat(()))
+    if plain:
+        return tuple(logical), tuple(infos)
+    return tuple(logical), tuple(info for info, s in zip(infos, subclasses)
+                                 if info.storage_key or not s)
+
+
 def scan_pickle(data: bytes, *, path: str = "<bytes>", record: str = "data.pkl",
                 data_offset: int = 0) -> PickleScan:
     """Interpret a torch pickle without importing or calling anything it names.
@@ -716,9 +801,7 @@ def scan_pickle(data: bytes, *, path: str = "<bytes>", record: str = "data.pkl",
                                   record=record, offset=data_offset + result.end,
                                   expected=f"{len(data)} bytes of pickle",
                                   actual=f"STOP at byte {result.end}")
-    logical = tuple(_scanned(p, ref) for p, ref in found)
-    tensors = tuple(info for t in logical for _, info in t.parts if info.storage_key or
-                    t.kind == "dense")
+    logical, tensors = _logical(found)
     storages = tuple(handlers.storages[k] for k in handlers.storage_order)
     return PickleScan(storages, tensors, result.protocol, tuple(result.globals), result.root,
                       logical, tuple(values))

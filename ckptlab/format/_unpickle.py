@@ -22,6 +22,12 @@ unpicklers, so every rule below holds by construction rather than by overriding 
   simple values (str, bytes, bounded ints, floats, bools, None, a :class:`Global`, or a small
   flat tuple of those) are wrapped in :class:`OpaqueKey`, which hashes by identity. Hashing a
   150,000-deep nested tuple would recurse in C and kill the process.
+- **torch's tensors at once, with the same outcome.** The ~28 opcodes torch writes for every
+  tensor (``_rebuild_tensor_v2`` of a persistent storage) are matched by one regular
+  expression and applied in one step (:meth:`_Machine.tensor_v2`), and a state dict's next
+  key with its tensor straight after (:meth:`_Machine.tensor_entries`): the same memo entries,
+  charges, handler calls and error offsets as the loop; whatever else the bytes are, the loop
+  reads them. ``interpret(..., fast_paths=False)`` turns it off (tests compare the two).
 
 Why not the standard library: the C unpickler sizes its memo from a ``LONG_BINPUT`` index and
 preallocates ``BINBYTES`` from the declared length (GBs from a 9-byte pickle), resolves EXT
@@ -32,8 +38,10 @@ is on the stack, and hashes dict keys of any depth; the pure-Python one shares t
 from __future__ import annotations
 
 import codecs
+import re
 import struct
 from collections.abc import Callable
+from itertools import compress
 from typing import Any
 
 __all__ = [
@@ -137,6 +145,7 @@ class _Position(Exception):
 
 
 _SIMPLE_KEYS = frozenset({str, bytes, float, bool, type(None), Global})
+_STR_ONLY = frozenset({str})
 _CONTAINER_TYPES = (tuple, list, dict, set, frozenset)
 _unpack_i = struct.Struct("<i").unpack_from
 _unpack_I = struct.Struct("<I").unpack_from
@@ -144,6 +153,90 @@ _unpack_H = struct.Struct("<H").unpack_from
 _unpack_Q = struct.Struct("<Q").unpack_from
 _unpack_d = struct.Struct(">d").unpack_from
 _INT64 = 1 << 64
+
+
+_NOTHING = object()  # never on the stack nor in the memo
+_FAST_GLOBALS = (("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict"))
+_ERRORS = (PickleDataError, UnicodeDecodeError, RecursionError, MemoryError)
+
+
+def _position(at: int, exc: BaseException) -> _Position:
+    """An error of the loop, as a :class:`PickleDataError` at the offset of opcode ``at``."""
+    if isinstance(exc, PickleDataError):
+        return _Position(at, exc)
+    if isinstance(exc, UnicodeDecodeError):
+        return _Position(at, PickleDataError(f"a string is not valid UTF-8: {exc.reason} "
+                                             f"at byte {exc.start}"))
+    if isinstance(exc, RecursionError):
+        return _Position(at, PickleDataError("objects nested too deeply"))
+    return _Position(at, PickleBudgetError("out of memory interpreting the pickle"))
+
+
+# torch's tensor, after the _rebuild_tensor_v2 global (see _Machine.tensor_v2); the groups are
+# the opcodes whose arguments vary, and the three opcodes whose offsets errors report
+_GET = rb"(h.|j.{4})"
+_PUT = rb"(q.|r.{4})?"
+_INT = rb"(K.|M.{2}|J.{4})"
+_I = rb"(?:K.|M.{2}|J.{4})"
+_TUPLE = rb"(\)|" + _I + rb"\x85|" + _I * 2 + rb"\x86|" + _I * 3 + rb"\x87|\(" + _I + rb"*t)"
+_TENSOR_V2_OPS = (
+    rb"\(\(" + _GET + _GET  # MARK MARK 'storage' <storage class>
+    + rb"(X[\x01-\x14]\x00\x00\x00[0-9]+|h.|j.{4})" + _PUT  # storage key
+    + _GET + _INT + rb"t" + _PUT  # location, numel, TUPLE: the persistent id
+    + rb"(Q)" + _INT  # BINPERSID, storage offset
+    + _TUPLE + _PUT + _TUPLE + _PUT  # size, stride
+    + rb"([\x88\x89])" + _GET + rb"\)(R)" + _PUT  # requires_grad, OrderedDict()
+    + rb"t" + _PUT + rb"(R)" + _PUT  # TUPLE REDUCE
+)
+_TENSOR_V2 = re.compile(_TENSOR_V2_OPS, re.DOTALL).match
+# a state dict entry: after the key string, its BINPUT and the BINGET of the global
+_ENTRY_V2 = re.compile(_PUT + _GET + _TENSOR_V2_OPS, re.DOTALL).match
+
+
+def _put_runs(nbytes: int, code: int) -> dict[int, tuple[int, int]]:
+    """``count -> (base, step)``: ``count`` BINPUTs (``nbytes`` each, index after the opcode)
+    storing indices n, n+1, ... read as one little-endian int are ``base + n * step``."""
+    out = {}
+    for count in range(1, 9):
+        base = sum((code + (k << 8)) << (8 * nbytes * k) for k in range(count))
+        step = sum(1 << (8 * nbytes * k + 8) for k in range(count))
+        out[count] = base, step
+    return out
+
+
+_SHORT_PUTS = _put_runs(2, 0x71)  # BINPUT
+_LONG_PUTS = _put_runs(5, 0x72)  # LONG_BINPUT
+
+
+def _memo_index(op: bytes) -> int:
+    """The index of a BINGET / LONG_BINGET (or BINPUT / LONG_BINPUT) opcode."""
+    return op[1] if len(op) == 2 else _unpack_I(op, 1)[0]
+
+
+def _small_int(op: bytes) -> tuple[int, int]:
+    """BININT1 / BININT2 / BININT ``op``: (value, charge)."""
+    code = op[0]
+    if code == 0x4B:
+        return op[1], 16
+    if code == 0x4D:
+        return _unpack_H(op, 1)[0], 48
+    return _unpack_i(op, 1)[0], 48
+
+
+def _int_tuple_op(op: bytes) -> tuple[tuple[int, ...], int]:
+    """A tuple of ints as :data:`_TENSOR_V2` matched it: (value, what the loop charges)."""
+    if op == b")":
+        return (), 16
+    values = []
+    cost = 0
+    i = 1 if op[0] == 0x28 else 0
+    end = len(op) - 1
+    while i < end:
+        value, charge = _small_int(op[i:i + 5])
+        values.append(value)
+        cost += charge
+        i += 2 if op[i] == 0x4B else 3 if op[i] == 0x4D else 5
+    return tuple(values), cost + 72 + 8 * len(values) + (88 if op[0] == 0x28 else 0)
 
 
 def _key(value: Any, cache: dict[int, tuple[Any, Any]]) -> Any:
@@ -172,7 +265,8 @@ def interpret(data: bytes | bytearray | memoryview, *,
               handlers: dict[tuple[str, str], Handler] | None = None,
               persistent_load: Callable[[Any], Any] | None = None,
               buildable: tuple[type, ...] = (),
-              memory_per_byte: int = MEMORY_PER_BYTE) -> Interpretation:
+              memory_per_byte: int = MEMORY_PER_BYTE,
+              fast_paths: bool = True) -> Interpretation:
     """Interpret one pickle without importing or running anything it names.
 
     Parameters
@@ -191,6 +285,11 @@ def interpret(data: bytes | bytearray | memoryview, *,
         ``ckptlab_build(state)``.
     memory_per_byte
         Memory budget per input byte.
+    fast_paths
+        Interpret torch's tensor rebuild calls (``_rebuild_tensor_v2`` with a storage) at
+        once when their bytes are exactly what torch writes (:meth:`_Machine.tensor_v2`); the
+        result, the memo, the budget and any error are the same as one opcode at a time
+        (False: always one at a time, for tests that compare the two).
 
     Raises
     ------
@@ -199,7 +298,7 @@ def interpret(data: bytes | bytearray | memoryview, *,
     """
     view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
     machine = _Machine(view, handlers or {}, persistent_load, buildable,
-                       max(MEMORY_FLOOR, memory_per_byte * len(view)))
+                       max(MEMORY_FLOOR, memory_per_byte * len(view)), fast_paths)
     try:
         return machine.run()
     except _Position as where:
@@ -231,21 +330,28 @@ class _Machine:
         "budget",
         "buildable",
         "data",
+        "fast_global",
+        "fast_handler",
+        "fast_paths",
         "globals",
         "handlers",
+        "indices",
         "keycache",
         "memo",
         "memo_sparse",
         "n",
+        "odict_global",
+        "odict_handler",
         "persistent",
         "pos",
         "proto",
         "seen_globals",
+        "tuples",
     )
 
     def __init__(self, data: Any, handlers: dict[tuple[str, str], Handler],
                  persistent: Callable[[Any], Any] | None, buildable: tuple[type, ...],
-                 budget: int) -> None:
+                 budget: int, fast_paths: bool = True) -> None:
         self.data = data
         self.n = len(data)
         self.pos = 0
@@ -259,14 +365,20 @@ class _Machine:
         self.seen_globals: list[str] = []
         self.keycache: dict[int, tuple[Any, Any]] = {}
         self.proto = 0
+        # the fast path for torch's tensors (tensor_v2): set when the globals it calls are seen
+        self.fast_paths = fast_paths
+        self.fast_global: Any = _NOTHING
+        self.fast_handler: Handler | None = None
+        self.odict_global: Any = _NOTHING
+        self.odict_handler: Handler | None = None
+        self.tuples: dict[bytes, tuple[tuple[int, ...], int]] = {}  # tuple opcodes -> value
+        self.indices: dict[Any, Any] = {}  # BINGET opcodes -> memo indices
 
     # -- helpers ------------------------------------------------------------------------
     def charge(self, nbytes: int) -> None:
         self.budget -= nbytes
         if self.budget < 0:
-            raise PickleBudgetError(
-                f"the pickle would need more than {MEMORY_PER_BYTE} bytes of memory per byte "
-                f"of input ({self.n:,} bytes in, budget exceeded); ckptlab refuses it")
+            raise self.over_budget()
 
     def take(self, nbytes: int, what: str) -> Any:
         start = self.pos
@@ -315,6 +427,13 @@ class _Machine:
             self.charge(320 + 4 * (len(module) + len(name)))
             found = self.globals[key] = Global(module, name)
             self.seen_globals.append(f"{module}.{name}")
+            if self.fast_paths and key in _FAST_GLOBALS:
+                handler = self.handlers.get(key)
+                if handler is not None and key == _FAST_GLOBALS[0]:
+                    if self.persistent is not None:
+                        self.fast_global, self.fast_handler = found, handler
+                elif handler is not None:
+                    self.odict_global, self.odict_handler = found, handler
         return found
 
     def call(self, func: Any, args: Any, kwargs: Any = None) -> Any:
@@ -341,6 +460,10 @@ class _Machine:
             raise PickleDataError("SETITEMS with an odd number of items")
         self.charge(64 * (len(flat) // 2 + 1))
         if isinstance(target, dict):
+            keys = flat[::2]
+            if set(map(type, keys)) <= _STR_ONLY:  # a state dict: string keys, as they are
+                target.update(zip(keys, flat[1::2]))
+                return
             cache = self.keycache
             for i in range(0, len(flat), 2):
                 target[_key(flat[i], cache)] = flat[i + 1]
@@ -390,6 +513,11 @@ class _Machine:
             raise PickleDataError(f"not an int: {text[:40]!r}") from None
 
     # -- the loop -----------------------------------------------------------------------
+    def over_budget(self) -> PickleBudgetError:
+        return PickleBudgetError(
+            f"the pickle would need more than {MEMORY_PER_BYTE} bytes of memory per byte "
+            f"of input ({self.n:,} bytes in, budget exceeded); ckptlab refuses it")
+
     def run(self) -> Interpretation:
         data = self.data
         n = self.n
@@ -397,7 +525,9 @@ class _Machine:
         metastack: list[list[Any]] = []
         push = stack.append
         memo = self.memo
-        charge = self.charge
+        # the budget lives in a local in the loop; methods that charge get it through
+        # self.budget (synced around their calls)
+        budget = self.budget
         pos = 0
         op = 0
         try:
@@ -407,29 +537,7 @@ class _Machine:
                 op = pos
                 code = data[pos]
                 pos += 1
-                self.pos = pos
-                # the hot opcodes of torch pickles first
-                if code == 0x71:  # BINPUT
-                    if pos >= n:
-                        raise PickleDataError("BINPUT without its index")
-                    idx = data[pos]
-                    pos += 1
-                    if not stack:
-                        raise PickleDataError("BINPUT with an empty stack")
-                    if idx == len(memo):
-                        memo.append(stack[-1])
-                        charge(16)
-                    else:
-                        self.memo_put(idx, stack[-1])
-                    continue
-                if code == 0x68:  # BINGET
-                    if pos >= n:
-                        raise PickleDataError("BINGET without its index")
-                    idx = data[pos]
-                    pos += 1
-                    push(memo[idx] if idx < len(memo) else self.memo_get(idx))
-                    charge(16)
-                    continue
+                # the hot opcodes of torch pickles first (LONG_* once the memo passes 256)
                 if code == 0x58:  # BINUNICODE
                     if pos + 4 > n:
                         raise PickleDataError("BINUNICODE without its length")
@@ -438,22 +546,79 @@ class _Machine:
                     if pos + length > n:
                         raise PickleDataError(
                             f"BINUNICODE declares {length:,} bytes but only {n - pos:,} are left")
-                    push(str(data[pos:pos + length], "utf-8", "surrogatepass"))
+                    text = str(data[pos:pos + length], "utf-8", "surrogatepass")
+                    push(text)
                     pos += length
-                    charge(96 + 4 * length)
+                    budget -= 96 + 4 * length
+                    if budget < 0:
+                        raise self.over_budget()
+                    if self.fast_handler is not None:  # a state dict's key and its tensor?
+                        done = self.tensor_entries(pos, budget, text, push)
+                        if done is not None:
+                            pos, budget, op = done
+                    continue
+                if code == 0x72 or code == 0x71:  # LONG_BINPUT / BINPUT
+                    if code == 0x71:
+                        if pos >= n:
+                            raise PickleDataError("BINPUT without its index")
+                        idx = data[pos]
+                        pos += 1
+                        if not stack:
+                            raise PickleDataError("BINPUT with an empty stack")
+                    else:
+                        if pos + 4 > n:
+                            raise PickleDataError("LONG_BINPUT without its index")
+                        (idx,) = _unpack_I(data, pos)
+                        pos += 4
+                        if not stack:
+                            raise PickleDataError("LONG_BINPUT with an empty stack")
+                    if idx == len(memo):
+                        memo.append(stack[-1])
+                        budget -= 16
+                        if budget < 0:
+                            raise self.over_budget()
+                    else:
+                        self.budget = budget
+                        self.memo_put(idx, stack[-1])
+                        budget = self.budget
+                    continue
+                if code == 0x6A or code == 0x68:  # LONG_BINGET / BINGET
+                    if code == 0x68:
+                        if pos >= n:
+                            raise PickleDataError("BINGET without its index")
+                        idx = data[pos]
+                        pos += 1
+                    else:
+                        if pos + 4 > n:
+                            raise PickleDataError("LONG_BINGET without its index")
+                        (idx,) = _unpack_I(data, pos)
+                        pos += 4
+                    value = memo[idx] if idx < len(memo) else self.memo_get(idx)
+                    push(value)
+                    budget -= 16
+                    if budget < 0:
+                        raise self.over_budget()
+                    if value is self.fast_global:  # torch's tensor rebuild: try the fast path
+                        done = self.tensor_v2(pos, budget)
+                        if done is not None:
+                            pos, budget, stack[-1], op = done
                     continue
                 if code == 0x4B:  # BININT1
                     if pos >= n:
                         raise PickleDataError("BININT1 without its value")
                     push(data[pos])
                     pos += 1
-                    charge(16)
+                    budget -= 16
+                    if budget < 0:
+                        raise self.over_budget()
                     continue
                 if code == 0x28:  # MARK
                     metastack.append(stack)
                     stack = []
                     push = stack.append
-                    charge(88)
+                    budget -= 88
+                    if budget < 0:
+                        raise self.over_budget()
                     continue
                 if code == 0x74:  # TUPLE
                     if not metastack:
@@ -462,7 +627,9 @@ class _Machine:
                     stack = metastack.pop()
                     push = stack.append
                     push(items)
-                    charge(72 + 8 * len(items))
+                    budget -= 72 + 8 * len(items)
+                    if budget < 0:
+                        raise self.over_budget()
                     continue
                 if code == 0x85 or code == 0x86 or code == 0x87:  # TUPLE1/2/3
                     k = code - 0x84
@@ -471,43 +638,45 @@ class _Machine:
                     items = tuple(stack[-k:])
                     del stack[-k:]
                     push(items)
-                    charge(72 + 8 * k)
+                    budget -= 72 + 8 * k
+                    if budget < 0:
+                        raise self.over_budget()
                     continue
                 if code == 0x52:  # REDUCE
                     if len(stack) < 2:
                         raise PickleDataError("REDUCE with fewer than two items on the stack")
                     args = stack.pop()
-                    self.pos = pos
+                    self.budget = budget
                     stack[-1] = self.call(stack[-1], args)
+                    budget = self.budget
                     continue
                 if code == 0x51:  # BINPERSID
                     if not stack:
                         raise PickleDataError("BINPERSID with an empty stack")
                     if self.persistent is None:
                         raise PickleDataError("a persistent id where none is expected")
-                    self.pos = pos
                     stack[-1] = self.persistent(stack[-1])
-                    charge(160)
-                    continue
-                if code == 0x63:  # GLOBAL
-                    self.pos = pos
-                    module = self.line("GLOBAL module")
-                    name = self.line("GLOBAL name")
-                    pos = self.pos
-                    push(self.global_(module, name))
-                    charge(16)
+                    budget -= 160
+                    if budget < 0:
+                        raise self.over_budget()
                     continue
                 if code == 0x89 or code == 0x88:  # NEWFALSE / NEWTRUE
                     push(code == 0x88)
-                    charge(16)
+                    budget -= 16
+                    if budget < 0:
+                        raise self.over_budget()
                     continue
                 if code == 0x29:  # EMPTY_TUPLE
                     push(())
-                    charge(16)
+                    budget -= 16
+                    if budget < 0:
+                        raise self.over_budget()
                     continue
                 if code == 0x7D:  # EMPTY_DICT
                     push({})
-                    charge(96)
+                    budget -= 96
+                    if budget < 0:
+                        raise self.over_budget()
                     continue
                 if code == 0x75:  # SETITEMS
                     if not metastack:
@@ -517,65 +686,237 @@ class _Machine:
                     push = stack.append
                     if not stack:
                         raise PickleDataError("SETITEMS with nothing to set items on")
+                    self.budget = budget
                     self.setitems(stack[-1], items)
+                    budget = self.budget
                     continue
-                if code == 0x72:  # LONG_BINPUT
-                    if pos + 4 > n:
-                        raise PickleDataError("LONG_BINPUT without its index")
-                    (idx,) = _unpack_I(data, pos)
-                    pos += 4
-                    if not stack:
-                        raise PickleDataError("LONG_BINPUT with an empty stack")
-                    self.memo_put(idx, stack[-1])
-                    continue
-                if code == 0x6A:  # LONG_BINGET
-                    if pos + 4 > n:
-                        raise PickleDataError("LONG_BINGET without its index")
-                    (idx,) = _unpack_I(data, pos)
-                    pos += 4
-                    push(self.memo_get(idx))
-                    charge(16)
+                if code == 0x63:  # GLOBAL
+                    self.pos = pos
+                    module = self.line("GLOBAL module")
+                    name = self.line("GLOBAL name")
+                    pos = self.pos
+                    self.budget = budget
+                    push(self.global_(module, name))
+                    budget = self.budget - 16
+                    if budget < 0:
+                        raise self.over_budget()
                     continue
                 if code == 0x94:  # MEMOIZE
                     if not stack:
                         raise PickleDataError("MEMOIZE with an empty stack")
                     memo.append(stack[-1])
-                    charge(16)
+                    budget -= 16
+                    if budget < 0:
+                        raise self.over_budget()
                     continue
                 if code == 0x4D:  # BININT2
                     if pos + 2 > n:
                         raise PickleDataError("BININT2 without its value")
                     push(_unpack_H(data, pos)[0])
                     pos += 2
-                    charge(48)
+                    budget -= 48
+                    if budget < 0:
+                        raise self.over_budget()
                     continue
                 if code == 0x4A:  # BININT
                     if pos + 4 > n:
                         raise PickleDataError("BININT without its value")
                     push(_unpack_i(data, pos)[0])
                     pos += 4
-                    charge(48)
+                    budget -= 48
+                    if budget < 0:
+                        raise self.over_budget()
                     continue
                 if code == 0x2E:  # STOP
                     if len(stack) != 1 or metastack:
                         raise PickleDataError(
                             f"STOP with {len(stack)} objects on the stack and "
                             f"{len(metastack)} open MARKs")
+                    self.budget = budget
                     return Interpretation(stack[0], self.proto, self.seen_globals, pos)
                 # everything else, less frequent in checkpoints
                 self.pos = pos
+                self.budget = budget
                 stack, push = self.rare(code, stack, metastack)
                 pos = self.pos
-        except PickleDataError as exc:
-            raise _Position(op, exc) from None
-        except UnicodeDecodeError as exc:
-            raise _Position(op, PickleDataError(f"a string is not valid UTF-8: {exc.reason} "
-                                                f"at byte {exc.start}")) from None
-        except RecursionError:
-            raise _Position(op, PickleDataError("objects nested too deeply")) from None
-        except MemoryError:
-            raise _Position(op, PickleBudgetError("out of memory interpreting the pickle")) \
-                from None
+                budget = self.budget
+        except _ERRORS as exc:
+            raise _position(op, exc) from None
+
+    def tensor_v2(self, pos: int, budget: int, after_key: Any = _NOTHING
+                  ) -> tuple[int, int, Any, int] | None:
+        """torch's ``_rebuild_tensor_v2`` call at ``pos``, interpreted at once.
+
+        torch writes every tensor as the same ~28 opcodes (:data:`_TENSOR_V2`): MARK MARK,
+        the persistent id tuple and BINPERSID, offset, size and stride tuples, requires_grad,
+        an empty ``OrderedDict()`` of hooks, TUPLE and REDUCE, with a BINPUT after each new
+        object. ``pos`` is just after the BINGET of the ``_rebuild_tensor_v2`` global, or just
+        after the string ``after_key`` (a state dict's key), where :data:`_ENTRY_V2` also takes
+        the string's BINPUT and that BINGET. When the bytes are exactly that, with every BINGET
+        reading an index stored before and the BINPUTs appending to the memo in order, this
+        does what the loop would: the same memo entries, the same charges, the same
+        ``persistent_load`` and handler calls in the same order, errors at the same opcode
+        offsets. Anything else (a first GLOBAL inside, other memo indices, a budget that could
+        run out inside, metadata after the hooks) returns None and the loop reads the bytes one
+        opcode at a time. Returns where to go on, the budget left, the tensor and the offset of
+        the last opcode taken.
+        """
+        memo = self.memo
+        n = len(memo)
+        indices = self.indices
+        if after_key is not _NOTHING:
+            m = _ENTRY_V2(self.data, pos)
+            if m is None:
+                return None
+            (p_first, get, g_storage, g_type, key_op, p_key, g_location, i_numel, p_pid, _,
+             i_offset, t_size, p_size, t_stride, p_stride, grad, g_hooks, _, p_hooks, p_args,
+             _, p_result) = m.groups()
+            idx = indices.get(get)
+            if idx is None:
+                idx = indices[get] = _memo_index(get)
+            if idx >= n or memo[idx] is not self.fast_global:
+                return None
+            puts: tuple[Any, ...] = (p_first, p_key, p_pid, p_size, p_stride, p_hooks, p_args,
+                                     p_result)
+            marks = 10, 18, 21  # groups of BINPERSID and the two REDUCEs
+            cost = 16  # the BINGET of the global
+        else:
+            m = _TENSOR_V2(self.data, pos)
+            if m is None:
+                return None
+            (g_storage, g_type, key_op, p_key, g_location, i_numel, p_pid, _, i_offset, t_size,
+             p_size, t_stride, p_stride, grad, g_hooks, _, p_hooks, p_args, _,
+             p_result) = m.groups()
+            puts = (p_key, p_pid, p_size, p_stride, p_hooks, p_args, p_result)
+            marks = 8, 16, 19
+            cost = 0
+        # the BINGETs read indices stored before this tensor (else the loop does it)
+        gets = (g_storage, g_type, g_location, g_hooks)
+        where = indices.get(gets)  # type: ignore[call-overload]
+        if where is None:
+            where = indices[gets] = tuple(map(_memo_index, gets))  # type: ignore[index]
+        if max(where) >= n:
+            return None  # a sparse or missing index: the loop handles (or reports) it
+        if key_op[0] == 0x58:
+            digits = key_op[5:]
+            if len(digits) != key_op[1]:
+                return None  # the declared length splits the bytes elsewhere
+            key = digits.decode("ascii")
+            cost += 96 + 4 * len(digits)
+        else:
+            idx = _memo_index(key_op)
+            if idx >= n:
+                return None
+            key = memo[idx]
+            cost += 16
+        # the BINPUTs append to the memo in order (else the loop does what they say)
+        count = len(puts)
+        if None in puts:
+            count -= puts.count(None)
+            joined = b"".join(filter(None, puts))
+        else:
+            joined = b"".join(puts)
+        if len(joined) == 5 * count:
+            base, step = _LONG_PUTS[count]
+        elif len(joined) == 2 * count and n + count <= 256:
+            base, step = _SHORT_PUTS[count]
+        else:
+            return None
+        if int.from_bytes(joined, "little") != base + n * step:
+            return None
+        if i_numel[0] == 0x4B:
+            numel = i_numel[1]
+            cost += 16
+        else:
+            numel = _small_int(i_numel)[0]
+            cost += 48
+        if i_offset[0] == 0x4B:
+            offset = i_offset[1]
+            cost += 16
+        else:
+            offset = _small_int(i_offset)[0]
+            cost += 48
+        tuples = self.tuples
+        size = tuples.get(t_size)
+        if size is None:
+            size = tuples[t_size] = _int_tuple_op(t_size)
+        stride = tuples.get(t_stride)
+        if stride is None:
+            stride = tuples[t_stride] = _int_tuple_op(t_stride)
+        # MARK MARK, 4 BINGETs, TUPLE of 5, BINPERSID, requires_grad, EMPTY_TUPLE, TUPLE of 6,
+        # two REDUCEs, a memo slot per BINPUT
+        cost += 1304 + size[1] + stride[1] + 16 * count
+        if budget < cost:
+            return None  # the loop finds the opcode where it runs out
+        budget -= cost
+        hooks_func = memo[where[3]]
+        pid = (memo[where[0]], memo[where[1]], key, memo[where[2]], numel)
+        size = (*size[0],)  # a tuple of its own, as the loop would build
+        stride = (*stride[0],)
+        stage = 0
+        try:
+            ref = self.persistent(pid)  # type: ignore[misc]
+            stage = 1
+            if hooks_func is self.odict_global:
+                hooks = self.odict_handler()  # type: ignore[misc]
+            else:
+                self.budget = budget + 320  # call() charges its REDUCE again
+                hooks = self.call(hooks_func, ())
+                budget = self.budget
+            args = (ref, offset, size, stride, grad == b"\x88", hooks)
+            stage = 2
+            result = self.fast_handler(*args)  # type: ignore[misc]
+        except TypeError as exc:  # in a handler call() makes: what call() says of it
+            if stage == 0:
+                raise
+            func = hooks_func if stage == 1 else self.fast_global
+            raise _position(m.start(marks[stage]), PickleDataError(
+                f"{func.qualname} called with {0 if stage == 1 else 6} arguments it does not "
+                f"take ({str(exc)[:120]})")) from None
+        except _ERRORS as exc:
+            raise _position(m.start(marks[stage]), exc) from None
+        if after_key is _NOTHING:
+            values: Any = (key, pid, size, stride, hooks, args, result)
+        else:
+            values = (after_key, key, pid, size, stride, hooks, args, result)
+        memo.extend(values if count == len(puts) else compress(values, puts))
+        # the last opcode taken (the loop reports a pickle ending without STOP there)
+        last = m.start(marks[2] + 1) if p_result is not None else m.start(marks[2])
+        return m.end(), budget, result, last
+
+    def tensor_entries(self, pos: int, budget: int, key: str, push: Callable[[Any], None]
+                       ) -> tuple[int, int, int] | None:
+        """State dict entries from ``pos``, just after the string ``key``: each tensor (see
+        :meth:`tensor_v2`) is pushed after its key, then the next key string is taken as
+        BINUNICODE would, and so on while the bytes are that. Returns where the loop goes on
+        (after a tensor, or after a key whose tensor is not the template), the budget left and
+        the offset of the last opcode taken; None when the first tensor is not the template.
+        """
+        data = self.data
+        n = self.n
+        done = self.tensor_v2(pos, budget, key)
+        if done is None:
+            return None
+        while True:
+            pos, budget, result, last = done
+            push(result)
+            # the next entry's key: a BINUNICODE the loop would take the same way
+            if pos + 5 > n or data[pos] != 0x58:
+                return pos, budget, last
+            (length,) = _unpack_I(data, pos + 1)
+            start = pos + 5
+            cost = 96 + 4 * length
+            if start + length > n or budget < cost:
+                return pos, budget, last  # the loop reports it at this opcode
+            try:
+                key = str(data[start:start + length], "utf-8", "surrogatepass")
+            except UnicodeDecodeError:
+                return pos, budget, last
+            push(key)
+            budget -= cost
+            done = self.tensor_v2(start + length, budget, key)
+            if done is None:
+                return start + length, budget, pos
 
     def rare(self, code: int, stack: list[Any], metastack: list[list[Any]]
              ) -> tuple[list[Any], Any]:

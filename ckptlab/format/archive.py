@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import operator
 import string
 import zlib
+from operator import attrgetter
+from typing import Any
 
 from ckptlab.errors import CorruptArchiveError, UnsupportedFormatError
 from ckptlab.format import _zip
+from ckptlab.format._bulk import build, gc_paused
 from ckptlab.format._pickle import PickleScan, scan_pickle
 from ckptlab.format._source import ByteSource
 from ckptlab.format.layout import ArchiveLayout, Record, Segment, SegmentKind, StorageInfo
@@ -19,6 +24,9 @@ _MAX_SMALL_RECORD = 64
 
 def largest_alignment(offsets: list[int], cap: int = 4096) -> int:
     """Largest power of two <= cap dividing every offset (cap when there is none)."""
+    if cap > 0 and cap & (cap - 1) == 0:
+        bits = functools.reduce(operator.or_, offsets, 0)  # the lowest set bit of any offset
+        return cap if bits == 0 else min(cap, bits & -bits)
     alignment = cap
     for off in offsets:
         while off % alignment:
@@ -28,6 +36,12 @@ def largest_alignment(offsets: list[int], cap: int = 4096) -> int:
 
 def read_central_directory(src: ByteSource) -> tuple[_zip.Trailer, list[_zip.CentralEntry]]:
     """Trailer and central directory, in one or two reads."""
+    trailer, cdir = read_central_directory_columns(src)
+    return trailer, cdir.entries
+
+
+def read_central_directory_columns(src: ByteSource) -> tuple[_zip.Trailer, _zip.CentralDirectory]:
+    """:func:`read_central_directory` with the entries also as columns."""
     window = _zip.tail_window(src.nbytes)
     tail_offset = src.nbytes - window
     tail = src.read(tail_offset, window, what="zip trailer")
@@ -41,7 +55,7 @@ def read_central_directory(src: ByteSource) -> tuple[_zip.Trailer, list[_zip.Cen
         head = src.read(trailer.cd_offset, tail_offset - trailer.cd_offset,
                         what="central directory")
         cd = head + tail[: trailer.cd_offset + trailer.cd_nbytes - tail_offset]
-    return trailer, _zip.parse_central_directory(cd, trailer, src.name)
+    return trailer, _zip.central_directory(cd, trailer, src.name)
 
 
 def fold_name(name: str) -> str:
@@ -57,13 +71,81 @@ def fold_name(name: str) -> str:
 _ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
 
 
-def archive_prefix(entries: list[_zip.CentralEntry], path: str) -> str:
+def fold_names(names: list[str]) -> list[str]:
+    """:func:`fold_name` of every name (ASCII names lowercased in one call)."""
+    joined = "\n".join(names)
+    if joined.isascii() and joined.count("\n") == len(names) - 1:
+        return joined.lower().split("\n") if names else []
+    return [name.translate(_ASCII_LOWER) for name in names]
+
+
+def archive_prefix(entries: list[_zip.CentralEntry] | _zip.CentralDirectory, path: str) -> str:
     """The archive prefix of a torch.save zip; other zips raise UnsupportedFormatError.
 
     Refuses (:class:`CorruptArchiveError`) names that only differ in case (torch's lookups
     ignore ASCII case, so which one it reads is up to its search), and a data.pkl outside the
     first record's directory (torch takes the archive name from the first record).
     """
+    if isinstance(entries, _zip.CentralDirectory):
+        cdir = entries
+        names = cdir.names
+    else:
+        names = [e.name for e in entries]
+        cdir = _zip.CentralDirectory(entries, names)
+    folded = fold_names(names)
+    if len(set(folded)) != len(folded):
+        _refuse_duplicates(cdir.entries, path)
+    # the names one per line (when none holds a newline): the checks below are substring
+    # searches over that text instead of a Python loop over every name
+    joined = "\n".join(names)
+    if joined.count("\n") == len(names) - 1:
+        torchscript = any(short == "constants.pkl" for short in _lines_with(
+            joined, "constants.pkl", short=True)) or any(
+            short.startswith("code/") for short in _lines_with(joined, "code/", short=True))
+        pkl = [name for name in _lines_with(joined, "data.pkl")
+               if name.endswith("/data.pkl") or name == "data.pkl"]
+    else:
+        shorts = {name.split("/", 1)[1] if "/" in name else name for name in names}
+        torchscript = "constants.pkl" in shorts or any(s.startswith("code/") for s in shorts)
+        pkl = [name for name in names if name.endswith("/data.pkl") or name == "data.pkl"]
+    if torchscript:
+        raise UnsupportedFormatError(
+            "a TorchScript archive (torch.jit.save); inspect a torch.save checkpoint, or load it "
+            "with torch.jit.load", path=path)
+    if not pkl:
+        raise UnsupportedFormatError(
+            f"a zip archive without data.pkl ({len(names)} entries), not a torch.save "
+            "checkpoint", path=path)
+    if len(pkl) > 1:
+        raise UnsupportedFormatError(f"a zip archive with {len(pkl)} data.pkl records", path=path)
+    prefix = pkl[0][: -len("data.pkl")].rstrip("/")
+    first = names[0]
+    if "/" in first and fold_name(first.split("/", 1)[0]) != fold_name(prefix):
+        raise UnsupportedFormatError(
+            f"data.pkl is under {prefix + '/'!r} but the first record is {first!r}: torch "
+            "takes the archive name from the first record and would not find this data.pkl",
+            path=path, record=pkl[0], offset=cdir.entry(0).entry_offset)
+    return prefix
+
+
+def _lines_with(joined: str, needle: str, *, short: bool = False) -> list[str]:
+    """The lines of ``joined`` that contain ``needle``, in order (found by substring search,
+    which skips the lines without it in C); with ``short``, each without its first
+    ``/``-separated part, as :func:`archive_prefix` compares them."""
+    out = []
+    at = joined.find(needle)
+    while at >= 0:
+        start = joined.rfind("\n", 0, at) + 1
+        end = joined.find("\n", at)
+        end = len(joined) if end < 0 else end
+        line = joined[start:end]
+        out.append(line.split("/", 1)[1] if short and "/" in line else line)
+        at = joined.find(needle, end)
+    return out
+
+
+def _refuse_duplicates(entries: list[_zip.CentralEntry], path: str) -> None:
+    """Raise for the first record whose folded name was seen before (see archive_prefix)."""
     seen: dict[str, _zip.CentralEntry] = {}
     for e in entries:
         key = fold_name(e.name)
@@ -76,26 +158,6 @@ def archive_prefix(entries: list[_zip.CentralEntry], path: str) -> str:
                 f"{first.entry_offset}): torch's reader ignores ASCII case and could read "
                 "either", path=path, record=e.name, offset=e.entry_offset)
         seen[key] = e
-    shorts = {e.name.split("/", 1)[1] if "/" in e.name else e.name for e in entries}
-    if "constants.pkl" in shorts or any(s.startswith("code/") for s in shorts):
-        raise UnsupportedFormatError(
-            "a TorchScript archive (torch.jit.save); inspect a torch.save checkpoint, or load it "
-            "with torch.jit.load", path=path)
-    pkl = [e.name for e in entries if e.name.endswith("/data.pkl") or e.name == "data.pkl"]
-    if not pkl:
-        raise UnsupportedFormatError(
-            f"a zip archive without data.pkl ({len(entries)} entries), not a torch.save "
-            "checkpoint", path=path)
-    if len(pkl) > 1:
-        raise UnsupportedFormatError(f"a zip archive with {len(pkl)} data.pkl records", path=path)
-    prefix = pkl[0][: -len("data.pkl")].rstrip("/")
-    first = entries[0].name
-    if "/" in first and fold_name(first.split("/", 1)[0]) != fold_name(prefix):
-        raise UnsupportedFormatError(
-            f"data.pkl is under {prefix + '/'!r} but the first record is {first!r}: torch "
-            "takes the archive name from the first record and would not find this data.pkl",
-            path=path, record=pkl[0], offset=entries[0].entry_offset)
-    return prefix
 
 
 # Inflating: a deflated record may expand up to 1032x. torch's reader inflates data.pkl whatever
@@ -207,7 +269,11 @@ def _segments(records: list[Record], headers: dict[str, _zip.LocalHeader],
         segs.append(Segment(SegmentKind.ZIP64_LOCATOR, trailer.zip64_locator_offset,
                             _zip.ZIP64_LOCATOR.size))
     segs.append(Segment(SegmentKind.EOCD, trailer.eocd_offset, trailer.eocd_nbytes))
-    segs = [s for s in segs if s.nbytes > 0]
+    return _tile([s for s in segs if s.nbytes > 0], file_nbytes, path)
+
+
+def _tile(segs: list[Segment], file_nbytes: int, path: str) -> tuple[Segment, ...]:
+    """``segs`` (sorted) with unknown segments in the gaps; an overlap is an error."""
     tiled: list[Segment] = []
     cursor = 0
     for s in segs:
@@ -226,10 +292,123 @@ def _segments(records: list[Record], headers: dict[str, _zip.LocalHeader],
     return tuple(tiled)
 
 
+_RECORD_KINDS = (SegmentKind.LOCAL_HEADER, SegmentKind.NAME, SegmentKind.ZIP64_EXTRA,
+                 SegmentKind.PADDING, SegmentKind.DATA, SegmentKind.DESCRIPTOR)
+
+
+def _fast_segments(records: list[Record], cdir: _zip.CentralDirectory, cols: Any,
+                   trailer: _zip.Trailer, file_nbytes: int, path: str) -> tuple[Segment, ...]:
+    """:func:`_segments` from columns, when every record's extra fields are none, a zip64
+    extra and/or torch's 'FB' field in that order (what :func:`_zip.local_headers` reads)."""
+    import numpy as np
+
+    order = np.argsort(cdir.header_offset, kind="stable")
+    hdr = cdir.header_offset[order]
+    name_nbytes = cdir.name_nbytes[order]
+    zip64 = cols.zip64_extra_nbytes[order]
+    data = cols.data_offset[order]
+    data_nbytes = cdir.compressed_nbytes[order]
+    extra = hdr + 30 + name_nbytes
+    offsets = np.stack([hdr, hdr + 30, extra, extra + zip64, data, data + data_nbytes], 1)
+    field = np.where(cols.has_padding_field[order], 4 + cols.padding_nbytes[order], 0)
+    sizes = np.stack([np.full(len(hdr), 30), name_nbytes, zip64, field, data_nbytes,
+                      cols.descriptor_nbytes[order]], 1)
+    kinds = np.broadcast_to(np.arange(6), sizes.shape)
+    owner = np.broadcast_to(order[:, None], sizes.shape)
+    tail = [(SegmentKind.CENTRAL_DIRECTORY, trailer.cd_offset, trailer.cd_nbytes)]
+    if trailer.zip64_eocd_offset is not None and trailer.zip64_locator_offset is not None:
+        tail += [(SegmentKind.ZIP64_EOCD, trailer.zip64_eocd_offset, trailer.zip64_eocd_nbytes),
+                 (SegmentKind.ZIP64_LOCATOR, trailer.zip64_locator_offset, _zip.ZIP64_LOCATOR.size)]
+    tail.append((SegmentKind.EOCD, trailer.eocd_offset, trailer.eocd_nbytes))
+    tail = [t for t in tail if t[2] > 0]
+    keep = sizes.ravel() > 0
+    offsets = offsets.ravel()[keep]
+    sizes = sizes.ravel()[keep]
+    names = [r.name for r in records]
+    count = len(offsets) + len(tail)
+    segs = build(Segment, count,
+                 list(map(_RECORD_KINDS.__getitem__, kinds.ravel()[keep].tolist()))
+                 + [t[0] for t in tail],
+                 offsets.tolist() + [t[1] for t in tail], sizes.tolist() + [t[2] for t in tail],
+                 list(map(names.__getitem__, owner.ravel()[keep].tolist())) + [None] * len(tail))
+    ends = [s.end_offset for s in segs[-len(tail):]] if tail else []
+    starts_ok = len(offsets) == 0 or (offsets[0] == 0 and bool(
+        (offsets[1:] == offsets[:-1] + sizes[:-1]).all()))
+    joined = [int(offsets[-1] + sizes[-1])] if len(offsets) else [0]
+    tail_ok = all(t[1] == e for t, e in zip(tail, joined + ends[:-1]))
+    if starts_ok and tail_ok and (ends[-1] if ends else joined[0]) == file_nbytes:
+        return tuple(segs)  # they tile the file: no gap, no overlap
+    return _tile(segs, file_nbytes, path)
+
+
 def scan_torch_zip(src: ByteSource) -> ArchiveLayout:
     """Full layout of a torch.save zip archive (reads every header, descriptor and data.pkl)."""
-    trailer, entries = read_central_directory(src)
-    archive = archive_prefix(entries, src.name)
+    with gc_paused():  # hundreds of thousands of objects, none garbage before the return
+        return _scan_torch_zip(src)
+
+
+def _records(src: ByteSource, trailer: _zip.Trailer, cdir: _zip.CentralDirectory
+             ) -> tuple[list[Record], dict[str, _zip.LocalHeader] | None, Any]:
+    """Every record, from the local headers read at once (:func:`_zip.local_headers`).
+
+    A record those checks do not pass is read on its own, in central directory order, by the
+    functions that say what is wrong with it. Returns the records, the local headers of all
+    records when some was read on its own (else None), and the columns.
+    """
+    names = cdir.names
+    if len(set(names)) != len(names):
+        seen = set()
+        for e in cdir.entries:
+            if e.name in seen:
+                raise CorruptArchiveError("duplicate record name", path=src.name, record=e.name,
+                                          offset=e.entry_offset)
+            seen.add(e.name)
+    cols = _zip.local_headers(src, cdir, trailer.cd_offset)
+    extra, zip64, padding, data_offset, descriptor = (
+        cols.extra_nbytes.tolist(), cols.zip64_extra_nbytes.tolist(),
+        cols.padding_nbytes.tolist(), cols.data_offset.tolist(),
+        cols.descriptor_nbytes.tolist())
+    alone = (~cols.ok).nonzero()[0].tolist()
+    headers: dict[str, _zip.LocalHeader] | None = None
+    if alone:
+        headers = {}
+        for i in alone:  # in central directory order: the first one wrong raises
+            e = cdir.entry(i)
+            local = _zip.read_local_header(src, e)
+            data_at = local.data_offset(e.header_offset, e.name_nbytes)
+            if data_at + e.compressed_nbytes > trailer.cd_offset:
+                raise CorruptArchiveError("record data runs into the central directory",
+                                          path=src.name, record=e.name, offset=data_at,
+                                          expected=f"end <= {trailer.cd_offset}",
+                                          actual=f"end at {data_at + e.compressed_nbytes}")
+            descriptor[i] = _zip.descriptor_nbytes(src, e, data_at + e.compressed_nbytes,
+                                                   local.zip64_extra_nbytes > 0)
+            extra[i], zip64[i], padding[i] = (local.extra_nbytes, local.zip64_extra_nbytes,
+                                              local.padding_nbytes)
+            data_offset[i] = data_at
+            headers[e.name] = local
+        has_field = cols.has_padding_field.tolist()
+        for i, e in enumerate(cdir.entries):
+            if e.name not in headers:
+                at = e.header_offset + 30 + e.name_nbytes
+                fields = ((("zip64_extra", at, zip64[i]),) if zip64[i] else ()) + (
+                    (("padding", at + zip64[i], 4 + padding[i]),) if has_field[i] else ())
+                headers[e.name] = _zip.LocalHeader(extra[i], zip64[i], padding[i], fields)
+    if cdir.exact:  # the columns are the entries' values (no zip64 field was clipped)
+        hdr, name_nbytes, method, crc32, comp, uncomp = (getattr(cdir, c).tolist() for c in (
+            "header_offset", "name_nbytes", "method", "crc32", "compressed_nbytes",
+            "uncompressed_nbytes"))
+    else:
+        _, name_nbytes, _, method, crc32, comp, uncomp, hdr, _, _ = zip(*cdir.entries)
+    records = build(Record, len(names), names, hdr, name_nbytes, extra, zip64, padding,
+                    data_offset, comp, descriptor, crc32, uncomp, method)
+    return records, headers, cols
+
+
+def _records_one_by_one(src: ByteSource, trailer: _zip.Trailer,
+                        entries: list[_zip.CentralEntry]
+                        ) -> tuple[list[Record], dict[str, _zip.LocalHeader]]:
+    """Every record and its local header, one read each (small archives)."""
     records: list[Record] = []
     headers: dict[str, _zip.LocalHeader] = {}
     for e in entries:
@@ -250,9 +429,23 @@ def scan_torch_zip(src: ByteSource) -> ArchiveLayout:
                               local.zip64_extra_nbytes, local.padding_nbytes, data_offset,
                               e.compressed_nbytes, desc, e.crc32, e.uncompressed_nbytes,
                               e.method))
-    segments = _segments(records, headers, trailer, src.nbytes, src.name)
+    return records, headers
+
+
+def _scan_torch_zip(src: ByteSource) -> ArchiveLayout:
+    trailer, cdir = read_central_directory_columns(src)
+    archive = archive_prefix(cdir, src.name)
+    if cdir.header_offset is None:  # a small archive
+        records, headers = _records_one_by_one(src, trailer, cdir.entries)
+        segments = _segments(records, headers, trailer, src.nbytes, src.name)
+    else:
+        records, maybe_headers, cols = _records(src, trailer, cdir)
+        if maybe_headers is None:
+            segments = _fast_segments(records, cdir, cols, trailer, src.nbytes, src.name)
+        else:
+            segments = _segments(records, maybe_headers, trailer, src.nbytes, src.name)
     # looked up as torch does, ignoring ASCII case (archive_prefix refused names that collide)
-    by_name = {fold_name(r.name): r for r in records}
+    by_name = dict(zip(fold_names([r.name for r in records]), records))
     prefix = f"{archive}/" if archive else ""
 
     def small(name: str) -> str | None:
@@ -291,7 +484,7 @@ def scan_torch_zip(src: ByteSource) -> ArchiveLayout:
         tensors=scan.tensors,
         segments=segments,
         alignment=largest_alignment([s.data_offset for s in storages if s.nbytes]),
-        zip64=any(r.zip64_extra_nbytes for r in records),
+        zip64=any(map(_ZIP64_EXTRA, records)),
         central_directory_offset=trailer.cd_offset,
         central_directory_nbytes=trailer.cd_nbytes,
         zip64_eocd_offset=trailer.zip64_eocd_offset,
@@ -306,12 +499,30 @@ def scan_torch_zip(src: ByteSource) -> ArchiveLayout:
     )
 
 
+_STORAGE_FIELDS = attrgetter("key", "dtype", "nbytes", "location", "storage_type")
+_NAME = attrgetter("name")
+_UNCOMPRESSED, _DATA_OFFSET = attrgetter("uncompressed_nbytes"), attrgetter("data_offset")
+_ZIP64_EXTRA = attrgetter("zip64_extra_nbytes")
+
+
 def storage_infos(scan: PickleScan, records: dict[str, Record], prefix: str,
                   path: str, pkl: Record, *, fold: bool = False) -> tuple[StorageInfo, ...]:
     """Join the pickle's storages with their records (each must exist with the right size).
 
     With ``fold``, ``records`` is keyed by :func:`fold_name` (torch's case-blind lookup).
     """
+    storages = scan.storages
+    if storages:
+        keys, dtypes, nbytes, locations, types = zip(*map(_STORAGE_FIELDS, storages))
+        start = f"{prefix}data/"
+        names = [start + key for key in keys]
+        found = list(map(records.get, fold_names(names) if fold else names))
+        if len(list(filter(None, found))) == len(found) and "UntypedStorage" not in types \
+                and tuple(map(_UNCOMPRESSED, found)) == nbytes:
+            # every storage has its record, of its size: all at once
+            return tuple(build(StorageInfo, len(storages), keys, list(map(_NAME, found)),
+                               dtypes, nbytes, list(map(_DATA_OFFSET, found)), locations,
+                               types))
     view_dtype: dict[str, str] = {}
     for t in scan.tensors:
         view_dtype.setdefault(t.storage_key, t.dtype)

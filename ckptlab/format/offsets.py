@@ -23,7 +23,7 @@ from ckptlab.errors import ArchiveError, CorruptArchiveError, UnsupportedFormatE
 from ckptlab.format import _zip
 from ckptlab.format._pickle import scan_pickle
 from ckptlab.format._source import ByteSource
-from ckptlab.format.archive import archive_prefix, read_central_directory
+from ckptlab.format.archive import archive_prefix, read_central_directory_columns
 from ckptlab.format.inspect import not_a_checkpoint, sniff
 
 __all__ = ["StorageOffsets", "storage_offsets"]
@@ -91,96 +91,145 @@ def storage_offsets(source: str | os.PathLike[str] | BinaryIO | bytes, *,
     """
     with ByteSource(source, cache=True) as src:
         try:
-            trailer, entries = read_central_directory(src)
+            trailer, cdir = read_central_directory_columns(src)
         except ArchiveError:
             kind = sniff(src)  # only on failure: say what the file is, if it is not a zip
             if kind != "torch-zip":
                 raise not_a_checkpoint(src, kind) from None
             raise
-        archive = archive_prefix(entries, src.name)
+        names = cdir.names
+        archive = archive_prefix(cdir, src.name)
         prefix = f"{archive}/" if archive else ""
         storage_prefix = prefix + "data/"
-        by_name = {e.name: e for e in entries}
+        # record name -> row: a dict when the pickle names every storage, else a few searches
+        row_of = {name: i for i, name in enumerate(names)} if scan else None
+
+        def find(name: str) -> _zip.CentralEntry | None:
+            if row_of is not None:
+                i = row_of.get(name)
+                return None if i is None else cdir.entry(i)
+            try:
+                return cdir.entry(names.index(name))
+            except ValueError:
+                return None
+
         # the records the arithmetic needs, each from its header to the next header, read in
         # as few reads as possible: torch writes them next to each other at the head
-        needed = [prefix + ".storage_alignment"] + ([prefix + "data.pkl"] if scan else [])
-        spans = _record_spans([by_name[n] for n in needed if n in by_name], entries,
-                              trailer.cd_offset)
+        needed = [e for e in map(find, [prefix + ".storage_alignment"] + (
+            [prefix + "data.pkl"] if scan else [])) if e is not None]
+        spans = _record_spans(needed, cdir, trailer.cd_offset)
         for lo, hi in spans:
             src.read(lo, hi - lo, what="records before the storages")
-        span_end = {n: hi for n in needed if n in by_name for lo, hi in spans
-                    if lo <= by_name[n].header_offset < hi}
+        span_end = {e.name: hi for e in needed for lo, hi in spans
+                    if lo <= e.header_offset < hi}
 
-        def payload(name: str) -> bytes:
-            e = by_name[name]
-            local = _zip.read_local_header(src, e, span_end.get(name))
+        def payload(e: _zip.CentralEntry) -> bytes:
+            local = _zip.read_local_header(src, e, span_end.get(e.name))
             if e.method != 0:
                 raise UnsupportedFormatError(f"record compressed with zip method {e.method}",
-                                             path=src.name, record=name,
+                                             path=src.name, record=e.name,
                                              offset=e.header_offset)
             return src.read(local.data_offset(e.header_offset, e.name_nbytes),
-                            e.compressed_nbytes, what="record data", record=name)
+                            e.compressed_nbytes, what="record data", record=e.name)
 
         alignment = DEFAULT_ALIGNMENT
-        if prefix + ".storage_alignment" in by_name:
-            text = payload(prefix + ".storage_alignment")
+        rec = find(prefix + ".storage_alignment")
+        if rec is not None:
+            text = payload(rec)
             if not (text.isdigit() and len(text) <= 10 and
                     0 < int(text) <= _zip.MAX_RECORDED_ALIGNMENT):
-                rec = by_name[prefix + ".storage_alignment"]
                 raise CorruptArchiveError("bad .storage_alignment", path=src.name,
                                           record=rec.name, offset=rec.header_offset,
                                           expected=f"1..{_zip.MAX_RECORDED_ALIGNMENT}",
                                           actual=text[:20])
             alignment = int(text)
         if scan:
-            pkl = by_name[prefix + "data.pkl"]
-            scanned = scan_pickle(payload(pkl.name), path=src.name, record=pkl.name)
-            order = []
+            assert row_of is not None
+            pkl = cdir.entry(row_of[prefix + "data.pkl"])
+            scanned = scan_pickle(payload(pkl), path=src.name, record=pkl.name)
+            rows = []
             for s in scanned.storages:
-                e = by_name.get(storage_prefix + s.key)
-                if e is None:
+                i = row_of.get(storage_prefix + s.key)
+                if i is None:
                     raise CorruptArchiveError(f"the pickle references storage {s.key!r} but the "
                                               f"archive has no record {storage_prefix + s.key!r}",
                                               path=src.name, record=pkl.name,
                                               offset=pkl.header_offset)
+                e = cdir.entry(i)
                 if e.uncompressed_nbytes != s.nbytes:
                     raise CorruptArchiveError("storage record size differs from the pickle",
                                               path=src.name, record=e.name,
                                               offset=e.header_offset, expected=s.nbytes,
                                               actual=e.uncompressed_nbytes)
-                order.append(e)
+                rows.append(i)
         else:
-            order = [e for e in entries if e.name.startswith(storage_prefix)]
-        for e in order:
+            rows = _rows_starting(cdir, storage_prefix)
+        suspects = rows  # the storages that may be compressed, in order
+        if cdir.method is not None and rows:
+            suspects = [rows[i] for i in (cdir.method[rows] != 0).nonzero()[0][:1].tolist()]
+        for e in map(cdir.entry, suspects):
             if e.method != 0:  # compressed bytes have no offset a reader could map
                 raise UnsupportedFormatError(
                     f"storage record compressed with zip method {e.method}: its bytes cannot "
                     "be read in place", path=src.name, record=e.name, offset=e.header_offset)
-        keys = [e.name[len(storage_prefix):] for e in order]
-        data_offsets, reason = _cursor_offsets(order, entries, trailer, alignment)
-        if reason is None:
-            method = "cursor"
-        else:  # not torch's write order: read each storage's local header
-            data_offsets = []
-            for e in order:
-                local = _zip.read_local_header(src, e)
-                data_offsets.append(local.data_offset(e.header_offset, e.name_nbytes))
-            method = "central_directory"
-        return StorageOffsets(dict(zip(keys, data_offsets)), src.reads, src.bytes_read, method,
-                              archive, alignment, reason)
+        keys = _cut(names, rows, storage_prefix)
+        data_offsets = _cursor_columns(cdir, rows, trailer, alignment)
+        reason = None
+        if data_offsets is None:  # a small archive, or the arithmetic disagrees: say where
+            entries = cdir.entries
+            order = [entries[i] for i in rows]
+            data_offsets, reason = _cursor_offsets(order, entries, trailer, alignment)
+            if reason is not None:  # not torch's write order: read each storage's header
+                data_offsets = []
+                for e in order:
+                    local = _zip.read_local_header(src, e)
+                    data_offsets.append(local.data_offset(e.header_offset, e.name_nbytes))
+        return StorageOffsets(dict(zip(keys, data_offsets)), src.reads, src.bytes_read,
+                              "cursor" if reason is None else "central_directory", archive,
+                              alignment, reason)
 
 
 _MERGE_GAP = 1 << 16  # read across gaps up to this size rather than make another read
 
 
-def _record_spans(wanted: list[_zip.CentralEntry], entries: list[_zip.CentralEntry],
+def _rows_starting(cdir: _zip.CentralDirectory, prefix: str) -> list[int]:
+    """Rows of the names that start with ``prefix``, in order."""
+    if cdir.raw_names is None or not prefix.isascii() or not prefix or not len(cdir.raw_names):
+        return [i for i, name in enumerate(cdir.names) if name.startswith(prefix)]
+    import numpy as np
+
+    # an ASCII prefix is the same bytes in UTF-8 and cp437 names, and no other bytes decode to
+    # it: compare the raw names' first bytes
+    want = np.frombuffer(prefix.encode("ascii"), np.uint8)
+    long_enough = cdir.name_nbytes >= len(want)
+    at = np.minimum(cdir.name_starts[:, None] + np.arange(len(want)), len(cdir.raw_names) - 1)
+    same = (cdir.raw_names[at] == want).all(axis=1) & long_enough
+    return same.nonzero()[0].tolist()
+
+
+def _cut(names: list[str], rows: list[int], prefix: str) -> list[str]:
+    """``names[i][len(prefix):]`` for each row (all start with ``prefix``)."""
+    cut = len(prefix)
+    if rows and rows[-1] - rows[0] == len(rows) - 1:  # consecutive rows: one slice of names
+        block = "\n".join(names[rows[0]:rows[-1] + 1])
+        if block.count("\n") == len(rows) - 1:  # no name with a newline
+            return ("\n" + block).replace("\n" + prefix, "\n")[1:].split("\n")
+    return [names[i][cut:] for i in rows]
+
+
+def _record_spans(wanted: list[_zip.CentralEntry], cdir: _zip.CentralDirectory,
                   cd_offset: int) -> list[tuple[int, int]]:
     """Byte ranges [header, next header) of ``wanted`` records, merged when close together."""
     # parse_central_directory guarantees every record ends before the directory, so each
     # wanted header has a next start (another header, or the directory itself)
-    starts = sorted({e.header_offset for e in entries} | {cd_offset})
-    ranges = [(e.header_offset, starts[bisect.bisect_right(starts, e.header_offset)])
-              for e in wanted]
+    if cdir.header_offset is not None:
+        heads = cdir.header_offset
+        ranges = [(e.header_offset, min(int(heads[heads > e.header_offset].min(initial=cd_offset)),
+                                        cd_offset)) for e in wanted]
+    else:
+        heads = sorted({e.header_offset for e in cdir.entries} | {cd_offset})
+        ranges = [(e.header_offset, heads[bisect.bisect_right(heads, e.header_offset)])
+                  for e in wanted]
     merged: list[tuple[int, int]] = []
     for lo, hi in sorted(ranges):
         if merged and lo <= merged[-1][1] + _MERGE_GAP:
@@ -188,6 +237,42 @@ def _record_spans(wanted: list[_zip.CentralEntry], entries: list[_zip.CentralEnt
         else:
             merged.append((lo, hi))
     return merged
+
+
+def _cursor_columns(cdir: _zip.CentralDirectory, rows: list[int], trailer: _zip.Trailer,
+                    alignment: int) -> list[int] | None:
+    """:func:`_cursor_offsets` with numpy, when it would find no disagreement (else None).
+
+    torch's cursor starts at the first storage's header and moves to the end of each record;
+    checking every header offset against the cursor is checking that each record starts where
+    the previous one ends, so every record's placement can be computed from its own header.
+    """
+    if cdir.header_offset is None:
+        return None  # a small archive: record by record
+    if not rows:
+        return []
+    import numpy as np
+
+    at = np.asarray(rows, np.int64)
+    hdr = cdir.header_offset[at]
+    name_nbytes = cdir.name_nbytes[at]
+    nbytes = cdir.uncompressed_nbytes[at]
+    if hdr.max() >= 1 << 62 or nbytes.max() >= 1 << 62:
+        return None
+    big_size = nbytes >= _zip.U32_MAX
+    big_offset = hdr >= _zip.U32_MAX
+    zip64 = np.where(big_size | big_offset, 4 + 16 * big_size + 8 * big_offset, 0)
+    start = hdr + _zip.LOCAL_HEADER.size + name_nbytes + zip64 + 4
+    data = -(-start // alignment) * alignment
+    descriptor = np.where(nbytes == 0, 0, np.where(zip64 > 0, 24, 16))
+    end = data + nbytes + descriptor
+    if not ((cdir.compressed_nbytes[at] == nbytes).all()
+            and ((cdir.flags[at] & 0x8 != 0) == (descriptor != 0)).all()
+            and (hdr[1:] == end[:-1]).all()):
+        return None
+    after = cdir.header_offset[cdir.header_offset > hdr[-1]]
+    following = min(int(after.min()), trailer.cd_offset) if len(after) else trailer.cd_offset
+    return data.tolist() if following == end[-1] else None
 
 
 def _cursor_offsets(order: list[_zip.CentralEntry], entries: list[_zip.CentralEntry],

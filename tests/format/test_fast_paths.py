@@ -1,0 +1,366 @@
+"""The fast paths give what the one-by-one paths give: results, errors, offsets, budgets.
+
+Large checkpoints are read by paths that do many records or tensors at once:
+
+- the pickle interpreter takes torch's tensor rebuild (~28 opcodes) in one step
+  (``_Machine.tensor_v2``; ``interpret(..., fast_paths=False)`` turns it off);
+- the central directory, local headers, data descriptors and segments of archives with many
+  records are parsed with numpy (``_zip.vectorise``; the thresholds are patched here to force
+  either way);
+- storage offsets use the numpy columns; tensor infos, records, segments and tensor entries
+  are built column by column (``ckptlab.format._bulk.build``).
+
+Each test runs the same input both ways, intact and mutated (flipped bytes, truncations,
+memory budgets that run out at every point), and requires the same outcome: equal results,
+or the same error type, message and offset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import random
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptlab
+from ckptlab.errors import ArchiveError
+from ckptlab.format import _unpickle, _zip
+from ckptlab.format._bulk import build, gc_paused
+from ckptlab.format._pickle import _BUILDABLE, torch_handlers
+from ckptlab.format._unpickle import Global, OpaqueKey, PickleDataError, Reduced, interpret
+from ckptlab.format.layout import Segment, SegmentKind
+
+
+def save(obj: Any, protocol: int = 2) -> bytes:
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.save(obj, buf, pickle_protocol=protocol)
+    return buf.getvalue()
+
+
+def state(n: int) -> dict[str, Any]:
+    """Dense tensors of every shape the template knows, views, Parameters, shared storages."""
+    torch.manual_seed(0)
+    base = torch.arange(64.0)
+    out: dict[str, Any] = {}
+    for i in range(n):
+        kind = i % 8
+        if kind == 0:
+            out[f"layer.{i}.weight"] = torch.empty(2)
+        elif kind == 1:
+            out[f"layer.{i}.view"] = base[i % 7: i % 7 + 5]
+        elif kind == 2:
+            out[f"layer.{i}.param"] = torch.nn.Parameter(torch.zeros(3, 2))
+        elif kind == 3:
+            out[f"layer.{i}.scalar"] = torch.tensor(float(i))
+        elif kind == 4:
+            out[f"layer.{i}.big"] = torch.zeros(300, 2, dtype=torch.bfloat16)
+        elif kind == 5:
+            out[f"layer.{i}.nd"] = torch.zeros(1, 2, 1, 3, 1)
+        elif kind == 6:
+            out[f"layer.{i}.grad"] = torch.zeros(4, requires_grad=True)
+        else:
+            out[f"layer.{i}.t"] = base.view(8, 8).t()[:, i % 8]
+    out["step"] = 7
+    return out
+
+
+def data_pkl(archive: bytes) -> bytes:
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(archive)) as z:
+        return z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+
+
+# --------------------------------------------------------------------------------------------
+# the pickle interpreter
+# --------------------------------------------------------------------------------------------
+
+
+def canon(obj: Any, seen: dict[int, int] | None = None) -> Any:
+    """A comparable rendering of an interpretation (shared objects and cycles by number)."""
+    seen = {} if seen is None else seen
+    if isinstance(obj, (str, bytes, int, float, bool, type(None), complex)):
+        return obj
+    if id(obj) in seen:
+        return ("ref", seen[id(obj)])
+    seen[id(obj)] = len(seen)
+    kind = type(obj).__name__
+    if isinstance(obj, Global):
+        return ("global", obj.qualname)
+    if isinstance(obj, OpaqueKey):
+        return ("key", canon(obj.value, seen))
+    if isinstance(obj, dict):
+        items = [(canon(k, seen), canon(v, seen)) for k, v in obj.items()]
+        return (kind, items, canon(getattr(obj, "attrs", None), seen))
+    if isinstance(obj, (list, tuple)):
+        return (kind, [canon(v, seen) for v in obj])
+    if isinstance(obj, (set, frozenset)):
+        return (kind, sorted(repr(canon(v, seen)) for v in obj))
+    if isinstance(obj, Reduced):
+        return ("reduced", obj.func.qualname, canon(obj.args, seen), canon(obj.kwargs, seen),
+                canon(obj.state, seen), canon(obj.items, seen), canon(obj.pairs, seen))
+    if dataclasses.is_dataclass(obj):
+        return (kind, [canon(getattr(obj, f.name), seen) for f in dataclasses.fields(obj)])
+    slots = [s for c in type(obj).__mro__ for s in getattr(c, "__slots__", ())]
+    return (kind, [(s, canon(getattr(obj, s, None), seen)) for s in slots if s != "__weakref__"])
+
+
+def outcome(data: bytes, fast: bool, **kw: Any) -> Any:
+    handlers, table = torch_handlers()
+    try:
+        result = interpret(data, handlers=table, persistent_load=handlers.persistent_load,
+                           buildable=_BUILDABLE, fast_paths=fast, **kw)
+    except PickleDataError as exc:  # messages may show objects: not where they live
+        return ("error", type(exc).__name__, re.sub(" at 0x[0-9a-f]+", "", str(exc)),
+                _unpickle.failure_offset(exc))
+    return (canon(result.root), result.end, result.protocol, result.globals,
+            canon([handlers.storages[k] for k in handlers.storage_order]))
+
+
+def both(data: bytes, **kw: Any) -> Any:
+    fast, slow = outcome(data, True, **kw), outcome(data, False, **kw)
+    assert fast == slow
+    return fast
+
+
+@pytest.fixture(scope="module")
+def pickles() -> dict[str, bytes]:
+    out = {f"p{p}": data_pkl(save(state(400), p)) for p in (2, 3, 4)}
+    out["small"] = data_pkl(save(state(24)))  # memo indices below 256: BINPUT/BINGET
+    out["params"] = data_pkl(save({"m": torch.nn.Linear(3, 2).state_dict(),
+                                   "p": [torch.nn.Parameter(torch.ones(2))] * 3}))
+    return out
+
+
+def test_intact_pickles_agree_and_take_the_fast_path(pickles, monkeypatch) -> None:
+    calls = {"fast": 0}
+    original = _unpickle._Machine.tensor_v2
+
+    def counted(self: Any, *args: Any) -> Any:
+        done = original(self, *args)
+        calls["fast"] += done is not None
+        return done
+
+    monkeypatch.setattr(_unpickle._Machine, "tensor_v2", counted)
+    for name, data in pickles.items():
+        assert both(data)[0] != "error", name
+    assert calls["fast"] > 700  # most tensors of protocols 2 and 3 went through it
+
+
+def test_flipped_bytes_agree(pickles) -> None:
+    rng = random.Random(1)
+    for name in ("p2", "small"):
+        data = pickles[name]
+        for _ in range(400):
+            mutated = bytearray(data)
+            for _ in range(rng.choice((1, 1, 2, 3))):
+                at = rng.randrange(len(mutated))
+                mutated[at] = rng.choice((rng.randrange(256), mutated[at] ^ 1, 0x71, 0x72,
+                                          0x68, 0x6A, 0x4B, 0x4D, 0x4A, 0x28, 0x74, 0x52))
+            both(bytes(mutated))
+
+
+def test_truncations_agree(pickles) -> None:
+    data = pickles["p2"]
+    for cut in range(0, len(data), max(1, len(data) // 300)):
+        assert both(data[:cut])[0] == "error"
+
+
+def test_budgets_running_out_anywhere_agree(pickles, monkeypatch) -> None:
+    """Budgets (the floor alone) that run out at a different opcode each: inside a tensor, the
+    fast path must leave it to the loop to say where, and leave the same budget after it."""
+    data = pickles["p2"]
+    errors = set()
+    for budget in range(0, 700_000, 2_999):
+        monkeypatch.setattr(_unpickle, "MEMORY_FLOOR", budget)
+        got = both(data, memory_per_byte=0)
+        if got[0] == "error":
+            assert got[1] == "PickleBudgetError", got
+            errors.add(got[3])
+    assert len(errors) > 150
+
+
+def test_memo_games_agree() -> None:
+    """BINGETs of indices the template itself stores, and BINPUTs out of order or over old
+    entries, are left to the loop."""
+    data = bytearray(data_pkl(save({f"k{i}": torch.zeros(2) for i in range(300)})))
+    rng = random.Random(2)
+    puts = [i for i in range(len(data) - 5) if data[i] == 0x72 and i > len(data) // 2]
+    for _ in range(200):
+        mutated = bytearray(data)
+        at = rng.choice(puts)
+        index = int.from_bytes(mutated[at + 1:at + 5], "little")
+        mutated[at + 1:at + 5] = max(0, index + rng.choice((-9, -2, -1, 1, 2, 5000))).to_bytes(
+            4, "little")
+        both(bytes(mutated))
+
+
+# --------------------------------------------------------------------------------------------
+# archives: numpy columns vs record by record
+# --------------------------------------------------------------------------------------------
+
+
+def run(fn: Any, source: Any, vectorise: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setattr(_zip, "VECTOR_MIN_ENTRIES", 0 if vectorise else 1 << 60)
+    monkeypatch.setattr(_zip, "VECTOR_ALWAYS_ENTRIES", 0 if vectorise else 1 << 60)
+    try:
+        got = fn(source)
+    except ArchiveError as exc:
+        return ("error", type(exc).__name__, str(exc), exc.offset, exc.record)
+    return ("ok", (got, got.logical, got.objects) if hasattr(got, "logical") else got)
+
+
+def agree(fn: Any, source: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    fast = run(fn, source, True, monkeypatch)
+    slow = run(fn, source, False, monkeypatch)
+    assert fast == slow
+    return fast
+
+
+def opened(source: Any) -> Any:
+    ck = ckptlab.open(source)
+    return list(ck.tensors.items()), ck.objects, ck.files
+
+
+FUNCTIONS = (ckptlab.inspect, ckptlab.storage_offsets,
+             lambda s: ckptlab.storage_offsets(s, scan=True), opened)
+
+
+@pytest.fixture(scope="module")
+def archive() -> bytes:
+    return save(state(300))
+
+
+def test_intact_archives_agree(archive, tmp_path, monkeypatch) -> None:
+    from torch.utils.serialization import config
+
+    path = tmp_path / "a.pt"
+    path.write_bytes(archive)
+    for fn in FUNCTIONS:
+        assert agree(fn, path, monkeypatch)[0] != "error"
+    for alignment in (1, 4096):  # padding fields of every size, and none
+        with config.patch({"save.storage_alignment": alignment}):
+            torch.save(state(200), tmp_path / f"{alignment}.pt")
+        for fn in FUNCTIONS:
+            agree(fn, tmp_path / f"{alignment}.pt", monkeypatch)
+
+
+def test_mutated_archives_agree(archive, monkeypatch) -> None:
+    """Flipped bytes in local headers, names, extra fields, descriptors, the central directory
+    and the trailer; each function both ways."""
+    rng = random.Random(3)
+    cd = archive.rfind(b"PK\x01\x02") - 46 * 300  # roughly where the directory starts
+    spots = [i for i in range(len(archive) - 4) if archive[i:i + 4] in (
+        b"PK\x03\x04", b"PK\x07\x08", b"PK\x01\x02")]
+    for trial in range(240):
+        mutated = bytearray(archive)
+        if trial % 3 == 0:
+            at = rng.choice(spots) + rng.randrange(46)
+        elif trial % 3 == 1:
+            at = rng.randrange(max(0, cd), len(archive))
+        else:
+            at = rng.randrange(len(archive))
+        at = min(at, len(mutated) - 1)
+        mutated[at] = rng.choice((rng.randrange(256), mutated[at] ^ 0x20, mutated[at] ^ 1, 0xFF))
+        for fn in FUNCTIONS[:3] if trial % 4 else FUNCTIONS:
+            agree(fn, bytes(mutated), monkeypatch)
+
+
+def test_truncated_archives_agree(archive, monkeypatch) -> None:
+    for cut in range(0, len(archive), len(archive) // 40):
+        for fn in FUNCTIONS[:2]:
+            assert agree(fn, archive[:cut], monkeypatch)[0] == "error"
+
+
+def test_gaps_and_foreign_extra_fields_agree(tmp_path, monkeypatch) -> None:
+    """A zip written by Python's zipfile (no padding field, no descriptors) with bytes between
+    records and an extra field of its own on some records."""
+    import zipfile
+
+    source = io.BytesIO(save(state(150)))
+    out = io.BytesIO()
+    with zipfile.ZipFile(source) as src, zipfile.ZipFile(out, "w") as dst:
+        for i, info in enumerate(src.infolist()):
+            new = zipfile.ZipInfo(info.filename)
+            if i % 7 == 3:
+                new.extra = b"\xfe\xca\x04\x00abcd"
+            dst.writestr(new, src.read(info.filename))
+            if i % 11 == 5:
+                dst.fp.write(b"gap!")  # unaccounted bytes between records
+                dst.start_dir = dst.fp.tell()
+    for fn in FUNCTIONS:
+        agree(fn, out.getvalue(), monkeypatch)
+
+
+# --------------------------------------------------------------------------------------------
+# the builders
+# --------------------------------------------------------------------------------------------
+
+
+def test_build_makes_ordinary_instances() -> None:
+    from itertools import repeat
+
+    made = build(Segment, 3, repeat(SegmentKind.DATA), [1, 2, 3], [4, 5, 6])
+    assert made == [Segment(SegmentKind.DATA, i, i + 3) for i in (1, 2, 3)]
+    assert all(type(s) is Segment and s.record is None for s in made)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made[0].offset = 9  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        build(Segment, 1, [SegmentKind.DATA])  # offset has no default
+    with pytest.raises(ValueError):
+        build(Segment, 2, [SegmentKind.DATA] * 2, [1], [1, 2])
+
+
+def test_gc_pause_nests_and_restores() -> None:
+    import gc
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # left as the caller had it
+    finally:
+        gc.enable()
+    assert gc.get_freeze_count() == 0  # the young objects were handed on, nothing left frozen
+    held = [[i] for i in range(100)]
+    gc.freeze()  # someone else's frozen objects (a server before fork) stay frozen
+    try:
+        frozen = gc.get_freeze_count()
+        with gc_paused():
+            more = [[i] for i in range(100)]
+        assert gc.get_freeze_count() == frozen and gc.isenabled()
+    finally:
+        gc.unfreeze()
+    del held, more
+
+
+def test_large_checkpoint_round_trip(tmp_path: Path) -> None:
+    """10,000 tensors: the numpy paths by default; every tensor reads back as torch loads it."""
+    sd = {f"layer.{i}.weight": torch.full((2,), float(i)) for i in range(10_000)}
+    path = tmp_path / "big.pt"
+    torch.save(sd, path)
+    layout = ckptlab.inspect(path)
+    assert len(layout.records) == 10_006 and len(layout.tensors) == 10_000
+    ck = ckptlab.open(path)
+    for name in ("layer.0.weight", "layer.4321.weight", "layer.9999.weight"):
+        assert torch.equal(ck.read(name), sd[name])
+    offsets = ckptlab.storage_offsets(path)
+    assert offsets.method == "cursor" and offsets.reads <= 3
+    reader = torch._C.PyTorchFileReader(str(path))
+    assert offsets.offsets == {n[5:]: reader.get_record_offset(n)
+                               for n in reader.get_all_records() if n.startswith("data/")}
