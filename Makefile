@@ -10,7 +10,7 @@ BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.ckptlab-installed
 
-.PHONY: setup chromium lab test test-fast lint bench clean
+.PHONY: setup chromium nginx lab test test-fast lint bench clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt Makefile
@@ -41,8 +41,24 @@ chromium:
 	  echo "make: install it (Debian: sudo apt-get install --no-install-recommends chromium) or set CKPTLAB_CHROMIUM=/path/to/chromium."; \
 	  if [ -n "$$CI" ]; then exit 1; fi; fi
 
+# The remote-checkpoint tests (tests/checkpoint/test_remote.py) and benchmarks/remote.py count
+# requests in the access log of a real nginx they start on 127.0.0.1 (Debian's nginx-light).
+# Installed here when missing, as chromium is; without it those tests skip, or fail when CI is set.
+nginx:
+	@[ -n "$$CKPTLAB_NGINX" ] || command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] && exit 0; \
+	why=""; if [ "$$(id -u)" = 0 ]; then sudo=""; elif command -v sudo >/dev/null 2>&1; then sudo=sudo; \
+	  else why="installing it needs root or sudo"; fi; \
+	command -v apt-get >/dev/null 2>&1 || why="there is no apt-get (not Debian)"; \
+	if [ -z "$$why" ]; then echo "make: installing Debian nginx-light for the remote tests"; \
+	  $$sudo apt-get update -q && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nginx-light \
+	    || why="apt-get install nginx-light failed"; fi; \
+	if [ -n "$$why" ]; then \
+	  echo "make: nginx is missing and $$why; the remote tests will be skipped (they fail when CI is set)."; \
+	  echo "make: install it (Debian: sudo apt-get install --no-install-recommends nginx-light) or set CKPTLAB_NGINX=/path/to/nginx."; \
+	  if [ -n "$$CI" ]; then exit 1; fi; fi
+
 # The README's test command: everything but the GPU tests, notebooks executed by nbmake.
-test: setup chromium
+test: setup chromium nginx
 	$(BIN)/python -m pytest -m "not gpu" --nbmake --nbmake-timeout=120 --nbmake-kernel=python3 tests notebooks
 
 test-fast: setup
@@ -51,8 +67,9 @@ test-fast: setup
 lint: setup
 	$(BIN)/ruff check ckptlab tests benchmarks
 
-bench: setup chromium
+bench: setup chromium nginx
 	$(BIN)/python benchmarks/offsets.py
+	$(BIN)/python benchmarks/remote.py
 	$(BIN)/python benchmarks/bytemap.py --browser
 	$(BIN)/python benchmarks/gds.py
 

@@ -217,7 +217,8 @@ def checkpoint_json(ck: Any, tensors: list[Any]) -> dict[str, Any]:
     if ck.format in ("torch-zip", "safetensors") and layout is not None:
         base = layout.to_dict()
     elif ck.format == "dcp":
-        base = inspect(ck.path).to_dict()
+        dcp_layout = _dcp_layout(ck)  # kept for a URL, which inspect() cannot list
+        base = (dcp_layout if dcp_layout is not None else inspect(ck.path)).to_dict()
     else:
         offsets = [p.offset for t in ck.tensors.values() for p in t.parts if p.nbytes]
         base = {"path": ck.path, "file_nbytes": ck.nbytes, "archive_name": "",
@@ -687,11 +688,29 @@ def _stat(path: str, doing: str = "cannot open") -> os.stat_result | None:
             f"{path}: {doing}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
+# a URL: a scheme of two or more letters then "://" (ckptlab.format._source.is_url's rule,
+# repeated here so that a plain path imports nothing)
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+://")
+
+
+def _is_url(path: str | None) -> bool:
+    return path is not None and _URL.match(path) is not None
+
+
+def _local_url(path: str) -> str | None:
+    """The local path of a ``file://`` URL, else None."""
+    from ckptlab.format._source import file_url_path
+
+    return file_url_path(path)
+
+
 def _input_path(path: str | None, verb: str, *, directory: bool = False) -> str:
     """A checkpoint to read: PATH, or the embedded sample when none is given.
 
     Refuses a missing path, a directory where a file is needed, and anything that is not a
-    regular file (a FIFO would block the read forever, a device never ends).
+    regular file (a FIFO would block the read forever, a device never ends). A URL is
+    returned as it is (``file://`` URLs as their local path, checked like a path): it is
+    checked by the requests that open it.
     """
     if path is None:
         from ckptlab.samples import sample_path
@@ -699,6 +718,11 @@ def _input_path(path: str | None, verb: str, *, directory: bool = False) -> str:
         return str(sample_path())
     if not path:
         raise InvalidArgumentError(f"ckptlab {verb}: the checkpoint path is empty")
+    if _is_url(path):
+        local = _local_url(path)
+        if local is None:
+            return path
+        path = local
     st = _stat(path)
     if st is None:
         raise InvalidArgumentError(f"{path}: cannot open: No such file or directory")
@@ -852,6 +876,13 @@ def _check_servable(path: str) -> None:
 def _check(args: argparse.Namespace) -> None:
     """Check every argument that names something outside (paths, ports) before any work."""
     verb = args.verb
+    if _is_url(args.path) and _local_url(args.path) is not None:  # file://: a local path
+        args.path = _local_url(args.path)
+    if verb == "serve" and _is_url(args.path):
+        raise InvalidArgumentError(
+            f"{args.path}: ckptlab serve shows a torch.save file on this machine; for a URL, "
+            f"'ckptlab inspect {args.path}' lists its tensors and 'ckptlab report "
+            f"{args.path}' draws its bytes (or download the file and serve it)")
     if verb == "serve":
         _check_listen(args.address, args.port)
     if verb == "serve" and args.path is not None:
@@ -862,8 +893,8 @@ def _check(args: argparse.Namespace) -> None:
         _output_path(args.path, "sample")
     if verb == "report":
         _output_path(args.output, "report")
-        if args.path is not None and os.path.exists(args.output) and os.path.samefile(
-                args.path, args.output):
+        if args.path is not None and not _is_url(args.path) and os.path.exists(
+                args.output) and os.path.samefile(args.path, args.output):
             raise InvalidArgumentError(
                 f"{args.output}: is the checkpoint being reported on; give the report another "
                 "name (-o)")
@@ -884,6 +915,78 @@ def _needs(extra: str, exc: ImportError) -> NoReturn:
         f"(pip install 'ckptlab[{extra}]')") from None
 
 
+def _open(path: str) -> tuple[Any, Any]:
+    """The checkpoint at ``path``, and for a URL the store counting its requests (else None)."""
+    if _is_url(path):
+        from ckptlab.checkpoint.open import open_url
+
+        return open_url(path)
+    from ckptlab.checkpoint import open_checkpoint
+
+    return open_checkpoint(path), None
+
+
+def _dcp_layout(ck: Any) -> Any:
+    """The DcpLayout of a DCP checkpoint opened from a URL (kept on its .metadata file)."""
+    from ckptlab.plan.metadata import DcpLayout
+
+    return next((f.layout for f in ck.files if isinstance(f.layout, DcpLayout)), None)
+
+
+def _url_records_layout(ck: Any) -> Any:
+    """``inspect --records`` of a checkpoint behind a URL: its byte-level layout."""
+    if ck.format == "dcp":
+        return _dcp_layout(ck)
+    if len(ck.files) == 1 and ck.files[0].layout is not None:
+        return ck.files[0].layout
+    raise InvalidArgumentError(
+        f"{ck.path}: --records shows one torch.save or safetensors file, or a DCP directory; "
+        f"this is a {ck.format} checkpoint of {len(ck.files)} files: run without --records")
+
+
+def url_offsets(path: str, scan: bool = False) -> dict[str, Any]:
+    """``ckptlab offsets --json`` of a URL: ``reads`` and ``bytes_read`` count HTTP requests
+    (or store requests) and the bytes they moved, the opening's included.
+
+    A torch.save file: :func:`ckptlab.format.storage_offsets` through the remote file (the
+    tail request, the directory if longer, the head records: at most 3 requests). Other
+    checkpoints: the offsets of the opened model (each format's headers, see
+    :func:`ckptlab.open`).
+    """
+    import dataclasses
+
+    from ckptlab.cli import storage_offsets
+    from ckptlab.format._remote import RemoteFileObject, RemoteSource, RemoteStore, url_name
+
+    if not path.endswith("/") and not url_name(path).endswith((".json", ".metadata",
+                                                               ".safetensors")):
+        store = RemoteStore(path)
+        src = RemoteSource(store, path, first="tail")
+        from ckptlab.format._remote_zip import looks_like_zip
+
+        if looks_like_zip(src):
+            result = storage_offsets(RemoteFileObject(src), scan=scan)
+            result = dataclasses.replace(result, reads=store.stats.requests,
+                                         bytes_read=store.stats.bytes_moved)
+            return {**result.to_dict(), "format": "torch-zip", "path": path}
+    if scan:
+        raise InvalidArgumentError(
+            f"{path}: --scan takes the storage order from a torch.save file's data.pkl; "
+            "this is not a torch.save file: run without --scan")
+    ck, store = _open(path)
+    from ckptlab.gds.readiness import tensor_ranges
+
+    parts = [(r.name, p) for r, p in zip(
+        tensor_ranges(ck), (p for t in ck.tensors.values() for p in t.parts), strict=True)]
+    return {"offsets": {k: p.offset for k, p in parts}, "files": {k: p.file for k, p in parts},
+            "nbytes": {k: p.nbytes for k, p in parts}, "reads": store.stats.requests,
+            "bytes_read": store.stats.bytes_moved, "method": "headers", "format": ck.format,
+            "path": ck.path,
+            "tensors": {k: name for (k, _), name in zip(parts, (
+                t.name for t in ck.tensors.values() for _ in t.parts))},
+            "read_per_file": {}, "uncounted_files": []}
+
+
 def _run(args: argparse.Namespace) -> None:
     verb = args.verb
     if verb == "inspect":
@@ -892,16 +995,14 @@ def _run(args: argparse.Namespace) -> None:
             from ckptlab._inspect import inspect
             from ckptlab.plan.metadata import DcpLayout
 
-            layout = inspect(path)
+            layout = _url_records_layout(_open(path)[0]) if _is_url(path) else inspect(path)
             if args.json:
                 _print_json(layout.to_dict())
             else:
                 print(render_dcp(layout) if isinstance(layout, DcpLayout)
                       else render_layout(layout))
             return
-        from ckptlab.checkpoint import open_checkpoint
-
-        ck = open_checkpoint(path)
+        ck, _ = _open(path)
         tensors = select_tensors(ck, args.filter, args.sort)
         if args.json:
             _print_json(checkpoint_json(ck, tensors))
@@ -909,6 +1010,18 @@ def _run(args: argparse.Namespace) -> None:
             print(render_checkpoint(ck, tensors, args.filter))
     elif verb == "offsets":
         path = _input_path(args.path, verb, directory=True)
+        if _is_url(path):
+            doc = url_offsets(path, args.scan)
+            if args.json:
+                _print_json(doc)
+            elif doc["format"] == "torch-zip":
+                print(_table(sorted(doc["offsets"].items(), key=lambda kv: kv[1]),
+                             ("storage", "data offset"), {1}))
+                print(f"{doc['reads']} request{'s' * (doc['reads'] != 1)}, "
+                      f"{doc['bytes_read']:,} bytes moved, method {doc['method']}")
+            else:
+                print(render_offsets(doc))
+            return
         if _is_torch_zip_file(path):  # torch.save: storage keys, in at most 3 reads
             from ckptlab.cli import storage_offsets  # this module's name (tests replace it)
 
@@ -941,11 +1054,10 @@ def _run(args: argparse.Namespace) -> None:
                     lambda tmp: write_sample(tmp, storage_alignment=args.alignment))
         print(args.path)
     elif verb == "report":
-        from ckptlab.checkpoint import open_checkpoint
         from ckptlab.format import ArchiveLayout, read_range
 
         path = _input_path(args.path, verb, directory=True)
-        ck = open_checkpoint(path)  # the input first: a bad one fails before any plotting
+        ck, store = _open(path)  # the input first: a bad one fails before any plotting
         try:
             from ckptlab.viz import report_html
         except ImportError as exc:
@@ -953,12 +1065,21 @@ def _run(args: argparse.Namespace) -> None:
         first = next((f for f in ck.files if f.full_path and any(
             p.file == f.path for t in ck.tensors.values() for p in t.parts)),
             next((f for f in ck.files if f.full_path), None))
-        head = read_range(first.full_path, 0, min(first.nbytes, 1024)) if first else None
-        layout = ck.files[0].layout if len(ck.files) == 1 else None
-        if ck.format == "torch-zip" and isinstance(layout, ArchiveLayout):
-            document = report_html(layout, hex_bytes=head)  # records, alignment what-if
+        if first is None:
+            head = None
+        elif store is not None:  # one more ranged request
+            head = store.range(first.full_path, 0, min(first.nbytes, 1024))
         else:
-            document = report_html(ck, hex_bytes=head, hex_file=first.path if first else None)
+            head = read_range(first.full_path, 0, min(first.nbytes, 1024))
+        layout = ck.files[0].layout if len(ck.files) == 1 else None
+        from ckptlab._progress import task
+
+        with task("drawing the report"):
+            if ck.format == "torch-zip" and isinstance(layout, ArchiveLayout):
+                document = report_html(layout, hex_bytes=head)  # records, alignment what-if
+            else:
+                document = report_html(ck, hex_bytes=head,
+                                       hex_file=first.path if first else None)
 
         def write(tmp: str) -> None:
             with open(tmp, "w", encoding="utf-8") as f:
@@ -969,7 +1090,14 @@ def _run(args: argparse.Namespace) -> None:
     elif verb == "readiness":
         from ckptlab.gds.readiness import readiness
 
-        r = readiness(_input_path(args.path, verb, directory=True))
+        path = _input_path(args.path, verb, directory=True)
+        r = readiness(path)
+        if _is_url(path):  # the probes of this machine's file system do not apply
+            import dataclasses
+
+            r = dataclasses.replace(r, filesystem="remote", mount_point="", o_direct=False,
+                                    o_direct_reason="a URL: GDS and O_DIRECT read local files; "
+                                    "download the checkpoint to check them")
         if args.json:
             _print_json(r.to_dict())
         else:
@@ -981,6 +1109,45 @@ def _run(args: argparse.Namespace) -> None:
             _needs("widgets", exc)
         serve(_input_path(args.path, verb), port=args.port, address=args.address,
               show=args.show)
+
+
+class _Bar:
+    """One task drawn as a tqdm bar on stderr, shown only once it has run for ``delay`` s."""
+
+    def __init__(self, delay: float) -> None:
+        self._delay = delay
+        self._bar: Any = None
+
+    def start(self, label: str, total: int | None) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(desc=label, total=total, delay=self._delay, file=sys.stderr,
+                         leave=False, unit=" files" if total else "it",
+                         bar_format=None if total else "{desc}: {elapsed}")
+
+    def advance(self, done: int) -> None:
+        self._bar.update(done)
+
+    def end(self) -> None:
+        self._bar.close()
+
+
+def _progress_bars() -> Any:
+    """Progress bars on stderr while a verb runs, for work over a second: on a terminal, or
+    always with CKPTLAB_PROGRESS=1 (=0 never); none without tqdm (the widgets extra)."""
+    import contextlib
+
+    wanted = os.environ.get("CKPTLAB_PROGRESS")
+    if wanted == "0" or (wanted != "1" and not sys.stderr.isatty()):
+        return contextlib.nullcontext()
+    try:
+        import tqdm  # noqa: F401
+    except ImportError:
+        return contextlib.nullcontext()
+    from ckptlab._progress import listening
+
+    delay = float(os.environ.get("CKPTLAB_PROGRESS_DELAY", "1.0"))
+    return listening(lambda: _Bar(delay))
 
 
 def _fail(message: str) -> int:
@@ -1013,7 +1180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(_usage(), file=sys.stderr)
             return 2
         _check(args)
-        _run(args)
+        with _progress_bars():
+            _run(args)
     except _Exit as done:  # --help, --version
         return done.status
     except CkptlabError as exc:

@@ -18,6 +18,7 @@ import re
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
+from ckptlab._progress import task
 from ckptlab.checkpoint._tensors import (
     build_tensor,
     entries_from_logical,
@@ -33,11 +34,11 @@ from ckptlab.checkpoint.model import (
 )
 from ckptlab.errors import ArchiveError, CorruptArchiveError, UnsupportedFormatError
 from ckptlab.format._paths import resolve_inside
-from ckptlab.format._source import ByteSource
+from ckptlab.format._source import ByteSource, file_url_path, is_url
 from ckptlab.format.inspect import not_a_checkpoint, sniff
 from ckptlab.format.layout import ArchiveLayout, Segment, SegmentKind
 
-__all__ = ["FILE_ADAPTERS", "open_checkpoint"]
+__all__ = ["FILE_ADAPTERS", "open_checkpoint", "open_url"]
 
 Source = str | os.PathLike[str] | BinaryIO | bytes
 
@@ -59,6 +60,17 @@ class FileModel:
 def _torch_zip(src: ByteSource, rel: str) -> FileModel:
     from ckptlab.format.archive import scan_torch_zip
 
+    if getattr(src, "remote", False):  # behind a URL: no request per record
+        from ckptlab.format._remote_zip import NotTorchPlacementError, scan_torch_zip_remote
+
+        try:
+            layout = scan_torch_zip_remote(src)  # type: ignore[arg-type]
+        except NotTorchPlacementError as exc:
+            model = _from_layout(scan_torch_zip(src), rel, "torch-zip")
+            model.notes += (f"{rel}: records not placed as torch.save places them ({exc}); "
+                            "every local header was read, a request per record or cluster",)
+            return model
+        return _from_layout(layout, rel, "torch-zip")
     layout = scan_torch_zip(src)
     return _from_layout(layout, rel, "torch-zip")
 
@@ -128,7 +140,8 @@ def _reader(root: str) -> Callable[[Checkpoint, TensorEntry], Any]:
 
 
 def _checkpoint(format: str, path: str, models: list[FileModel], root: str,
-                prefix_files: bool, notes: tuple[str, ...] = ()) -> Checkpoint:
+                prefix_files: bool, notes: tuple[str, ...] = (),
+                reader: Callable[[Checkpoint, TensorEntry], Any] | None = None) -> Checkpoint:
     tensors: list[TensorEntry] = []
     objects: dict[str, Any] = {}
     files = []
@@ -144,7 +157,7 @@ def _checkpoint(format: str, path: str, models: list[FileModel], root: str,
             objects[tensor_name((*prefix, *vpath))] = value
         notes = notes + m.notes
     return Checkpoint(format, path, tuple(files), unique_names(tensors), objects,
-                      _reader(root), notes)
+                      reader or _reader(root), notes)
 
 
 def _renamed(t: TensorEntry, path: tuple[Any, ...]) -> TensorEntry:
@@ -157,7 +170,7 @@ def _open_file(source: Source) -> Checkpoint:
     if isinstance(source, (str, os.PathLike)):
         full = os.fspath(source)
         rel = os.path.basename(full)
-        with ByteSource(full) as src:
+        with ByteSource(full) as src, task(f"reading {rel}"):
             model = _model_file(src, rel)
         model.entry = _with_full_path(model.entry, full)
         return _checkpoint(model.format, full, [model], os.path.dirname(full), False)
@@ -236,15 +249,36 @@ def _other_entry(root: str, rel: str) -> FileEntry:
 
 def _open_hf_index(root: str, index_name: str, names: list[str]) -> Checkpoint:
     entry, index = _json_entry(root, index_name)
+    weight_map = _weight_map(index, entry.full_path)
+    shards = list(dict.fromkeys(weight_map.values()))
+    models = []
+    with task("reading shards", total=len(shards)) as progress:
+        for shard in shards:
+            models.append(_model_path(root, shard))
+            progress.advance()
+    notes = _index_notes(index_name, weight_map, models)
+    extra = [n for n in names if n not in shards and n != index_name]
+    ck = _checkpoint("hf", root, models, root, False, notes)
+    ck = _with_extra_files(ck, root, extra)
+    ck.files = tuple(sorted((*ck.files, entry), key=lambda f: f.path))
+    if isinstance(index.get("metadata"), dict):
+        ck._objects[index_name] = index["metadata"]
+    return ck
+
+
+def _weight_map(index: Any, path: str) -> dict[str, str]:
+    """The ``weight_map`` of a Hugging Face index (tensor name -> shard file), checked."""
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
         raise CorruptArchiveError("index has no weight_map of tensor name -> shard file",
-                                  path=entry.full_path)
-    shards = list(dict.fromkeys(weight_map.values()))
-    models = []
-    for shard in shards:
-        models.append(_model_path(root, shard))
+                                  path=path)
+    return weight_map
+
+
+def _index_notes(index_name: str, weight_map: dict[str, str], models: list[FileModel]
+                 ) -> tuple[str, ...]:
+    """What differs between an index's weight_map and the tensors its shards hold."""
     found = {t.name: m.entry.path for m in models for t in m.tensors}
     missing = [k for k in weight_map if k not in found]
     unlisted = [k for k in found if k not in weight_map]
@@ -260,13 +294,7 @@ def _open_hf_index(root: str, index_name: str, names: list[str]) -> Checkpoint:
         notes += (f"{len(elsewhere)} tensors are in another shard than {index_name} says "
                   f"(first: {elsewhere[0]!r} in {found[elsewhere[0]]}, index: "
                   f"{weight_map[elsewhere[0]]})",)
-    extra = [n for n in names if n not in shards and n != index_name]
-    ck = _checkpoint("hf", root, models, root, False, notes)
-    ck = _with_extra_files(ck, root, extra)
-    ck.files = tuple(sorted((*ck.files, entry), key=lambda f: f.path))
-    if isinstance(index.get("metadata"), dict):
-        ck._objects[index_name] = index["metadata"]
-    return ck
+    return notes
 
 
 def _unread_note(name: str, exc: ArchiveError) -> str:
@@ -284,24 +312,26 @@ def _with_extra_files(ck: Checkpoint, root: str, extra: list[str],
     files = list(ck.files)
     objects = dict(ck._objects)
     notes = list(ck.notes)
-    for name in extra:
-        if name.endswith(".json"):
+    with task("reading files", total=len(extra)) as progress:
+        for name in extra:
+            progress.advance()
+            if name.endswith(".json"):
+                try:
+                    entry, value = _json_entry(root, name)
+                except CorruptArchiveError as exc:
+                    files.append(_other_entry(root, name))
+                    notes.append(_unread_note(name, exc))
+                    continue
+                files.append(entry)
+                objects[name] = value
+                continue
             try:
-                entry, value = _json_entry(root, name)
-            except CorruptArchiveError as exc:
+                more_models.append(_model_path(root, name))
+            except ArchiveError as exc:
                 files.append(_other_entry(root, name))
                 notes.append(_unread_note(name, exc))
-                continue
-            files.append(entry)
-            objects[name] = value
-            continue
-        try:
-            more_models.append(_model_path(root, name))
-        except ArchiveError as exc:
-            files.append(_other_entry(root, name))
-            notes.append(_unread_note(name, exc))
-            if errors is not None:
-                errors.append(exc)
+                if errors is not None:
+                    errors.append(exc)
     tensors = list(ck.tensors.values())
     if more_models:
         extra_ck = _checkpoint("dir", root, more_models, root, True)
@@ -350,14 +380,211 @@ def _open_dir(root: str) -> Checkpoint:
     return ck
 
 
-def open_checkpoint(source: Source) -> Checkpoint:
+# -- URLs --------------------------------------------------------------------------------------
+def _remote_reader(store: Any, url_of: Callable[[str], str]
+                   ) -> Callable[[Checkpoint, TensorEntry], Any]:
+    """``ck.read`` behind URLs: one ranged request per part of the tensor.
+
+    The parts' bytes are written at their own offsets into sparse temporary files that stand
+    for the remote files, and the tensor is built from them by the same code as a local read
+    (every kind: dense, sparse, quantized, nested, DCP chunks); the files go when it returns.
+    """
+    def read(ck: Checkpoint, entry: TensorEntry) -> Any:
+        import shutil
+        import tempfile
+
+        from ckptlab.checkpoint._tensors import build_tensor
+        from ckptlab.errors import TruncatedArchiveError
+
+        tmp = tempfile.mkdtemp(prefix="ckptlab-read-")
+        try:
+            local: dict[str, str] = {}
+            for p in entry.parts:
+                if p.file not in local:
+                    local[p.file] = os.path.join(tmp, str(len(local)))
+                    open(local[p.file], "wb").close()
+                if not p.nbytes:
+                    continue
+                url = url_of(p.file)
+                data = store.range(url, p.offset, p.offset + p.nbytes)
+                if len(data) != p.nbytes:
+                    raise TruncatedArchiveError("file ends inside a tensor's bytes", path=url,
+                                                record=entry.name, offset=p.offset,
+                                                expected=f"{p.nbytes} bytes",
+                                                actual=f"{len(data)} bytes")
+                with open(local[p.file], "r+b") as f:
+                    f.seek(p.offset)
+                    f.write(data)
+            return build_tensor(entry, local.__getitem__, source=ck.path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return read
+
+
+def _remote_model(store: Any, url: str, rel: str) -> FileModel:
+    """One file behind a URL: zip archives from their tail (at most 3 requests for a torch.save
+    file), ``.safetensors`` from their head (1 request up to a 256 KiB header)."""
+    import dataclasses
+
+    from ckptlab.format._remote import RemoteSource
+    from ckptlab.format._remote_zip import looks_like_zip
+
+    src = RemoteSource(store, url, first="head" if rel.endswith(".safetensors") else "tail")
+    try:
+        kind = "torch-zip" if looks_like_zip(src) else sniff(src)
+        adapter = FILE_ADAPTERS.get(kind)
+        if adapter is None:
+            raise not_a_checkpoint(src, kind)
+        model = adapter(src, rel)
+    finally:
+        src.close()
+    model.entry = dataclasses.replace(model.entry, full_path=url)
+    return model
+
+
+def _remote_json(store: Any, url: str, rel: str) -> tuple[FileEntry, Any]:
+    """A JSON file behind a URL, in one request."""
+    raw = store.whole(url)
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CorruptArchiveError(f"not UTF-8 JSON: {str(exc)[:120]}", path=url,
+                                  offset=0) from None
+    seg = (Segment(SegmentKind.HEADER, 0, len(raw), rel),) if raw else ()
+    return FileEntry(rel, "json", len(raw), seg, None, url), value
+
+
+def _open_remote_hf(store: Any, root: str, index_name: str) -> Checkpoint:
+    """A Hugging Face sharded directory behind a URL: the index (1 request), then each shard
+    it names (1 request per safetensors shard with a header up to 256 KiB)."""
+    from ckptlab.format._remote import join_url
+
+    entry, index = _remote_json(store, join_url(root, index_name), index_name)
+    weight_map = _weight_map(index, entry.full_path)
+    shards = list(dict.fromkeys(weight_map.values()))
+    urls = {shard: join_url(root, shard) for shard in shards}  # refuses names leaving root
+    models = []
+    with task("reading shards", total=len(shards)) as progress:
+        for shard in shards:
+            models.append(_remote_model(store, urls[shard], shard))
+            progress.advance()
+    notes = _index_notes(index_name, weight_map, models)
+    ck = _checkpoint("hf", root, models, root, False, notes,
+                     _remote_reader(store, lambda rel: join_url(root, rel)))
+    ck.files = tuple(sorted((*ck.files, entry), key=lambda f: f.path))
+    if isinstance(index.get("metadata"), dict):
+        ck._objects[index_name] = index["metadata"]
+    return ck
+
+
+def _open_remote_dcp(store: Any, root: str) -> Checkpoint:
+    """A DCP directory behind a URL: ``.metadata`` (1 request), then each data file it names
+    (1 request each, the whole file: the items' own layouts are read from it as on disk),
+    mirrored into a temporary directory for the time of the scan."""
+    import dataclasses
+    import shutil
+    import tempfile
+
+    from ckptlab.checkpoint._dcp import open_dcp
+    from ckptlab.format._remote import join_url
+    from ckptlab.plan.metadata import METADATA, inspect_dcp, load_metadata
+
+    tmp = tempfile.mkdtemp(prefix="ckptlab-dcp-")
+    try:
+        raw = store.whole(join_url(root, METADATA))
+        with open(os.path.join(tmp, METADATA), "wb") as f:
+            f.write(raw)
+        meta = load_metadata(tmp)
+        names = sorted({str(info.relative_path) for info in meta.storage_data.values()})
+        for name in names:
+            url = join_url(root, name)  # refuses names that leave the directory
+            target = os.path.join(tmp, *name.split("/"))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with open(target, "wb") as f:
+                store.stream_to(url, f)
+        ck = open_dcp(tmp)
+        layout = dataclasses.replace(inspect_dcp(tmp), path=root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    files = tuple(dataclasses.replace(
+        f, full_path=join_url(root, f.path),
+        layout=layout if f.path == METADATA else f.layout) for f in ck.files)
+    return Checkpoint("dcp", root, files, ck.tensors, ck._objects,
+                      _remote_reader(store, lambda rel: join_url(root, rel)), ck.notes)
+
+
+def _open_remote_file(store: Any, url: str) -> Checkpoint:
+    from ckptlab.format._remote import url_name
+
+    rel = url_name(url)
+    model = _remote_model(store, url, rel)
+    return _checkpoint(model.format, url, [model], "", False,
+                       reader=_remote_reader(store, lambda _rel: url))
+
+
+# what a directory URL is probed for, in order (HTTP has no listing)
+REMOTE_DIR_PROBES = ("model.safetensors.index.json", ".metadata",
+                     "pytorch_model.bin.index.json", "model.safetensors", "pytorch_model.bin")
+
+
+def _open_remote_dir(store: Any, root: str) -> Checkpoint:
+    from ckptlab.format._remote import RemoteNotFoundError, join_url
+
+    for name in REMOTE_DIR_PROBES:
+        url = join_url(root, name)
+        try:
+            if name == ".metadata":
+                return _open_remote_dcp(store, root)
+            if name.endswith(".index.json"):
+                return _open_remote_hf(store, root, name)
+            return _checkpoint("hf", root, [_remote_model(store, url, name)], root, False,
+                               reader=_remote_reader(store, lambda rel: join_url(root, rel)))
+        except RemoteNotFoundError as exc:
+            if exc.path != url:  # a file the index or .metadata names is missing
+                raise
+    raise UnsupportedFormatError(
+        "a directory URL with none of " + ", ".join(REMOTE_DIR_PROBES) + " (a URL cannot be "
+        "listed: give the URL of the checkpoint file, of the index JSON, or of .metadata)",
+        path=root)
+
+
+def open_url(url: str, storage_options: dict[str, Any] | None = None
+             ) -> tuple[Checkpoint, Any]:
+    """:func:`open_checkpoint` of a URL, and the :class:`~ckptlab.format._remote.RemoteStore`
+    whose ``stats`` count the requests made (opening, then each ``read``)."""
+    from ckptlab.format._remote import RemoteStore, url_name
+    from ckptlab.plan.metadata import METADATA
+
+    store = RemoteStore(url, storage_options)
+    name = url_name(url)
+    root = url.rstrip("/").rsplit("/", 1)[0]
+    if url.endswith("/"):
+        ck = _open_remote_dir(store, url.rstrip("/"))
+    elif _HF_INDEX_RE.fullmatch(name):
+        ck = _open_remote_hf(store, root, name)
+    elif name == METADATA:
+        ck = _open_remote_dcp(store, root)
+    else:
+        ck = _open_remote_file(store, url)
+    return ck, store
+
+
+def open_checkpoint(source: Source, *,
+                    storage_options: dict[str, Any] | None = None) -> Checkpoint:
     """Open any checkpoint as a :class:`~ckptlab.checkpoint.Checkpoint` (tensor first).
 
     Parameters
     ----------
     source
         A file path, a directory (DCP, Hugging Face, or any directory of checkpoint files), a
-        binary file object (read from its current position, as ``torch.load`` does) or bytes.
+        binary file object (read from its current position, as ``torch.load`` does), bytes,
+        or a URL fsspec reads (``https://``, ``s3://``, ``hf://``...; ``file://`` is a local
+        path). A URL ending in ``/`` is a directory: it is probed for
+        ``model.safetensors.index.json``, ``.metadata``, ``pytorch_model.bin.index.json``,
+        ``model.safetensors`` and ``pytorch_model.bin`` in that order (a URL cannot be
+        listed); the URL of an index JSON or of ``.metadata`` opens its directory directly.
+    storage_options
+        For URLs: passed to fsspec (credentials, endpoints, HTTP ``headers``...).
 
     Raises
     ------
@@ -369,7 +596,19 @@ def open_checkpoint(source: Source) -> Checkpoint:
     -----
     Nothing from the checkpoint is executed; pickles are interpreted by ckptlab's bounded
     interpreter.
+
+    A URL is read with exact ranged requests and no listing: a torch.save file opens in at
+    most 3 requests, a Hugging Face sharded directory in 1 + one per shard, a DCP directory in
+    2 + one per data file, and ``read(name)`` costs one request per part. Remote opening checks
+    what a local one checks except the local headers and descriptors of storage records
+    (derived from the central directory by torch's placement rules, verified to tile the
+    file); see :mod:`ckptlab.format._remote_zip`. Needs the ``remote`` extra.
     """
+    if is_url(source):
+        local = file_url_path(source)  # type: ignore[arg-type]
+        if local is None:
+            return open_url(source, storage_options)[0]  # type: ignore[arg-type]
+        source = local
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         if os.path.isdir(path):

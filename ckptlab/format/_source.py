@@ -5,12 +5,37 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 from typing import BinaryIO, Union
 
 from ckptlab.errors import ArchiveError, TruncatedArchiveError
 from ckptlab.format._paths import check_regular, open_regular
 
 Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, BinaryIO]
+
+# a scheme of two or more letters then "://": "C://x" (a drive letter) stays a path
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+://")
+
+
+def is_url(source: object) -> bool:
+    """Whether ``source`` is a URL string (``https://``, ``s3://``, ``file://``...), not a path.
+
+    Decided on the text alone (no import of fsspec, no file system call), so plain paths cost
+    nothing more than before.
+    """
+    return isinstance(source, str) and _URL.match(source) is not None
+
+
+def file_url_path(url: str) -> str | None:
+    """The local path a ``file://`` URL names (``file:///a/b`` -> ``/a/b``), else None."""
+    if not url[:7].lower() == "file://":
+        return None
+    from urllib.parse import unquote, urlsplit
+
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        return None  # file://host/share: not this machine's path
+    return unquote(parts.path) or "/"
 
 
 class ByteSource:

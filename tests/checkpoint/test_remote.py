@@ -1,0 +1,369 @@
+"""Checkpoints behind URLs, counted by a real nginx's access log (issue 13, target 5).
+
+The server is Debian's nginx (``ckptlab.testing.nginx``), started on 127.0.0.1 with a
+configuration of its own; every request it answers is one line of its access log, so the
+budgets below are what a production server sees: HEAD requests, probes and retries included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+
+import ckptlab as cl
+from ckptlab import cli
+from ckptlab.errors import ArchiveError, UnsupportedFormatError
+from ckptlab.testing.nginx import NGINX_MISSING, NginxServer, nginx_executable
+
+pytest.importorskip("fsspec", reason="the 'remote' extra (fsspec, aiohttp) is not installed")
+pytest.importorskip("aiohttp", reason="the 'remote' extra (fsspec, aiohttp) is not installed")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    if nginx_executable() is None:
+        if os.environ.get("CI"):
+            pytest.fail(NGINX_MISSING)
+        pytest.skip(NGINX_MISSING)
+    root = tmp_path_factory.mktemp("served")
+    with NginxServer(root) as s:
+        yield s
+
+
+def _requests(server: NginxServer) -> list:
+    return server.requests()
+
+
+def _layout_dict(ck) -> dict:
+    d = ck.files[0].layout.to_dict()
+    d.pop("path")
+    return d
+
+
+# -- torch.save --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def many(server: NginxServer) -> dict[str, torch.Tensor]:
+    """10,000 small tensors saved with torch.save under the server's root."""
+    sd = {f"layers.{i}.w": torch.full((3,), float(i)) for i in range(10_000)}
+    torch.save(sd, os.path.join(server.root, "many.pt"))
+    return sd
+
+
+@pytest.fixture(scope="module")
+def many_remote(server, many):
+    """The 10,000-tensor file opened from its URL, and the requests that took."""
+    server.mark()
+    ck = cl.open(server.url("many.pt"))
+    return ck, _requests(server)
+
+
+@pytest.fixture(scope="module")
+def mid(server: NginxServer) -> str:
+    """A small torch.save file under the server's root (for the CLI)."""
+    torch.save({"w": torch.randn(64, 64), "step": 3}, os.path.join(server.root, "mid.pt"))
+    return "mid.pt"
+
+
+def test_torch_save_10k_tensors_opens_in_at_most_3_requests(server, many_remote):
+    ck, seen = many_remote
+    assert 1 <= len(seen) <= 3, seen
+    assert all(r.method == "GET" and r.range and r.status == 206 for r in seen), seen
+    assert seen[0].range.startswith("bytes=-")  # size and tail in one suffix request
+    assert len(ck.tensors) == 10_000
+    local = cl.open(os.path.join(server.root, "many.pt"))
+    assert _layout_dict(ck) == _layout_dict(local)  # byte for byte the local layout
+    assert ck.files[0].layout.segments == local.files[0].layout.segments
+
+
+def test_read_is_one_request_per_part_and_equals_torch(server, many, many_remote):
+    ck, _ = many_remote
+    loaded = many  # the tensors torch.save wrote (a 10,000-tensor torch.load is slow here)
+    for name in ("layers.0.w", "layers.4321.w", "layers.9999.w"):
+        server.mark()
+        t = ck.read(name)
+        seen = _requests(server)
+        assert len(seen) == len(ck.tensors[name].parts) == 1, seen
+        part = ck.tensors[name].parts[0]
+        assert seen[0].range == f"bytes={part.offset}-{part.offset + part.nbytes - 1}"
+        assert torch.equal(t, loaded[name]) and t.dtype == loaded[name].dtype
+
+
+def test_large_storages_are_not_moved(server):
+    """Opening moves the directory and the pickle, never the tensor bytes."""
+    sd = {"w": torch.randn(512, 1024), "views": torch.arange(100.0)[::7], "b": torch.ones(3),
+          "h": torch.randn(64).to(torch.bfloat16), "step": 12, "nested": {"q": torch.zeros(2, 2)}}
+    path = os.path.join(server.root, "large.pt")
+    torch.save(sd, path)
+    server.mark()
+    ck = cl.open(server.url("large.pt"))
+    seen = _requests(server)
+    assert len(seen) <= 3
+    assert sum(r.body_nbytes for r in seen) < os.path.getsize(path) // 2
+    assert ck.objects == cl.open(path).objects
+    loaded = torch.load(path, weights_only=True)
+    assert torch.equal(ck.read("views"), loaded["views"])
+    assert ck.read("views").stride() == loaded["views"].stride()
+    assert torch.equal(ck.read("h"), loaded["h"])
+    assert torch.equal(ck.read("nested.q"), loaded["nested"]["q"])
+
+
+def test_a_small_file_arrives_in_one_request(server):
+    torch.save({"a": torch.arange(5)}, os.path.join(server.root, "tiny.pt"))
+    server.mark()
+    ck = cl.open(server.url("tiny.pt"))
+    assert len(_requests(server)) == 1
+    assert torch.equal(ck.read("a"), torch.arange(5))
+
+
+def test_a_zip_not_placed_as_torch_places_it_is_read_record_by_record(server, tmp_path):
+    """Re-zipped with Python's zipfile (no padding, no descriptors): the arithmetic does not
+    fit, the local headers are read, and the layout is still the local one."""
+    src = tmp_path / "src.pt"
+    # larger than the first request's 1 MiB: the storage headers are not all moved by it
+    torch.save({"a": torch.arange(400_000.0), "b": torch.ones(4, dtype=torch.int64)}, src)
+    target = os.path.join(server.root, "rezipped.pt")
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(target, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info.filename))
+    ck = cl.open(server.url("rezipped.pt"))
+    local = cl.open(target)
+    assert _layout_dict(ck) == _layout_dict(local)
+    assert any("not placed as torch.save places them" in n for n in ck.notes)
+    assert torch.equal(ck.read("a"), torch.arange(400_000.0))
+
+
+def test_a_storage_record_moved_in_the_directory_is_not_trusted(server, tmp_path):
+    """A central directory whose storage header offset is off by 64 does not match torch's
+    placement: the local headers are read, which say what is wrong."""
+    path = tmp_path / "x.pt"
+    torch.save({"a": torch.arange(64.0), "b": torch.arange(64.0)}, path)
+    raw = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("data/1"))
+    at = raw.find(b"PK\x01\x02")
+    while at >= 0:  # the central directory entry of data/1
+        name_n = int.from_bytes(raw[at + 28:at + 30], "little")
+        if raw[at + 46:at + 46 + name_n].decode().endswith("data/1"):
+            break
+        at = raw.find(b"PK\x01\x02", at + 4)
+    assert at >= 0
+    off = int.from_bytes(raw[at + 42:at + 46], "little")
+    assert off == info.header_offset
+    raw[at + 42:at + 46] = (off + 64).to_bytes(4, "little")
+    with open(os.path.join(server.root, "moved.pt"), "wb") as f:
+        f.write(raw)
+    with pytest.raises(ArchiveError) as remote:
+        cl.open(server.url("moved.pt"))
+    with pytest.raises(ArchiveError) as local:
+        cl.open(os.path.join(server.root, "moved.pt"))
+    assert type(remote.value) is type(local.value)
+    assert remote.value.reason == local.value.reason
+
+
+# -- Hugging Face sharded ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_dir(server: NginxServer) -> dict[str, torch.Tensor]:
+    from safetensors.torch import save_file
+
+    root = os.path.join(server.root, "hf")
+    os.makedirs(root)
+    every: dict[str, torch.Tensor] = {}
+    weight_map = {}
+    for k in range(4):
+        shard = {f"model.layers.{k}.{n}": torch.randn(8, 16) for n in ("q", "k", "v")}
+        name = f"model-{k + 1:05d}-of-00004.safetensors"
+        save_file(shard, os.path.join(root, name))
+        weight_map.update(dict.fromkeys(shard, name))
+        every.update(shard)
+    with open(os.path.join(root, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": 4 * 3 * 8 * 16 * 4}, "weight_map": weight_map}, f)
+    with open(os.path.join(root, "config.json"), "w") as f:
+        json.dump({"model_type": "test"}, f)
+    return every
+
+
+@pytest.mark.parametrize("url", ["hf/", "hf/model.safetensors.index.json"])
+def test_hf_sharded_dir_opens_in_one_plus_one_per_shard(server, hf_dir, url):
+    server.mark()
+    ck = cl.open(server.url(url))
+    seen = _requests(server)
+    assert len(seen) == 1 + 4, seen
+    assert seen[0].path.endswith("model.safetensors.index.json") and seen[0].range is None
+    assert ck.format == "hf" and set(ck.tensors) == set(hf_dir)
+    assert ck.objects["model.safetensors.index.json"]["total_size"] == 6144
+    local = cl.open(os.path.join(server.root, "hf"))
+    for name in hf_dir:
+        assert ck.tensors[name].parts == local.tensors[name].parts
+    server.mark()
+    t = ck.read("model.layers.2.k")
+    assert len(_requests(server)) == 1
+    assert torch.equal(t, hf_dir["model.layers.2.k"])
+
+
+# -- DCP ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def dcp_dir(server: NginxServer) -> dict[str, object]:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    sd = {"w": torch.randn(32, 16), "b": torch.arange(9), "step": 7,
+          "opt": {"m": torch.randn(5, 3)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, checkpoint_id=os.path.join(server.root, "dcp"), no_dist=True)
+    return sd
+
+
+@pytest.mark.parametrize("url", ["dcp/", "dcp/.metadata"])
+def test_dcp_dir_opens_in_at_most_2_plus_one_per_file(server, dcp_dir, url):
+    files = [n for n in os.listdir(os.path.join(server.root, "dcp")) if n != ".metadata"]
+    server.mark()
+    ck = cl.open(server.url(url))
+    seen = _requests(server)
+    assert len(seen) <= 2 + len(files), seen
+    assert ck.format == "dcp"
+    assert ck.objects["step"] == 7
+    for name, want in (("w", dcp_dir["w"]), ("b", dcp_dir["b"]),
+                       ("opt.m", dcp_dir["opt"]["m"])):
+        server.mark()
+        got = ck.read(name)
+        assert len(_requests(server)) == len(ck.tensors[name].parts)
+        assert torch.equal(got, want)
+
+
+# -- errors, CLI, local paths ----------------------------------------------------------------------
+def test_missing_file_and_empty_directory_url_are_ckptlab_errors(server, tmp_path):
+    with pytest.raises(ArchiveError, match="404") as exc:
+        cl.open(server.url("nope.pt"))
+    assert exc.value.path == server.url("nope.pt")
+    os.makedirs(os.path.join(server.root, "empty"), exist_ok=True)
+    with pytest.raises(UnsupportedFormatError, match="cannot be listed"):
+        cl.open(server.url("empty/"))
+
+
+def test_shard_names_that_leave_the_directory_are_refused(server):
+    root = os.path.join(server.root, "evil")
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": {"a": "../many.pt"}}, f)
+    with pytest.raises(ArchiveError, match="leaves the directory"):
+        cl.open(server.url("evil/"))
+
+
+def test_cli_verbs_take_urls(server, many, mid, hf_dir, capsys):
+    assert cli.main(["inspect", server.url(mid), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["format"] == "torch-zip" and [t["name"] for t in doc["tensors"]] == ["w"]
+    assert doc["objects"] == {"step": 3}
+    server.mark()
+    assert cli.main(["offsets", server.url("many.pt"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["reads"] == len(_requests(server)) <= 3
+    local = cl.storage_offsets(os.path.join(server.root, "many.pt"))
+    assert doc["offsets"] == local.offsets
+    assert cli.main(["offsets", server.url("hf/"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["reads"] == 5 and len(doc["offsets"]) == len(hf_dir)
+    assert cli.main(["inspect", server.url(mid), "--records"]) == 0
+    assert "data.pkl" in capsys.readouterr().out
+    assert cli.main(["readiness", server.url(mid), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["o_direct"] is False
+    assert cli.main(["serve", server.url(mid)]) == 2
+    assert "serve shows a torch.save file on this machine" in capsys.readouterr().err
+    assert cli.main(["inspect", server.url("nope.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ckptlab: error:") and err.count("\n") == 1 and "404" in err
+
+
+def test_file_urls_are_local_paths_and_local_paths_import_no_fsspec(tmp_path):
+    path = tmp_path / "a.pt"
+    torch.save({"x": torch.arange(3)}, path)
+    assert torch.equal(cl.open(path.as_uri()).read("x"), torch.arange(3))
+    code = ("import sys, ckptlab; ck = ckptlab.open(sys.argv[1]); ck.read('x'); "
+            "print('fsspec' in sys.modules, 'aiohttp' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
+                         text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+def test_kept_ranges_merge_and_serve_reads():
+    """RemoteSource's keeping of moved bytes, against a reference, without a server."""
+    from ckptlab.format._remote import RemoteSource, _missing
+
+    data = bytes(random.Random(0).randbytes(5000))
+
+    class Store:  # counts ranges like RemoteStore
+        class stats:
+            requests = 0
+            bytes_moved = 0
+
+        def tail(self, url, n):
+            Store.stats.requests += 1
+            return len(data), len(data) - n, data[-n:]
+
+        def range(self, url, a, b):
+            Store.stats.requests += 1
+            Store.stats.bytes_moved += b - a
+            return data[a:b]
+
+    rng = random.Random(1)
+    src = RemoteSource(Store(), "mem://x", window_nbytes=100)
+    for _ in range(300):
+        a = rng.randrange(0, 5000)
+        n = rng.randrange(0, 5000 - a + 1)
+        before = src.kept_ranges()
+        assert src.read(a, n) == data[a:a + n]
+        missing = _missing(before, a, a + n)
+        assert src.reads == Store.stats.requests
+        kept = src.kept_ranges()
+        assert all(kept[i][1] < kept[i + 1][0] for i in range(len(kept) - 1))  # disjoint
+        assert all(src.kept(lo, hi - lo) == data[lo:hi] for lo, hi in kept)
+        assert all(any(lo <= x and y <= hi for lo, hi in kept) for x, y in missing)
+
+
+def test_cli_inspect_json_of_a_dcp_url_has_its_items(server, dcp_dir, capsys):
+    assert cli.main(["inspect", server.url("dcp/.metadata"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["format"] == "dcp" and doc["path"] == server.url("dcp")
+    assert {i["fqn"] for i in doc["items"]} >= {"w", "b", "opt.m", "step"}
+    local = cli.checkpoint_json(cl.open(os.path.join(server.root, "dcp")), [])
+    assert [(i["fqn"], i["offset"], i["nbytes"]) for i in doc["items"]] == \
+        [(i["fqn"], i["offset"], i["nbytes"]) for i in local["items"]]
+
+
+def test_other_fsspec_protocols_read_through_size_and_cat_file(tmp_path):
+    """memory:// stands for s3://, hf://...: one size call, then exact cat_file ranges."""
+    import fsspec
+
+    path = tmp_path / "m.pt"
+    sd = {"a": torch.randn(1000, 1000), "b": torch.arange(5)}
+    torch.save(sd, path)
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/ckptlab-test/m.pt", path.read_bytes())
+    try:
+        from ckptlab.checkpoint.open import open_url
+
+        ck, store = open_url("memory://ckptlab-test/m.pt")
+        assert store.stats.requests <= 4  # size + the torch.save budget of 3
+        assert store.stats.log[0][1] == "size"
+        assert store.stats.bytes_moved < path.stat().st_size // 2
+        assert torch.equal(ck.read("b"), sd["b"]) and torch.equal(ck.read("a"), sd["a"])
+        with pytest.raises(ArchiveError, match="no such file"):
+            cl.open("memory://ckptlab-test/none.pt")
+    finally:
+        fs.rm("/ckptlab-test", recursive=True)
+
+
+def test_without_the_remote_extra_a_url_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "fsspec", None)  # import fsspec raises ImportError
+    with pytest.raises(UnsupportedFormatError, match=r"ckptlab\[remote\]"):
+        cl.open("https://127.0.0.1:9/model.pt")
+    assert cli.main(["inspect", "https://127.0.0.1:9/model.pt"]) == 2
