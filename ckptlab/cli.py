@@ -73,7 +73,7 @@ VERBS: dict[str, str] = {
     "sample": "write the embedded sample checkpoint",
     "report": "write a self-contained offline HTML report of any checkpoint",
     "readiness": "is a checkpoint ready for GPUDirect Storage / O_DIRECT reads?",
-    "serve": "serve the interactive workbench (panel) for a torch.save file on 127.0.0.1",
+    "serve": "serve the interactive workbench (panel) for any checkpoint on 127.0.0.1",
 }
 
 
@@ -636,7 +636,8 @@ def _parser() -> _Parser:
     rdy.add_argument("--json", action="store_true", help="print one JSON object")
     srv = sub.add_parser("serve", help=VERBS["serve"], description=VERBS["serve"])
     srv.add_argument("path", nargs="?", metavar="PATH",
-                     help="torch.save checkpoint file" + default)
+                     help="checkpoint file or directory (any format ckptlab.open reads)"
+                     + default)
     srv.add_argument("--port", type=_port, default=5006, metavar="N",
                      help="port, 1 to 65535 (default 5006)")
     srv.add_argument("--address", default="127.0.0.1", metavar="A",
@@ -843,34 +844,25 @@ def _check_listen(address: str, port: int) -> None:
                     f"cannot listen on {address}:{port}: {exc.strerror or exc}") from None
 
 
-# what ``serve`` says of a file it does not show (detect_format's kinds)
-_NOT_SERVED = {"safetensors": "a safetensors file", "legacy-pickle": "a legacy torch.save file "
-               "(written before torch 1.6)", "legacy-tar": "a legacy torch.save tar archive",
-               "pickle": "a plain pickle"}
-
-
 def _check_servable(path: str) -> None:
-    """``serve`` shows one torch.save file (its zip records, byte map and alignment): refuse a
-    directory or another format up front, in one line that says what works instead."""
+    """``serve`` shows any checkpoint ``ckptlab.open`` reads: refuse, up front and in one line,
+    a file that is no checkpoint at all and an empty directory (the server opens the rest)."""
     from ckptlab.format._source import ByteSource
     from ckptlab.format.inspect import not_a_checkpoint, sniff
 
+    _input_path(path, "serve", directory=True)
     st = _stat(path)
     if st is not None and stat.S_ISDIR(st.st_mode):
-        raise InvalidArgumentError(
-            f"{path}: is a directory: ckptlab serve shows one torch.save file (.pt, .pth, "
-            f".bin; torch 1.6 or later) so far; for a directory, 'ckptlab inspect {path}' "
-            f"lists its tensors and 'ckptlab report {path}' draws its files")
-    _input_path(path, "serve")
+        with os.scandir(path) as entries:
+            if not any(e.is_file() for e in entries):
+                raise InvalidArgumentError(
+                    f"{path}: a directory without files: give a checkpoint file or a "
+                    "directory of one (Hugging Face, DCP, shards)")
+        return
     with ByteSource(path) as src:
         kind = sniff(src)
         if kind in ("empty", "unknown"):
             raise not_a_checkpoint(src, kind)
-    if kind in _NOT_SERVED:
-        raise InvalidArgumentError(
-            f"{path}: {_NOT_SERVED[kind]}: ckptlab serve shows torch.save files (.pt, .pth, "
-            f".bin; torch 1.6 or later) so far; 'ckptlab inspect {path}' lists its tensors "
-            f"and 'ckptlab report {path}' draws its bytes")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -880,7 +872,7 @@ def _check(args: argparse.Namespace) -> None:
         args.path = _local_url(args.path)
     if verb == "serve" and _is_url(args.path):
         raise InvalidArgumentError(
-            f"{args.path}: ckptlab serve shows a torch.save file on this machine; for a URL, "
+            f"{args.path}: ckptlab serve shows a checkpoint on this machine; for a URL, "
             f"'ckptlab inspect {args.path}' lists its tensors and 'ckptlab report "
             f"{args.path}' draws its bytes (or download the file and serve it)")
     if verb == "serve":
@@ -1107,8 +1099,8 @@ def _run(args: argparse.Namespace) -> None:
             from ckptlab.widgets.app import serve
         except ImportError as exc:
             _needs("widgets", exc)
-        serve(_input_path(args.path, verb), port=args.port, address=args.address,
-              show=args.show)
+        serve(_input_path(args.path, verb, directory=True), port=args.port,
+              address=args.address, show=args.show)
 
 
 class _Bar:

@@ -103,7 +103,7 @@ CASES: list[tuple[str, tuple[str, ...], str]] = [
     ("serve", ("--address", "", "--port", "{free_port}"), "--address is empty"),
     ("serve", ("{missing}", "--port", "{free_port}"), "No such file"),
     ("serve", ("{fifo}", "--port", "{free_port}"), "FIFO"),
-    ("serve", ("{dir}", "--port", "{free_port}"), "is a directory: ckptlab serve shows one"),
+    ("serve", ("{dir}", "--port", "{free_port}"), "a directory without files"),
     ("serve", ("{garbage}", "--port", "{free_port}"), "not a checkpoint"),
     ("serve", ("{empty}", "--port", "{free_port}"), "empty file"),
     ("serve", ("--show=1",), "--show"),

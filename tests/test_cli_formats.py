@@ -213,7 +213,7 @@ def test_report_of_a_safetensors_file_speaks_safetensors(made, tmp_path, cli) ->
     for word in ("record", "zip64", "FB padding", "storage_alignment", "Alignment cost"):
         assert word not in page, word
     assert "header padding" in page or "JSON header" in page
-    assert figure_kinds(doc) == ["bytemap", "overhead", "placement"]
+    assert figure_kinds(doc) == ["treemap", "bytemap", "overhead", "placement"]
     ck = cl.open(made["safetensors"])
     for t in ck.tensors.values():  # name, dtype, shape, kind, bytes, params, offset
         assert (f"<td>{html.escape(t.name)}</td><td>{t.dtype}</td>"
@@ -235,7 +235,7 @@ def test_report_of_a_directory_has_a_section_per_file(made, kind, tmp_path, cli)
         # the byte map of every file that holds tensor bytes
         assert (f"<h2>Byte map · {html.escape(f.path)}</h2>" in page) == (f.path in holding)
     kinds = figure_kinds(doc)
-    assert kinds[0] == "files" and kinds.count("bytemap") == len(holding)
+    assert kinds[:2] == ["treemap", "files"] and kinds.count("bytemap") == len(holding)
     n = len(holding)
     assert (f"of the {'one' if n == 1 else n} file{'s' * (n != 1)} that hold{'s' * (n == 1)} "
             "tensor bytes; the table above lists every file") in page
@@ -260,7 +260,7 @@ def test_report_says_which_byte_maps_it_left_out(made) -> None:
 
 def test_report_of_a_torch_save_file_keeps_records_and_what_if(made, tmp_path, cli) -> None:
     doc = report_of(cli, made["torch"], tmp_path / "pt.html")
-    assert figure_kinds(doc) == ["bytemap", "overhead", "alignment", "storages"]
+    assert figure_kinds(doc) == ["treemap", "bytemap", "overhead", "alignment", "storages"]
     assert "<h2>Records</h2>" in doc
 
 
@@ -380,25 +380,23 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("kind", ["safetensors", "hf", "dcp"])
-def test_serve_refuses_what_it_does_not_show_in_plain_words(made, kind) -> None:
-    proc = run("serve", str(made[kind]), "--port", free_port())
-    line = one_error_line(proc)
-    assert str(made[kind]) in line
-    assert f"'ckptlab inspect {made[kind]}'" in line and f"'ckptlab report {made[kind]}'" in line
-    assert "torch.save file" in line
-    assert not re.search(r"ckptlab\.\w|\w\(\)|Error\b", line)  # no Python API names
-
-
-def test_serve_still_serves_a_torch_save_file(monkeypatch, made) -> None:
+@pytest.mark.parametrize("kind", ["torch", "safetensors", "hf", "dcp"])
+def test_serve_serves_every_format(monkeypatch, made, kind) -> None:
     from ckptlab import cli
     from ckptlab.widgets import app
 
     calls = []
     monkeypatch.setattr(app, "serve", lambda *a, **k: calls.append(a))
     monkeypatch.setattr(cli, "_check_listen", lambda address, port: None)
-    assert main(["serve", str(made["torch"])]) == 0
-    assert calls == [(str(made["torch"]),)]
+    assert main(["serve", str(made[kind])]) == 0
+    assert calls == [(str(made[kind]),)]
+
+
+def test_serve_refuses_an_empty_directory_in_plain_words(tmp_path) -> None:
+    proc = run("serve", str(tmp_path), "--port", free_port())
+    line = one_error_line(proc)
+    assert str(tmp_path) in line and "directory without files" in line
+    assert not re.search(r"ckptlab\.\w|\w\(\)|Error\b", line)  # no Python API names
 
 
 @pytest.mark.parametrize("verb, kind", [("readiness", "hf"), ("report", "dcp")])

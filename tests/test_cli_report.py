@@ -45,8 +45,8 @@ def test_report_writes_a_standalone_page(sample_file, sample_layout, tmp_path, c
     page = without_plotlyjs(doc)
     assert "http:" not in page and "https:" not in page  # the page itself links nowhere
     assert len(doc) - len(page) > 1_000_000  # the library really is inline
-    assert figure_ids(doc) == [f"ckptlab-fig-{i}" for i in range(4)]
-    for i in range(4):
+    assert figure_ids(doc) == [f"ckptlab-fig-{i}" for i in range(5)]
+    for i in range(5):
         assert f'<div id="ckptlab-fig-{i}"' in doc
     for kind in ("bytemap", "overhead", "alignment", "storages"):
         assert f'"kind":"{kind}"' in doc
@@ -65,7 +65,7 @@ def test_report_of_safetensors(safetensors_file, hostile_name, tmp_path):
     out = tmp_path / "st.html"
     assert main(["report", str(safetensors_file), "--output", str(out)]) == 0
     doc = read_report(out)
-    assert figure_ids(doc) == [f"ckptlab-fig-{i}" for i in range(3)]  # no alignment cost
+    assert figure_ids(doc) == [f"ckptlab-fig-{i}" for i in range(4)]  # no alignment cost
     assert hostile_name not in doc
     assert f"<td>{html.escape(hostile_name)}</td>" in doc
 

@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 from ckptlab.errors import InvalidArgumentError
 from ckptlab.format.layout import SegmentKind
 from ckptlab.format.predict import AlignmentCost
-from ckptlab.viz._style import KIND_COLORS, human_nbytes
+from ckptlab.viz._style import ACCENT, KIND_COLORS, human_nbytes, style_figure
 
 __all__ = ["alignment_figure"]
 
@@ -53,7 +53,7 @@ def alignment_figure(costs: Sequence[AlignmentCost], *, current: int | None = No
                        "<extra></extra>")))
     fig.add_trace(go.Scatter(
         x=labels, y=[100 * r.overhead_fraction for r in rows], name="overhead (% of file)",
-        yaxis="y2", mode="lines+markers", line={"color": "#4c78a8"},
+        yaxis="y2", mode="lines+markers", line={"color": ACCENT},
         hovertemplate="alignment %{x}<br>overhead %{y:.2f}% of the file<extra></extra>"))
     base = rows[0]
     fig.update_layout(
@@ -64,8 +64,8 @@ def alignment_figure(costs: Sequence[AlignmentCost], *, current: int | None = No
         yaxis2={"title": "overhead (% of file)", "overlaying": "y", "side": "right",
                 "rangemode": "tozero", "showgrid": False},
         legend={"orientation": "h", "y": -0.25}, height=380, bargap=0.25,
-        margin={"l": 70, "r": 70, "t": 50, "b": 90}, plot_bgcolor="#ffffff",
+        margin={"l": 70, "r": 70, "t": 76, "b": 90},
         meta={"kind": "alignment", "alignments": [r.alignment for r in rows],
               "ready_4k": ready, "current": current},
     )
-    return fig
+    return style_figure(fig)

@@ -1,40 +1,69 @@
-"""The byte map: every byte of a checkpoint file, one lane and one colour per segment kind.
+"""The byte map: every byte of a checkpoint file, one lane and one colour per kind of bytes.
 
 A plotly bar per segment takes seconds to draw at 10k records and minutes at 50k, so the map
-is one heatmap trace: lanes are segment kinds, columns are byte bins (1000 by default),
-and a cell's shade says how much of its bin that kind covers (any byte at all shows a tint, so
-sub-pixel headers and padding stay visible). Once few enough segments are in view the columns
-become the exact segments. :class:`ByteMap` holds the numeric arrays once per layout, so
-re-binning for a zoom is a few ``searchsorted`` calls.
+is one heatmap trace: lanes are kinds of bytes, columns are byte bins (1000 by default), and a
+cell's shade is proportional to the share of its bin that the lane's bytes cover (a bin that
+is 1% header is 1% tinted, not solid). Bytes present in a bin but under a tenth of it also get
+a thin tick in a second trace ("present but tiny"), so a 30-byte header in a megabyte bin
+stays visible without the lane reading as solid. Once few enough segments are in view the
+columns become the exact segments.
+
+Lanes are segment kinds, except that the bytes which describe tensors (torch's ``data.pkl``
+and its small records, a safetensors JSON header, DCP's ``.metadata``) have their own
+``metadata`` lane: the data lane holds tensor bytes only. Hover text is in plain words and
+names the tensors whose bytes a cell holds.
+
+A map is built from an :class:`~ckptlab.ArchiveLayout` (one torch.save or safetensors file,
+or a predicted layout) or from one file of a :class:`~ckptlab.checkpoint.Checkpoint` of any
+format (its segments and its tensors' parts). :class:`ByteMap` holds the numeric arrays once
+per file, so re-binning for a zoom is a few ``searchsorted`` calls.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
 
 from ckptlab.errors import InvalidArgumentError
-from ckptlab.format.layout import ArchiveLayout, SegmentKind
+from ckptlab.format.archive import largest_alignment
+from ckptlab.format.layout import ArchiveLayout, Segment, SegmentKind
 from ckptlab.viz._style import (
     KIND_COLORS,
-    KIND_LABELS,
     KIND_ORDER,
+    LANE_COLORS,
+    LANE_LABELS,
+    LANE_ORDER,
+    LANE_WORDS,
+    METADATA_LANE,
+    NEUTRAL,
+    SELECTION,
     human_nbytes,
     plain_text,
-    tint,
+    style_figure,
+    theme_colors,
 )
 
-__all__ = ["ByteMap", "bytemap_figure", "bytemap_trace", "overhead_figure"]
+__all__ = ["TINY_FRACTION", "ByteMap", "bytemap_figure", "bytemap_marks", "bytemap_title",
+           "bytemap_trace",
+           "files_figure", "highlight_shapes", "overhead_figure", "update_bytemap"]
 
 # Plotly samples a heatmap that has more columns than pixels, which drops the slivers (a
 # header in a bin of megabytes) this map exists to show: keep columns at about one per pixel.
 DEFAULT_BINS = 1000
 EXACT_THRESHOLD = 1000  # at most this many visible segments are drawn one column each
+TINY_FRACTION = 0.1  # a lane covering less than this share of a bin also gets a tick
 _KIND_CODE = {k: i for i, k in enumerate(KIND_ORDER)}
-_BAND_FLOOR = 0.3  # shade of a lane that covers a sliver of its bin (0..1 within the band)
+_LANE_CODE = {k: i for i, k in enumerate(LANE_ORDER)}
+_DATA_LANE = _LANE_CODE[SegmentKind.DATA]
+_META_LANE = _LANE_CODE[METADATA_LANE]
+# segment kind code -> lane code (a JSON header is metadata; DATA is split per segment)
+_KIND_TO_LANE = np.array([_META_LANE if k is SegmentKind.HEADER else _LANE_CODE[k]
+                          for k in KIND_ORDER], dtype=np.int16)
+_SHADE = 0.999  # z = lane + _SHADE * share: a full bin is the lane's colour, never the next's
 _TRAILER_NAMES = {
     SegmentKind.CENTRAL_DIRECTORY: "<central directory>",
     SegmentKind.ZIP64_EOCD: "<zip64 EOCD>",
@@ -45,38 +74,166 @@ _TRAILER_NAMES = {
     SegmentKind.HEADER_PADDING: "<header padding>",
     SegmentKind.UNKNOWN: "<unknown bytes>",
 }
+_ITEM_WORDS = {  # items that are not a record or a tensor, in words
+    "<central directory>": "the zip central directory (one entry per record)",
+    "<zip64 EOCD>": "the zip64 end of central directory record",
+    "<zip64 locator>": "the zip64 end of central directory locator",
+    "<EOCD>": "the end of central directory record",
+    "<header length>": "the header length (8 bytes)",
+    "<JSON header>": "the JSON header (every tensor's name, dtype, shape and offsets)",
+    "<header padding>": "the header padding (spaces that align the data)",
+    "<unknown bytes>": "bytes no structure of the format accounts for",
+    ".metadata": "DCP's .metadata (the pickled plan: every item's file, offset and size)",
+}
 
 
 @dataclass(frozen=True, eq=False)
 class ByteMap:
-    """A layout's segments as numeric arrays, ready to bin at any zoom.
+    """A file's segments as numeric arrays, ready to bin at any zoom.
 
-    Segments are grouped into *items*: a zip record (header, name, extras, data, descriptor)
-    or a trailer structure. ``item_names[i]`` names item ``i``; items are in file order.
+    Segments are grouped into *items*: a zip record (header, name, extras, data, descriptor),
+    a safetensors tensor or a trailer structure. ``item_names[i]`` names item ``i``; items
+    are in file order. ``item_tensors[i]`` names the tensors whose bytes item ``i`` holds.
     """
 
-    layout: ArchiveLayout
+    layout: ArchiveLayout  # the file's layout (made of its segments for a checkpoint file)
     starts: np.ndarray  # int64 (S,): first byte of each segment, ascending, tiling the file
     nbytes: np.ndarray  # int64 (S,)
-    kinds: np.ndarray  # int16 (S,): index into KIND_ORDER
+    kinds: np.ndarray  # int16 (S,): index into KIND_ORDER (the segment's kind)
     items: np.ndarray  # int32 (S,): index into item_names
     item_names: tuple[str, ...]
-    lanes: tuple[SegmentKind, ...]  # kinds present in the file, in KIND_ORDER
+    lanes: tuple[str, ...]  # lanes present in the file, in LANE_ORDER (SegmentKind or "metadata")
     prefix: np.ndarray  # int64 (len(lanes), S + 1): bytes of each lane before segment i
     lane_segments: tuple[np.ndarray, ...]  # per lane: indices of its segments, ascending
     item_starts: np.ndarray  # int64 (items + 1,): first byte of each item, then the file size
+    lane_codes: np.ndarray | None = None  # int16 (S,): index into LANE_ORDER (the lane)
+    owners: Any = field(default=None, repr=False)  # an _Owners: item -> its tensors, lazily
+    file: str = ""  # the file's path in its checkpoint ("" for a layout)
+
+    def item_owners(self, item: int) -> list[tuple[str, str]]:
+        """``(name, "name dtype[shape]")`` of the tensors whose bytes item ``item`` holds
+        (formatted on demand: a map of 100,000 tensors names only what is hovered)."""
+        return self.owners.get(item) if self.owners is not None else []
+
+    @property
+    def item_tensors(self) -> tuple[tuple[str, ...], ...]:
+        """Per item: the tensors whose bytes it holds, as "name dtype[shape]" labels."""
+        return tuple(tuple(lab for _, lab in self.item_owners(i))
+                     for i in range(len(self.item_names)))
+
+    @property
+    def item_tensor_names(self) -> tuple[tuple[str, ...], ...]:
+        """Per item: the names of the tensors whose bytes it holds."""
+        return tuple(tuple(n for n, _ in self.item_owners(i))
+                     for i in range(len(self.item_names)))
 
     @classmethod
     def from_layout(cls, layout: ArchiveLayout) -> ByteMap:
-        """Build the arrays (linear in the number of segments)."""
+        """Build the arrays of one file's layout (linear in the number of segments)."""
         if not isinstance(layout, ArchiveLayout):
             raise InvalidArgumentError(
                 f"expected an ArchiveLayout (from ckptlab.inspect), got {type(layout).__name__}")
+        def owners(names: tuple[str, ...], items: np.ndarray) -> _Owners:
+            def index() -> dict[int, list[Any]]:  # item -> tensors, one pass, no formatting
+                by_key = {s.key: s.record for s in layout.storages}
+                item_of = {n: i for i, n in enumerate(names)}
+                out: dict[int, list[Any]] = {}
+                for t in layout.tensors:
+                    i = item_of.get(by_key.get(t.storage_key))  # type: ignore[arg-type]
+                    if i is not None:
+                        out.setdefault(i, []).append(t)
+                return out
+
+            def label(t: Any) -> tuple[str, str]:
+                name = ".".join(map(str, t.path))
+                return name, f"{name} {t.dtype}{list(t.shape)}"
+
+            return _Owners(index, label)
+
+        tensor_records = {s.record for s in layout.storages}
         segs = layout.segments
+
+        def tensor_data(data_idx: np.ndarray) -> np.ndarray:
+            return np.fromiter((segs[i].record in tensor_records for i in data_idx.tolist()),
+                               dtype=bool, count=len(data_idx))
+
+        return cls._build(layout, tensor_data, owners)
+
+    @classmethod
+    def from_file(cls, entry: Any, tensors: Iterable[Any] = ()) -> ByteMap:
+        """The map of one file of a :class:`~ckptlab.checkpoint.Checkpoint`.
+
+        Parameters
+        ----------
+        entry
+            A :class:`~ckptlab.checkpoint.model.FileEntry` (its segments tile the file).
+        tensors
+            The checkpoint's :class:`~ckptlab.checkpoint.model.TensorEntry` objects; the parts
+            that lie in this file say which data bytes are tensor bytes (the rest of the
+            data, a pickle or a JSON header, goes to the metadata lane) and name the tensors
+            in the hover text.
+        """
+        segments = getattr(entry, "segments", None)
+        path = getattr(entry, "path", None)
+        if segments is None or path is None or not hasattr(entry, "nbytes"):
+            raise InvalidArgumentError(
+                f"expected a FileEntry of a Checkpoint (ck.files), got {type(entry).__name__}")
+        parts = [(t, p) for t in tensors for p in t.parts if p.file == path]
+        layout = entry.layout if isinstance(entry.layout, ArchiveLayout) else _segment_layout(
+            entry, [p.offset for _, p in parts if p.nbytes and p.compression is None])
+        starts = np.fromiter((s.offset for s in segments), dtype=np.int64, count=len(segments))
+        covered = np.zeros(len(segments) + 1, dtype=np.int64)
+        first = np.zeros(0, dtype=np.int64)
+        if parts and len(segments):
+            offs = np.fromiter((p.offset for _, p in parts), dtype=np.int64, count=len(parts))
+            ends = offs + np.fromiter((max(p.nbytes, 1) for _, p in parts), dtype=np.int64,
+                                      count=len(parts))
+            first = np.clip(np.searchsorted(starts, offs, side="right") - 1, 0, None)
+            last = np.clip(np.searchsorted(starts, ends - 1, side="right") - 1, 0, None)
+            np.add.at(covered, first, 1)
+            np.add.at(covered, last + 1, -1)
+        is_tensor = np.cumsum(covered[:-1]) > 0
+
+        def tensor_data(data_idx: np.ndarray) -> np.ndarray:
+            return is_tensor[data_idx]
+
+        def item_labels(names: tuple[str, ...], items: np.ndarray) -> _Owners:
+            def index() -> dict[int, list[Any]]:
+                out: dict[int, list[Any]] = {}
+                for tp, seg in zip(parts, first.tolist(), strict=True):
+                    out.setdefault(int(items[seg]), []).append(tp)
+                return out
+
+            def label(tp: Any) -> tuple[str, str]:
+                t, p = tp
+                shape = list(p.shape) if t.shape is None else list(t.shape)
+                role = "" if p.role in ("data", "chunk") else f" ({p.role})"
+                return f"{t.name}{role}", f"{t.name}{role} {t.dtype}{shape}"
+
+            return _Owners(index, label, len(parts))
+
+        return cls._build(layout, tensor_data, item_labels, segments=tuple(segments),
+                          file=path)
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Any, file: str | None = None) -> ByteMap:
+        """The map of file ``file`` of ``checkpoint`` (its largest file holding tensor bytes
+        by default)."""
+        entry = checkpoint_file(checkpoint, file)
+        return cls.from_file(entry, checkpoint.tensors.values())
+
+    @classmethod
+    def _build(cls, layout: ArchiveLayout, tensor_data: Any, item_labels: Any, *,
+               segments: tuple[Segment, ...] | None = None, file: str = "") -> ByteMap:
+        segs = layout.segments if segments is None else segments
         n = len(segs)
         starts = np.fromiter((s.offset for s in segs), dtype=np.int64, count=n)
         nbytes = np.fromiter((s.nbytes for s in segs), dtype=np.int64, count=n)
         kinds = np.fromiter((_KIND_CODE[s.kind] for s in segs), dtype=np.int16, count=n)
+        lane_codes = _KIND_TO_LANE[kinds]  # data and JSON headers decided below
+        data_idx = np.flatnonzero(kinds == _KIND_CODE[SegmentKind.DATA])
+        if len(data_idx):
+            lane_codes[data_idx] = np.where(tensor_data(data_idx), _DATA_LANE, _META_LANE)
         names: list[str] = []
         items = np.empty(n, dtype=np.int32)
         last: str | None = None
@@ -86,35 +243,41 @@ class ByteMap:
                 names.append(name)
                 last = name
             items[i] = len(names) - 1
-        present = np.unique(kinds)
-        lanes = tuple(KIND_ORDER[c] for c in present)
+        present = np.unique(lane_codes)
+        lanes = tuple(LANE_ORDER[c] for c in present)
         prefix = np.zeros((len(lanes), n + 1), dtype=np.int64)
         lane_segments = []
         for row, code in enumerate(present):
-            mask = kinds == code
+            mask = lane_codes == code
             np.cumsum(np.where(mask, nbytes, 0), out=prefix[row, 1:])
             lane_segments.append(np.flatnonzero(mask))
         first = np.flatnonzero(np.diff(items, prepend=-1))  # first segment of each item
-        item_starts = np.append(starts[first], layout.file_nbytes)
-        return cls(layout, starts, nbytes, kinds, items, tuple(names), lanes, prefix,
-                   tuple(lane_segments), item_starts)
+        file_nbytes = int(starts[-1] + nbytes[-1]) if n else layout.file_nbytes
+        item_starts = np.append(starts[first], max(file_nbytes, layout.file_nbytes))
+        name_tuple = tuple(names)
+        return cls(layout, starts, nbytes, kinds, items, name_tuple, lanes, prefix,
+                   tuple(lane_segments), item_starts, lane_codes,
+                   item_labels(name_tuple, items), file)
 
     @property
     def file_nbytes(self) -> int:
-        return self.layout.file_nbytes
+        return int(self.item_starts[-1]) if len(self.item_starts) > 1 else self.layout.file_nbytes
 
     def segment_index(self, offsets: np.ndarray) -> np.ndarray:
         """Index of the segment holding each byte offset (clipped into the file)."""
         idx = np.searchsorted(self.starts, offsets, side="right") - 1
         return np.clip(idx, 0, len(self.starts) - 1)
 
+    def _codes(self) -> np.ndarray:
+        return self.lane_codes if self.lane_codes is not None else self.kinds
+
     def cumulative(self, edges: np.ndarray) -> np.ndarray:
         """Bytes of each lane in ``[0, edge)`` for each edge: shape ``(lanes, len(edges))``."""
         edges = np.clip(np.asarray(edges, dtype=np.int64), 0, self.file_nbytes)
         idx = self.segment_index(edges)
         within = np.minimum(edges - self.starts[idx], self.nbytes[idx])
-        codes = np.array([_KIND_CODE[k] for k in self.lanes], dtype=np.int16)
-        own = self.kinds[idx][None, :] == codes[:, None]
+        codes = np.array([_LANE_CODE[k] for k in self.lanes], dtype=np.int16)
+        own = self._codes()[idx][None, :] == codes[:, None]
         return self.prefix[:, idx] + np.where(own, within[None, :], 0)
 
     def coverage(self, edges: np.ndarray) -> np.ndarray:
@@ -137,40 +300,119 @@ class ByteMap:
         """The item holding byte ``offset``."""
         return int(self.items[self.segment_index(np.array([offset]))[0]])
 
+    def tensors_at(self, offset: int) -> tuple[str, ...]:
+        """The tensors whose item holds byte ``offset`` ("name dtype[shape]" labels)."""
+        return tuple(lab for _, lab in self.item_owners(self.item_at(offset)))
+
     def item_label(self, item: int) -> str:
         """The item's name and, for a storage record, the tensors that view it (raw text: pass
         it through :func:`~ckptlab.viz._style.plain_text` before a figure shows it)."""
         name = self.item_names[item]
-        tensors = self._tensors_by_record().get(name)
+        tensors = [lab for _, lab in self.item_owners(item)]
         if not tensors:
             return name
         shown = ", ".join(tensors[:3]) + (f" (+{len(tensors) - 3})" if len(tensors) > 3 else "")
         return f"{name} · {shown}"
 
-    def _plain_names(self) -> np.ndarray:
-        """``item_names`` escaped for plotly (:func:`plain_text`), then ``""``: built once."""
-        cached = self.__dict__.get("_plain_item_names")
-        if cached is None:
-            cached = np.array([plain_text(n) for n in self.item_names] + [""], dtype=object)
-            object.__setattr__(self, "_plain_item_names", cached)  # a memo of frozen data
-        return cached
+    def item_description(self, item: int) -> str:
+        """What item ``item`` is, in plain words, escaped for plotly ("tensor w float32[3]
+        (record data/0)", "data.pkl, the pickle that names every tensor", ...)."""
+        cache = self.__dict__.get("_descriptions")
+        if cache is None:
+            cache = {}
+            object.__setattr__(self, "_descriptions", cache)  # a memo of frozen data
+        text = cache.get(item)
+        if text is None:
+            owners = self.item_owners(item)
+            text = cache[item] = _describe(self.item_names[item], [lab for _, lab in owners],
+                                           [n for n, _ in owners])
+        return text
 
     def _tensors_by_record(self) -> dict[str, list[str]]:
-        cached = self.__dict__.get("_tensor_index")
-        if cached is None:
-            by_key = {s.key: s for s in self.layout.storages}
-            cached = {}
-            for t in self.layout.tensors:
-                storage = by_key.get(t.storage_key)
-                if storage is not None:
-                    cached.setdefault(storage.record, []).append(
-                        f"{'.'.join(map(str, t.path))} {t.dtype}{list(t.shape)}")
-            object.__setattr__(self, "_tensor_index", cached)  # a memo of frozen data
-        return cached
+        """Record name -> tensor labels (kept for callers of the earlier private name)."""
+        return {n: list(t) for n, t in zip(self.item_names, self.item_tensors, strict=False) if t}
 
 
-def _as_bytemap(source: ArchiveLayout | ByteMap) -> ByteMap:
-    return source if isinstance(source, ByteMap) else ByteMap.from_layout(source)
+class _Owners:
+    """Item -> the tensors whose bytes it holds: indexed on first use (one pass, integers
+    only) and named per item on demand."""
+
+    def __init__(self, index: Any, label: Any, parts: int = 0) -> None:
+        self._index_fn, self._label, self.parts = index, label, parts
+        self._index: dict[int, list[Any]] | None = None
+        self._named: dict[int, list[tuple[str, str]]] = {}
+
+    def get(self, item: int) -> list[tuple[str, str]]:
+        named = self._named.get(item)
+        if named is None:
+            if self._index is None:
+                self._index = self._index_fn()
+            named = self._named[item] = list(dict.fromkeys(
+                self._label(x) for x in self._index.get(item, ())))
+        return named
+
+
+def _describe(name: str, tensors: Sequence[str], plain: Sequence[str]) -> str:
+    short = name.split("/", 1)[1] if "/" in name and not name.startswith("<") else name
+    if tensors:
+        plain = list(plain) or list(tensors)
+        what = (f"tensor {plain_text(tensors[0])}" if len(tensors) == 1 else
+                "tensors " + ", ".join(plain_text(t) for t in plain[:3])
+                + (f" (+{len(plain) - 3})" if len(plain) > 3 else ""))
+        return what if plain[0] == name else f"{what} (record {plain_text(short)})"
+    if name in _ITEM_WORDS:
+        return _ITEM_WORDS[name]
+    head, sep, rest = name.partition(":")
+    if sep and "/" in rest and "/" not in head:  # a DCP item's own record: "fqn:archive/..."
+        return f"{_describe(rest, (), ())} of DCP item {plain_text(head)}"
+    if name.endswith("data.pkl"):
+        return f"{plain_text(short)}, the pickle that names every tensor and value"
+    if name.endswith((".format_version", "/byteorder", "/version", ".storage_alignment",
+                      "serialization_id")):
+        return f"record {plain_text(short)} (a small fact about the file)"
+    return f"record {plain_text(short)}"
+
+
+def _segment_layout(entry: Any, offsets: list[int]) -> ArchiveLayout:
+    """An ArchiveLayout made of a checkpoint file's segments (a DCP data file, a JSON index,
+    .metadata): what the overhead figure and the hex view read."""
+    return ArchiveLayout(format=entry.format, path=entry.path, file_nbytes=entry.nbytes,
+                         archive_name="", records=(), storages=(), tensors=(),
+                         segments=tuple(entry.segments),
+                         alignment=largest_alignment(offsets) if offsets else 4096, zip64=False)
+
+
+def checkpoint_file(checkpoint: Any, file: str | None = None) -> Any:
+    """The :class:`~ckptlab.checkpoint.model.FileEntry` named ``file`` (relative path), or
+    by default the largest file that holds tensor bytes (the largest file when none does)."""
+    files = tuple(getattr(checkpoint, "files", ()))
+    if not files:
+        raise InvalidArgumentError(f"{getattr(checkpoint, 'path', checkpoint)!r} has no files")
+    if file is not None:
+        for f in files:
+            if f.path == file:
+                return f
+        raise InvalidArgumentError(
+            f"{checkpoint.path}: no file {file!r} (files: "
+            f"{', '.join(f.path for f in files[:8])}{' …' if len(files) > 8 else ''})")
+    holding = {p.file for t in checkpoint.tensors.values() for p in t.parts}
+    ranked = sorted(files, key=lambda f: (f.path not in holding, -f.nbytes, f.path))
+    return ranked[0]
+
+
+def _is_checkpoint(source: Any) -> bool:
+    return hasattr(source, "files") and hasattr(source, "tensors") and hasattr(source, "format")
+
+
+def _as_bytemap(source: Any, file: str | None = None) -> ByteMap:
+    if isinstance(source, ByteMap):
+        return source
+    if _is_checkpoint(source):
+        return ByteMap.from_checkpoint(source, file)
+    if hasattr(source, "segments") and hasattr(source, "path") and not isinstance(
+            source, ArchiveLayout):
+        return ByteMap.from_file(source)
+    return ByteMap.from_layout(source)
 
 
 def _window(bm: ByteMap, x_range: tuple[float, float] | None) -> tuple[int, int]:
@@ -190,29 +432,57 @@ def _window(bm: ByteMap, x_range: tuple[float, float] | None) -> tuple[int, int]
     return lo, hi
 
 
-def bytemap_trace(source: ArchiveLayout | ByteMap, *, x_range: tuple[float, float] | None = None,
-                  bins: int = DEFAULT_BINS,
-                  exact_threshold: int = EXACT_THRESHOLD) -> dict[str, Any]:
+def _share(cover: int, width: int) -> str:
+    if cover >= width:
+        return "all of the bin"
+    pct = 100 * cover / width
+    return f"{pct:.1f}% of the bin" if pct >= 0.1 else "under 0.1% of the bin"
+
+
+def bytemap_trace(source: Any, *, x_range: tuple[float, float] | None = None,
+                  bins: int = DEFAULT_BINS, exact_threshold: int = EXACT_THRESHOLD,
+                  file: str | None = None, theme: str | None = None) -> dict[str, Any]:
     """The heatmap trace properties of the byte map for one view (what a zoom updates).
 
-    Returns a dict of plotly heatmap properties (``x``, ``y``, ``z``, ``zmin``, ``zmax``,
-    ``colorscale``, ``customdata``, ``text``, ``hovertemplate``) plus ``"meta"``:
-    ``{"mode": "binned" | "exact", "x_range": [lo, hi], "columns": int,
-    "visible_segments": int}``. Updating a figure's trace with it redraws the map for another
-    view or another layout.
+    Parameters
+    ----------
+    source
+        An :class:`~ckptlab.ArchiveLayout`, a :class:`ByteMap`, a checkpoint ``FileEntry``
+        or a :class:`~ckptlab.checkpoint.Checkpoint` (then ``file`` picks its file).
+    x_range, bins, exact_threshold
+        As for :func:`bytemap_figure`.
+    file
+        For a checkpoint: the file (relative path, as in ``ck.files``).
+    theme
+        ``"light"``, ``"dark"`` or None (the notebook's, see :func:`~ckptlab.viz._style.resolve_theme`):
+        the colour an empty share fades to.
+
+    Returns
+    -------
+    dict
+        Plotly heatmap properties (``x``, ``y``, ``z``, ``zmin``, ``zmax``, ``colorscale``,
+        ``customdata``, ``text``, ``hovertemplate``) plus ``"meta"``: ``{"mode": "binned" |
+        "exact", "x_range": [lo, hi], "columns": int, "visible_segments": int}``. ``z`` is
+        ``lane + 0.999 * share`` (the share of the bin the lane's bytes cover; 1 for an exact
+        column). ``customdata`` is ``[bytes, first item, last item]`` per cell when binned,
+        ``[start, end, bytes, item]`` when exact; ``text`` is the hover sentence. Updating a
+        figure's first trace with it redraws the map; :func:`update_bytemap` also redraws
+        the ticks of tiny shares (:func:`bytemap_marks`).
     """
     for name, value, least in (("bins", bins, 1), ("exact_threshold", exact_threshold, 0)):
         if type(value) is not int or value < least:
             raise InvalidArgumentError(f"{name} must be an int >= {least}, got {value!r}")
-    bm = _as_bytemap(source)
+    bm = _as_bytemap(source, file)
     lo, hi = _window(bm, x_range)
     i0, i1 = (int(v) for v in bm.segment_index(np.array([lo, hi - 1])))
     visible = i1 - i0 + 1
-    codes = np.array([_KIND_CODE[k] for k in bm.lanes])
-    lane_of = np.full(len(KIND_ORDER), -1)
+    codes = np.array([_LANE_CODE[k] for k in bm.lanes])
+    lane_of = np.full(len(LANE_ORDER), -1)
     lane_of[codes] = np.arange(len(codes))
     n_lanes = len(bm.lanes)
     smallest = int(bm.nbytes[i0 : i1 + 1].min())
+    lane_codes = bm._codes()
+    words = [LANE_WORDS[k] for k in bm.lanes]
     # Exact columns only when every one gets at least a bin's width: narrower ones would be
     # dropped by plotly's heatmap drawing, and a byte map must not hide a header.
     if visible <= exact_threshold and smallest * bins >= hi - lo:
@@ -220,10 +490,10 @@ def bytemap_trace(source: ArchiveLayout | ByteMap, *, x_range: tuple[float, floa
         starts = np.maximum(bm.starts[seg], lo)
         ends = np.minimum(bm.starts[seg] + bm.nbytes[seg], hi)
         edges = np.append(starts, ends[-1])
-        rows = lane_of[bm.kinds[seg]]
+        rows = lane_of[lane_codes[seg]]
         cols = np.arange(visible)
         z = np.full((n_lanes, visible), np.nan)
-        z[rows, cols] = rows + _BAND_FLOOR + 0.69 * (1 - _BAND_FLOOR)
+        z[rows, cols] = rows + _SHADE
         items = bm.items[seg]
         custom = np.zeros((n_lanes, visible, 4), dtype=np.int64)
         custom[:, :, 0] = bm.starts[seg]
@@ -231,10 +501,11 @@ def bytemap_trace(source: ArchiveLayout | ByteMap, *, x_range: tuple[float, floa
         custom[:, :, 2] = bm.nbytes[seg]
         custom[:, :, 3] = items
         text = np.full((n_lanes, visible), "", dtype=object)
-        labels = {int(i): plain_text(bm.item_label(int(i))) for i in np.unique(items)}
-        text[rows, cols] = [labels[int(i)] for i in items]
-        hover = ("<b>%{y}</b> of %{text}<br>bytes [%{customdata[0]:,}, %{customdata[1]:,})"
-                 " · %{customdata[2]:,} B<br>item #%{customdata[3]}<extra></extra>")
+        text[rows, cols] = [
+            f"bytes {a:,}–{a + n - 1:,}: {words[r]} of {bm.item_description(int(i))} "
+            f"({human_nbytes(n)})"
+            for a, n, r, i in zip(bm.starts[seg].tolist(), bm.nbytes[seg].tolist(),
+                                  rows.tolist(), items.tolist(), strict=True)]
         mode = "exact"
     else:
         n_cols = min(bins, hi - lo)
@@ -242,8 +513,7 @@ def bytemap_trace(source: ArchiveLayout | ByteMap, *, x_range: tuple[float, floa
         cover = bm.coverage(edges)  # (lanes, cols)
         widths = np.diff(edges)
         frac = cover / widths
-        z = np.where(cover > 0, np.arange(n_lanes)[:, None] + _BAND_FLOOR
-                     + 0.69 * (1 - _BAND_FLOOR) * frac, np.nan)
+        z = np.where(cover > 0, np.arange(n_lanes)[:, None] + _SHADE * frac, np.nan)
         first = np.full(cover.shape, -1, dtype=np.int64)
         last = np.full(cover.shape, -1, dtype=np.int64)
         for row, segs in enumerate(bm.lane_segments):  # the items owning each lane's bytes
@@ -257,46 +527,118 @@ def bytemap_trace(source: ArchiveLayout | ByteMap, *, x_range: tuple[float, floa
         custom[:, :, 0] = cover
         custom[:, :, 1] = first
         custom[:, :, 2] = last
-        text = bm._plain_names()[first]  # -1 picks the trailing "": empty cells carry no name
-        hover = ("<b>%{y}</b> of %{text}: %{customdata[0]:,} B in the bin at %{x:,.0f} "
-                 f"(±{int(widths.max()) // 2:,} B)<br>"
-                 "items #%{customdata[1]} – #%{customdata[2]}<extra></extra>")
+        text = np.full(cover.shape, "", dtype=object)
+        rr, cc = np.nonzero(cover > 0)
+        e = edges.tolist()
+        cov, fi, la_ = cover[rr, cc].tolist(), first[rr, cc].tolist(), last[rr, cc].tolist()
+        sentences = []
+        for r, c, n, a, b in zip(rr.tolist(), cc.tolist(), cov, fi, la_, strict=True):
+            width = e[c + 1] - e[c]
+            more = "" if b == a else (f"<br>… to {bm.item_description(b)} "
+                                      f"({b - a} more item{'s' * (b - a > 1)})")
+            sentences.append(f"bytes {e[c]:,}–{e[c + 1] - 1:,}: {human_nbytes(n)} of "
+                             f"{words[r]} ({_share(n, width)})<br>in "
+                             f"{bm.item_description(a)}{more}")
+        text[rr, cc] = sentences
         mode = "binned"
     return {
         "x": edges,
-        "y": [KIND_LABELS[k] for k in bm.lanes],
+        "y": [LANE_LABELS[k] for k in bm.lanes],
         "zmin": 0,
         "zmax": n_lanes,
-        "colorscale": _colorscale(bm.lanes),
+        "colorscale": _colorscale(bm.lanes, theme),
         # None, not NaN, for empty cells: NaN is not JSON, and widget messages carry it raw
         "z": np.where(np.isnan(z), None, z),
         "customdata": custom,
         "text": text,
-        "hovertemplate": hover,
+        "hovertemplate": "<b>%{y}</b> · %{text}<extra></extra>",
         "meta": {"mode": mode, "x_range": [lo, hi], "columns": int(z.shape[1]),
                  "visible_segments": int(visible)},
     }
 
 
-def _colorscale(lanes: tuple[SegmentKind, ...]) -> list[list[Any]]:
-    n = len(lanes)
+def bytemap_marks(trace: dict[str, Any]) -> dict[str, Any]:
+    """The "present but tiny" ticks of a :func:`bytemap_trace`: scatter properties.
+
+    One tick at the middle of every binned cell whose lane covers more than nothing but
+    less than :data:`TINY_FRACTION` of the bin (its shade alone would be near white). Returns
+    ``x`` (bin centres), ``y`` (lane labels), ``text`` (the cell's hover sentence) and
+    ``marker`` (a thin vertical tick in the lane's colour); no ticks in exact mode.
+    """
+    z = np.asarray(trace["z"], dtype=float)
+    x = np.asarray(trace["x"], dtype=np.float64)
+    labels = list(trace["y"])
+    if trace["meta"]["mode"] != "binned" or z.size == 0:
+        return {"x": [], "y": [], "text": [], "marker": _tick_marker(labels, np.zeros(0))}
+    share = z - np.arange(z.shape[0])[:, None]
+    tiny = ~np.isnan(z) & (share < _SHADE * TINY_FRACTION)
+    rr, cc = np.nonzero(tiny)
+    centres = (x[cc] + x[cc + 1]) / 2
+    return {"x": centres, "y": [labels[r] for r in rr.tolist()],
+            "text": np.asarray(trace["text"], dtype=object)[rr, cc],
+            "marker": _tick_marker(labels, rr)}
+
+
+def _tick_marker(labels: Sequence[str], rows: np.ndarray) -> dict[str, Any]:
+    """Tick colours as lane numbers on a stepped scale of the lanes' colours: one numeric
+    array (plotly validates a list of colour names one by one, slowly)."""
+    colors = _lane_colors_by_label(labels) or [NEUTRAL]
+    n = len(colors)
+    scale: list[list[Any]] = []
+    for i, c in enumerate(colors):
+        scale += [[i / n, c], [(i + 1) / n, c]]
+    return {"symbol": "line-ns", "size": 7,
+            "line": {"width": 1, "color": rows.astype(np.float64), "colorscale": scale,
+                     "cmin": -0.5, "cmax": n - 0.5}}
+
+
+def _lane_colors_by_label(labels: Sequence[str]) -> list[str]:
+    by_label = {LANE_LABELS[k]: LANE_COLORS[k] for k in LANE_ORDER}
+    return [by_label.get(lab, NEUTRAL) for lab in labels]
+
+
+def _colorscale(lanes: Sequence[str], theme: str | None = None) -> list[list[Any]]:
+    base = theme_colors(theme)["empty"]
+    n = max(len(lanes), 1)
     scale: list[list[Any]] = []
     for i, kind in enumerate(lanes):
-        scale.append([i / n, tint(KIND_COLORS[kind], 0.3)])
-        scale.append([(i + 1) / n, KIND_COLORS[kind]])
+        scale.append([i / n, base])
+        scale.append([(i + 1) / n, LANE_COLORS[kind]])
+    if not scale:
+        scale = [[0, base], [1, base]]
     return scale
 
 
-def bytemap_figure(source: ArchiveLayout | ByteMap, *,
-                   x_range: tuple[float, float] | None = None, bins: int = DEFAULT_BINS,
-                   exact_threshold: int = EXACT_THRESHOLD, title: str | None = None) -> go.Figure:
-    """The byte map of a checkpoint: one lane per segment kind along the file's bytes.
+def bytemap_title(source: Any) -> str:
+    """The byte map's default title (escaped): file name, size, and records and alignment
+    for a zip (tensor parts for other checkpoint files)."""
+    return _default_title(_as_bytemap(source))
+
+
+def _default_title(bm: ByteMap) -> str:
+    layout = bm.layout
+    name = plain_text((bm.file or layout.path).rsplit("/", 1)[-1])
+    if bm.file and not layout.records:  # a checkpoint file without zip records
+        n = bm.owners.parts if bm.owners is not None else 0
+        return (f"{name} · {human_nbytes(bm.file_nbytes)} · {n} tensor part"
+                f"{'s' * (n != 1)}")
+    return (f"{name} · {human_nbytes(layout.file_nbytes)} · {len(layout.records)} records · "
+            f"alignment {layout.alignment}")
+
+
+def bytemap_figure(source: Any, *, x_range: tuple[float, float] | None = None,
+                   bins: int = DEFAULT_BINS, exact_threshold: int = EXACT_THRESHOLD,
+                   title: str | None = None, file: str | None = None,
+                   highlight: Sequence[tuple[int, int]] = (),
+                   theme: str | None = None) -> go.Figure:
+    """The byte map of a checkpoint file: one lane per kind of bytes along the file.
 
     Parameters
     ----------
     source
-        An :class:`~ckptlab.ArchiveLayout` or a prepared :class:`ByteMap` (reuse one to
-        re-bin quickly).
+        An :class:`~ckptlab.ArchiveLayout`, a prepared :class:`ByteMap` (reuse one to re-bin
+        quickly), a checkpoint ``FileEntry``, or a :class:`~ckptlab.checkpoint.Checkpoint`
+        (``ckptlab.open``; ``file`` picks the file).
     x_range
         Byte range ``(lo, hi)`` to show; the whole file by default.
     bins
@@ -307,35 +649,157 @@ def bytemap_figure(source: ArchiveLayout | ByteMap, *,
         Figure title, drawn as plotly text (markup is read: escape names in it with
         :func:`~ckptlab.viz._style.plain_text`); by default the file name (escaped), size and
         record count.
+    file
+        For a checkpoint: the file to map (relative path, as in ``ck.files``); by default
+        the largest file holding tensor bytes.
+    highlight
+        Byte ranges ``(offset, nbytes)`` to outline (a tensor's parts, see
+        :func:`highlight_shapes`).
+    theme
+        ``"light"``, ``"dark"`` or None for the notebook's theme.
 
     Returns
     -------
     plotly.graph_objects.Figure
-        One heatmap trace. ``fig.layout.meta`` says ``mode`` (``"binned"`` or ``"exact"``),
-        the byte range and the number of columns. Hover data is numeric (offsets, bytes and
-        item numbers) in binned mode; exact mode adds record and tensor names.
+        A heatmap trace (the shares) and a scatter trace (ticks where a lane is present but
+        covers under a tenth of its bin). ``fig.layout.meta`` says ``mode`` (``"binned"`` or
+        ``"exact"``), the byte range, the number of columns, the lanes and the file size.
+        Hover text says in words which bytes a cell holds and names their tensors.
     """
-    bm = _as_bytemap(source)
-    data = bytemap_trace(bm, x_range=x_range, bins=bins, exact_threshold=exact_threshold)
+    bm = _as_bytemap(source, file)
+    data = bytemap_trace(bm, x_range=x_range, bins=bins, exact_threshold=exact_threshold,
+                         theme=theme)
+    marks = bytemap_marks(data)
     meta = data.pop("meta")
     labels = data["y"]
-    fig = go.Figure(go.Heatmap(showscale=False, hoverongaps=False, xgap=0, ygap=2, name="bytes",
-                               **data))
-    layout = bm.layout
+    fig = go.Figure([
+        go.Heatmap(showscale=False, hoverongaps=False, xgap=0, ygap=2, name="bytes", **data),
+        go.Scatter(mode="markers", name="present but tiny", showlegend=False,
+                   hovertemplate="<b>%{y}</b> · %{text}<extra></extra>",
+                   x=marks["x"], y=marks["y"], text=marks["text"], marker=marks["marker"])])
     fig.update_layout(
-        title=title if title is not None else (
-            f"{plain_text(layout.path.rsplit('/', 1)[-1])} · "
-            f"{human_nbytes(layout.file_nbytes)} · "
-            f"{len(layout.records)} records · alignment {layout.alignment}"),
-        height=90 + 28 * len(labels), margin={"l": 130, "r": 20, "t": 50, "b": 45},
+        title=title if title is not None else _default_title(bm),
+        height=110 + 28 * len(labels), margin={"l": 130, "r": 20, "t": 76, "b": 45},
         xaxis={"title": "file offset (bytes)", "range": meta["x_range"], "showgrid": False,
                "tickformat": ",d"},
-        yaxis={"autorange": "reversed", "fixedrange": True},
-        uirevision="bytemap", plot_bgcolor="#ffffff",
-        meta={"kind": "bytemap", **meta, "lanes": [k.value for k in bm.lanes],
-              "file_nbytes": layout.file_nbytes},
+        yaxis={"autorange": "reversed", "fixedrange": True, "type": "category",
+               "categoryorder": "array", "categoryarray": labels},
+        uirevision="bytemap",
+        shapes=highlight_shapes(highlight),
+        meta={"kind": "bytemap", **meta, "lanes": [str(k) for k in bm.lanes],
+              "file_nbytes": bm.file_nbytes, **({"file": bm.file} if bm.file else {}),
+              "tiny": len(marks["x"])},
     )
-    return fig
+    return style_figure(fig, theme=theme)
+
+
+def update_bytemap(figure: Any, source: Any, *, x_range: tuple[float, float] | None = None,
+                   bins: int = DEFAULT_BINS, exact_threshold: int = EXACT_THRESHOLD,
+                   theme: str | None = None) -> dict[str, Any]:
+    """Redraw a :func:`bytemap_figure` (or its ``FigureWidget``) for another view or file.
+
+    Updates both traces, ``layout.meta``, the lane axis and the x range in one batch (for a
+    FigureWidget one message). Returns the new ``meta``.
+    """
+    bm = _as_bytemap(source)
+    data = bytemap_trace(bm, x_range=x_range, bins=bins, exact_threshold=exact_threshold,
+                         theme=theme)
+    marks = bytemap_marks(data)
+    meta = data.pop("meta")
+    batch = getattr(figure, "batch_update", None)
+    ctx = batch() if batch is not None else _null()
+    with ctx:
+        figure.data[0].update(**data)
+        if len(figure.data) > 1:
+            figure.data[1].update(x=marks["x"], y=marks["y"], text=marks["text"],
+                                  marker=marks["marker"])
+        figure.layout.meta = {**(figure.layout.meta or {}), **meta,
+                              "lanes": [str(k) for k in bm.lanes],
+                              "file_nbytes": bm.file_nbytes, **({"file": bm.file} if bm.file else {}),
+                              "tiny": len(marks["x"])}
+        figure.layout.height = 110 + 28 * len(data["y"])
+        figure.layout.yaxis.categoryarray = data["y"]
+        figure.layout.xaxis.range = meta["x_range"]
+    return dict(figure.layout.meta)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def highlight_shapes(ranges: Iterable[tuple[int, int]], *,
+                     color: str = SELECTION) -> list[dict[str, Any]]:
+    """Outlines for byte ranges ``(offset, nbytes)`` on a byte map (``layout.shapes``).
+
+    A range narrower than a pixel still gets its outline (plotly draws the border).
+    """
+    return [dict(type="rect", xref="x", yref="paper", x0=int(o), x1=int(o) + max(int(n), 1),
+                 y0=0, y1=1, line={"color": color, "width": 2},
+                 fillcolor="rgba(127,127,127,0.12)") for o, n in ranges]
+
+
+def files_figure(checkpoint: Any, *, max_files: int = 60, theme: str | None = None
+                 ) -> go.Figure:
+    """Bytes per file of a checkpoint: tensor bytes apart from the rest, the largest first.
+
+    Parameters
+    ----------
+    checkpoint
+        A :class:`~ckptlab.checkpoint.Checkpoint` (``ckptlab.open``), any format.
+    max_files
+        At most this many bars (the largest files); ``meta["omitted"]`` counts the rest.
+
+    Returns
+    -------
+    plotly.graph_objects.Figure
+        Two stacked horizontal bar traces (tensor bytes, other bytes). ``fig.layout.meta``
+        has ``files``, ``nbytes``, ``tensor_nbytes`` (bytes of the file under some tensor
+        part, counted once where tensors share bytes) and ``omitted``.
+    """
+    if not _is_checkpoint(checkpoint):
+        raise InvalidArgumentError(
+            f"expected a Checkpoint (ckptlab.open), got {type(checkpoint).__name__}")
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for t in checkpoint.tensors.values():
+        for p in t.parts:
+            by_file.setdefault(p.file, []).append((p.offset, p.nbytes))
+    rows = sorted(((f.path, f.nbytes, union_nbytes(by_file.get(f.path, ())))
+                   for f in checkpoint.files), key=lambda r: (-r[1], r[0]))
+    shown = rows[:max(max_files, 1)]
+    names = [plain_text(r[0]) for r in shown]
+    fig = go.Figure([
+        go.Bar(y=names, x=[r[2] for r in shown], orientation="h", name="tensor bytes",
+               marker={"color": LANE_COLORS[SegmentKind.DATA]},
+               hovertemplate="%{y}: %{x:,} B of tensors<extra></extra>"),
+        go.Bar(y=names, x=[r[1] - r[2] for r in shown], orientation="h", name="other bytes",
+               marker={"color": NEUTRAL},
+               hovertemplate="%{y}: %{x:,} B besides tensors<extra></extra>")])
+    fig.update_layout(
+        barmode="stack", title=f"Bytes per file · {len(rows)} file{'s' * (len(rows) != 1)} · "
+                               f"{human_nbytes(sum(r[1] for r in rows))}",
+        xaxis={"title": "bytes", "tickformat": ",d"},
+        yaxis={"autorange": "reversed", "automargin": True},
+        legend={"orientation": "h", "y": -0.25, "x": 0},
+        height=max(260, 130 + 22 * len(shown)), margin={"l": 20, "r": 20, "t": 76, "b": 60},
+        meta={"kind": "files", "files": [r[0] for r in shown],
+              "nbytes": [r[1] for r in shown], "tensor_nbytes": [r[2] for r in shown],
+              "omitted": len(rows) - len(shown)})
+    return style_figure(fig, theme=theme)
+
+
+def union_nbytes(ranges: Iterable[tuple[int, int]]) -> int:
+    """Bytes covered by ``(offset, nbytes)`` ranges (tensors that view one storage overlap)."""
+    total, end = 0, -1
+    for lo, n in sorted(ranges):
+        hi = lo + n
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total
 
 
 _OVERHEAD_PARTS: tuple[tuple[str, tuple[SegmentKind, ...]], ...] = (
@@ -351,8 +815,18 @@ _OVERHEAD_PARTS: tuple[tuple[str, tuple[SegmentKind, ...]], ...] = (
 )
 
 
-def overhead_figure(source: ArchiveLayout | ByteMap, *, by: str = "item",
-                    bins: int = DEFAULT_BINS) -> go.Figure:
+def _kind_coverage(bm: ByteMap, edges: np.ndarray, kind: SegmentKind) -> np.ndarray:
+    """Bytes of segment kind ``kind`` in each bin ``[edges[j], edges[j+1])``."""
+    mine = bm.kinds == _KIND_CODE[kind]
+    prefix = np.concatenate([[0], np.cumsum(np.where(mine, bm.nbytes, 0))])
+    edges = np.clip(np.asarray(edges, dtype=np.int64), 0, bm.file_nbytes)
+    idx = bm.segment_index(edges)
+    within = np.minimum(edges - bm.starts[idx], bm.nbytes[idx])
+    return np.diff(prefix[idx] + np.where(mine[idx], within, 0))
+
+
+def overhead_figure(source: Any, *, by: str = "item", bins: int = DEFAULT_BINS,
+                    file: str | None = None, theme: str | None = None) -> go.Figure:
     """Where the non-data bytes are, at a scale where they are visible.
 
     At true byte scale a 30-byte header next to a megabyte storage is sub-pixel. This view
@@ -360,6 +834,19 @@ def overhead_figure(source: ArchiveLayout | ByteMap, *, by: str = "item",
     and its bytes are split into header + name, extras, padding, descriptor and data (percent
     stacked, items aggregated into at most ``bins`` columns); with ``by="bytes"`` it shows
     the overhead percentage of each byte bin along the file.
+
+    Parameters
+    ----------
+    source
+        As for :func:`bytemap_figure` (a layout, a map, a checkpoint file or a checkpoint).
+    by
+        ``"item"`` or ``"bytes"``.
+    bins
+        Columns (items are aggregated, bytes binned, into at most this many).
+    file
+        For a checkpoint: which file.
+    theme
+        ``"light"``, ``"dark"`` or None for the notebook's theme.
 
     Returns
     -------
@@ -370,14 +857,12 @@ def overhead_figure(source: ArchiveLayout | ByteMap, *, by: str = "item",
         raise InvalidArgumentError(f"by must be 'item' or 'bytes', got {by!r}")
     if type(bins) is not int or bins < 1:
         raise InvalidArgumentError(f"bins must be a positive int, got {bins!r}")
-    bm = _as_bytemap(source)
+    bm = _as_bytemap(source, file)
     fig = go.Figure()
     if by == "bytes":
         edges = np.unique(np.linspace(0, bm.file_nbytes, min(bins, bm.file_nbytes) + 1)
                           .round().astype(np.int64))
-        cover = bm.coverage(edges)
-        data_row = bm.lanes.index(SegmentKind.DATA) if SegmentKind.DATA in bm.lanes else None
-        data = cover[data_row] if data_row is not None else np.zeros(len(edges) - 1)
+        data = _kind_coverage(bm, edges, SegmentKind.DATA)  # payload: tensors and pickles
         pct = 100.0 * (1.0 - data / np.diff(edges))
         fig.add_trace(go.Scatter(
             x=edges[:-1], y=pct, mode="lines", line={"shape": "hv", "color": "#e45756"},
@@ -414,6 +899,6 @@ def overhead_figure(source: ArchiveLayout | ByteMap, *, by: str = "item",
         title=f"Overhead by {'item' if by == 'item' else 'byte bin'}: "
               f"{human_nbytes(bm.layout.overhead_nbytes)} of "
               f"{human_nbytes(bm.file_nbytes)} is file structure, not payload",
-        height=360, margin={"l": 70, "r": 20, "t": 50, "b": 45},
-        meta={"kind": "overhead", "by": by, "columns": columns}, plot_bgcolor="#ffffff")
-    return fig
+        height=380, margin={"l": 70, "r": 20, "t": 76, "b": 45},
+        meta={"kind": "overhead", "by": by, "columns": columns})
+    return style_figure(fig, theme=theme)

@@ -9,13 +9,14 @@ import numpy as np
 import plotly.graph_objects as go
 
 from ckptlab.errors import InvalidArgumentError
-from ckptlab.format.layout import ArchiveLayout
-from ckptlab.viz._style import plain_text
+from ckptlab.format.layout import ArchiveLayout, SegmentKind
+from ckptlab.viz._style import ACCENT, KIND_COLORS, NEUTRAL, plain_text, style_figure
 
 __all__ = ["BLOCK_KINDS", "block_classes", "blockmap_figure", "transfer_figure"]
 
 BLOCK_KINDS = ("metadata", "payload", "shared")  # codes 0, 1, 2 of block_classes
-_BLOCK_COLORS = ("#bab0ac", "#54a24b", "#f58518")
+_BLOCK_COLORS = (NEUTRAL, KIND_COLORS[SegmentKind.DATA], KIND_COLORS[SegmentKind.PADDING])
+LIMIT_COLOR = KIND_COLORS[SegmentKind.DESCRIPTOR]  # the raw-disk line: red
 MAX_CELLS = 250_000
 
 
@@ -94,12 +95,11 @@ def blockmap_figure(layout: ArchiveLayout, *, block: int = 4096, columns: int = 
                f"{counts['metadata']:,} metadata"),
         xaxis={"title": f"block within row (×{block * per_cell:,} B)", "showgrid": False},
         yaxis={"title": "row", "autorange": "reversed", "showgrid": False},
-        height=min(900, 160 + 16 * rows), margin={"l": 60, "r": 20, "t": 50, "b": 45},
-        plot_bgcolor="#ffffff",
+        height=min(900, 160 + 16 * rows), margin={"l": 60, "r": 20, "t": 76, "b": 45},
         meta={"kind": "blockmap", "block": block, "blocks_per_cell": per_cell,
               "columns": columns, "counts": counts},
     )
-    return fig
+    return style_figure(fig)
 
 
 def transfer_figure(rates: Mapping[str, float] | Sequence[tuple[str, float]], *,
@@ -123,14 +123,18 @@ def transfer_figure(rates: Mapping[str, float] | Sequence[tuple[str, float]], *,
     values = [float(v) for _, v in items]
     fig = go.Figure(go.Bar(x=[plain_text(k) for k in labels], y=values,
                            text=[f"{v:.2f}" for v in values],
-                           textposition="outside", marker={"color": "#4c78a8"},
+                           textposition="outside", marker={"color": ACCENT}, cliponaxis=False,
                            hovertemplate="%{x}: %{y:.3f} GB/s<extra></extra>"))
     if limit is not None:
-        fig.add_hline(y=limit[1], line={"dash": "dash", "color": "#e45756"},
-                      annotation_text=f"{plain_text(limit[0])} {limit[1]:.2f} GB/s",
-                      annotation_position="top left")
+        # the limit's words go in the legend, not on the plot, where they covered a bar
+        fig.add_hline(y=limit[1], line={"dash": "dash", "color": LIMIT_COLOR})
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", hoverinfo="skip",
+                                 name=f"{plain_text(limit[0])} {limit[1]:.2f} GB/s",
+                                 line={"dash": "dash", "color": LIMIT_COLOR}))
+    top = max([*values, limit[1] if limit is not None else 0.0, 0.0])
+    fig.update_layout(showlegend=limit is not None, legend={"orientation": "h", "y": -0.3},
+                      yaxis={"range": [0, top * 1.18 if top > 0 else 1]})
     fig.update_layout(title=title, yaxis={"title": "GB/s", "rangemode": "tozero"},
-                      height=360, margin={"l": 60, "r": 20, "t": 50, "b": 60},
-                      plot_bgcolor="#ffffff",
+                      height=360, margin={"l": 60, "r": 20, "t": 76, "b": 60},
                       meta={"kind": "transfer", "labels": labels, "values": values})
-    return fig
+    return style_figure(fig)

@@ -26,14 +26,13 @@ from ckptlab.plan.cache import CacheEvent
 from ckptlab.plan.metadata import DcpLayout
 from ckptlab.plan.planning import GlobalPlan, TensorEntry
 from ckptlab.plan.reshard import Chunk, ReadItem, read_items
-from ckptlab.viz._style import human_nbytes, plain_text
+from ckptlab.viz._style import ACCENT, PALETTE, human_nbytes, plain_text, style_figure
 
 __all__ = ["STATUS_COLORS", "cache_timeline_figure", "chunk_boxes", "rank_bytes_figure",
            "rank_colors", "reshard_figure", "shard_map_figure", "tensor_chunks"]
 
 # one colour per rank for small worlds (the palette every other figure uses)
-_PALETTE = ("#4c78a8", "#f58518", "#e45756", "#72b7b2", "#54a24b", "#eeca3b", "#b279a2",
-            "#ff9da6", "#9d755d", "#bab0ac")
+_PALETTE = PALETTE
 _STEPPED_MAX = 64  # up to this many ranks the colour scale has one flat step per rank
 MAX_RUNS = 256  # column runs drawn per chunk of a >2-D tensor before its bounding box is
 MAX_OUTLINED = 4096  # chunks outlined one by one (beyond: the cells' colours only)
@@ -308,11 +307,10 @@ def shard_map_figure(source: GlobalPlan | DcpLayout | TensorEntry,
         yaxis={"title": yt, "autorange": "reversed", "showgrid": False, "zeroline": False,
                "showticklabels": len(entry.size) >= 2},
         height=280 if rows == 1 else 440, margin={"l": 70, "r": 20, "t": 70, "b": 50},
-        plot_bgcolor="#ffffff",
         meta={"kind": "shard_map", "fqn": entry.fqn, "size": list(entry.size),
               "dtype": entry.dtype, "nbytes": nbytes, "chunks": chunks, "ranks": ranks,
               "source": type(source).__name__, **facts})
-    return fig
+    return style_figure(fig)
 
 
 def _read_nbytes(saved: Sequence[Chunk], items: Sequence[ReadItem], itemsize: int) -> int:
@@ -423,7 +421,6 @@ def reshard_figure(fqn: str, size: Sequence[int], saved_chunks: Sequence[Chunk],
                f"{human_nbytes(read_nbytes)} read for {human_nbytes(wanted_nbytes)} wanted"
                "</sup>"),
         height=(520 if rows == 1 else 760), margin={"l": 70, "r": 20, "t": 100, "b": 50},
-        plot_bgcolor="#ffffff",
         meta={"kind": "reshard", "fqn": fqn, "size": list(size), "dtype": dtype,
               "saved": [{"offsets": list(c.offsets), "sizes": list(c.sizes), "rank": r}
                         for c, r in zip(saved, s_ranks)],
@@ -436,7 +433,7 @@ def reshard_figure(fqn: str, size: Sequence[int], saved_chunks: Sequence[Chunk],
               and wanted_facts["exact"] and item_facts["exact"]})
     if yt:
         fig.update_yaxes(title_text=yt, row=2, col=1)
-    return fig
+    return style_figure(fig)
 
 
 def rank_bytes_figure(plan: GlobalPlan) -> go.Figure:
@@ -463,7 +460,7 @@ def rank_bytes_figure(plan: GlobalPlan) -> go.Figure:
     total = sum(nbytes)
     mean = total / n if n else 0.0
     top = max(range(n), key=lambda r: (nbytes[r], -r)) if n else 0
-    colors = ["#4c78a8"] * n
+    colors = [ACCENT] * n
     if n:
         colors[top] = "#e45756"
     many = n > 256
@@ -480,11 +477,10 @@ def rank_bytes_figure(plan: GlobalPlan) -> go.Figure:
         xaxis={"title": "rank", "showgrid": False},
         yaxis={"title": "bytes", "rangemode": "tozero", "tickformat": "~s", "ticksuffix": "B"},
         bargap=0 if many else 0.15, height=360, margin={"l": 70, "r": 20, "t": 70, "b": 50},
-        plot_bgcolor="#ffffff",
         meta={"kind": "rank_bytes", "world_size": plan.world_size, "rank_nbytes": nbytes,
               "nbytes": total, "mean_nbytes": mean, "max_nbytes": nbytes[top] if n else 0,
               "max_rank": top, "imbalance": plan.imbalance, "objects": len(plan.objects)})
-    return fig
+    return style_figure(fig)
 
 
 def cache_timeline_figure(events: Sequence[CacheEvent]) -> go.Figure:
@@ -543,8 +539,8 @@ def cache_timeline_figure(events: Sequence[CacheEvent]) -> go.Figure:
         yaxis={"title": "namespace", "type": "category", "categoryorder": "array",
                "categoryarray": rows_shown, "autorange": "reversed"},
         barmode="overlay", height=140 + 45 * max(len(namespaces), 1),
-        margin={"l": 90, "r": 20, "t": 50, "b": 50}, plot_bgcolor="#ffffff",
+        margin={"l": 90, "r": 20, "t": 76, "b": 50},
         legend={"orientation": "h", "y": -0.35 if len(namespaces) < 3 else -0.2},
         meta={"kind": "cache_timeline", "events": rows, "counts": counts,
               "namespaces": namespaces})
-    return fig
+    return style_figure(fig)

@@ -2,9 +2,13 @@
 
 :func:`report_html` takes the byte layout of one torch.save file (its zip records, the
 alignment what-if) or any :class:`~ckptlab.checkpoint.Checkpoint` (safetensors files, Hugging
-Face, DCP and plain directories): then the report is tensor first, with one section per file
-of a multi-file checkpoint. Words follow the format: records, zip64 and padding what-ifs only
-where the file is a zip whose writer chooses its alignment.
+Face, DCP and plain directories). The report is tensor first: a summary with totals by
+dtype, a treemap of bytes by module, and the tensor table with a search box (every tensor
+searchable in the browser, the rows shown capped, the page says how many are hidden); then
+the byte maps (one per file of a multi-file checkpoint, with bytes per file), and the
+format's own views. Words follow the format: records, zip64 and padding what-ifs only where
+the file is a zip whose writer chooses its alignment. The figures follow the reader's
+browser theme (light or dark).
 """
 
 from __future__ import annotations
@@ -19,23 +23,49 @@ import plotly.io as pio
 
 from ckptlab.format import ArchiveLayout, alignment_costs
 from ckptlab.format.archive import largest_alignment
-from ckptlab.format.layout import SegmentKind
-from ckptlab.viz._style import KIND_COLORS, KIND_LABELS, html_table, human_nbytes, plain_text
+from ckptlab.viz._style import (
+    LANE_COLORS,
+    LANE_LABELS,
+    PALETTE,
+    html_table,
+    human_nbytes,
+    plain_text,
+    style_figure,
+)
 from ckptlab.viz.alignment import alignment_figure
-from ckptlab.viz.bytemap import ByteMap, bytemap_figure, overhead_figure
+from ckptlab.viz.bytemap import (
+    TINY_FRACTION,
+    ByteMap,
+    bytemap_figure,
+    files_figure,
+    overhead_figure,
+    union_nbytes,
+)
+from ckptlab.viz.checkpoint import TensorTable, dtype_totals, tensor_table, treemap_figure
 from ckptlab.viz.hexview import hex_html
 from ckptlab.viz.tensors import storage_figure
 
-__all__ = ["MAX_FILE_MAPS", "report_html"]
+__all__ = ["MAX_FILE_MAPS", "MAX_TENSOR_ROWS", "report_html"]
 
 MAX_TABLE_ROWS = 500
 MAX_FILE_MAPS = 8  # byte maps of a multi-file checkpoint: its largest files, at most this many
 MAX_PLACEMENT_ROWS = 60
-_FILE_COLORS = ("#4c78a8", "#54a24b", "#b279a2", "#f58518", "#72b7b2", "#e45756", "#9d755d",
-                "#eeca3b")
+MAX_FILTER_ROWS = 200_000  # tensors the report's search box can search (all, up to this)
+MAX_TENSOR_ROWS = 200  # tensor rows shown at once: a redraw of more takes over 200 ms
 
 _CSS = """
-body { font-family: system-ui, sans-serif; margin: 24px auto; max-width: 1280px; color: #222; }
+body { font-family: system-ui, sans-serif; margin: 24px auto; max-width: 1280px; color: #222;
+       padding: 0 16px; }
+@media (prefers-color-scheme: dark) {
+  body { background: #161616; color: #ddd; }
+  th, td { border-bottom-color: #333 !important; }
+  .note { color: #aaa !important; }
+  input.ckptlab-filter { background: #222; color: #ddd; border-color: #555; }
+}
+th { text-align: left; }
+.ckptlab-figure { width: 100%; }
+input.ckptlab-filter { font-size: 14px; padding: 4px 8px; width: min(480px, 90%);
+                       margin: 6px 0; }
 h1 { font-size: 22px; } h2 { font-size: 17px; margin-top: 28px; border-bottom: 1px solid #ddd; }
 h3 { font-size: 15px; margin-top: 20px; }
 table { border-collapse: collapse; font-size: 12px; }
@@ -81,18 +111,171 @@ def report_html(source: Any, *, hex_bytes: bytes | None = None, hex_file: str | 
     return _checkpoint_report(source, hex_bytes, hex_file, max_file_maps)
 
 
-def _figures_html(figures: Sequence[tuple[str, go.Figure]]) -> str:
+def _figures_html(figures: Sequence[tuple[str, go.Figure]], start: int = 0) -> str:
+    """The figures' divs, numbered from ``start``; plotly.js goes inline with figure 0."""
     parts = []
-    for i, (title, fig) in enumerate(figures):
+    for i, (title, fig) in enumerate(figures, start):
         div = pio.to_html(fig, include_plotlyjs=(i == 0), full_html=False,
-                          div_id=f"ckptlab-fig-{i}", config={"displaylogo": False})
+                          div_id=f"ckptlab-fig-{i}", default_width="100%",
+                          config={"displaylogo": False, "responsive": True})
         parts.append(f'<h2>{html.escape(title)}</h2><div class="ckptlab-figure">{div}</div>')
     return "".join(parts)
 
 
-def _legend(lanes: Iterable[SegmentKind]) -> str:
-    return "".join(f'<span style="background:{KIND_COLORS[k]}">{KIND_LABELS[k]}</span>'
+_FILTER_JS = r"""
+(function () {
+  var rows = JSON.parse(document.getElementById("ckptlab-tensor-rows").textContent);
+  var numeric = JSON.parse(document.getElementById("ckptlab-tensor-numeric").textContent);
+  var box = document.getElementById("ckptlab-filter");
+  var body = document.querySelector("#ckptlab-tensors tbody");
+  var count = document.getElementById("ckptlab-filter-count");
+  var cap = @CAP@, total = @TOTAL@;
+  var lower = rows.map(function (r) { return String(r[0]).toLowerCase(); });
+  var fmt = new Intl.NumberFormat("en-US");  // one formatter: toLocaleString per cell is slow
+  var esc = function (v) {
+    return String(v).replace(/[&<>"]/g, function (c) {
+      return {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[c]; });
+  };
+  function matcher(q) {
+    q = q.trim();
+    if (!q) return null;
+    if (/[*?\[]/.test(q)) {
+      try {
+        var re = new RegExp("^" + q.replace(/[.+^${}()|\\]/g, "\\$&")
+          .replace(/\*/g, ".*").replace(/\?/g, ".") + "$");
+        return function (i) { return re.test(rows[i][0]); };
+      } catch (e) { /* not a glob after all: a substring */ }
+    }
+    var needle = q.toLowerCase();
+    return function (i) { return lower[i].indexOf(needle) >= 0; };
+  }
+  function cell(v, j) {
+    return numeric[j] && typeof v === "number"
+      ? '<td style="text-align:right">' + fmt.format(v) + "</td>"
+      : "<td>" + esc(v) + "</td>";
+  }
+  function render() {
+    var m = matcher(box.value), html = [], hits = 0;
+    for (var i = 0; i < rows.length; i++) {
+      if (m && !m(i)) continue;
+      hits++;
+      if (hits <= cap) html.push("<tr>" + rows[i].map(cell).join("") + "</tr>");
+    }
+    body.innerHTML = html.join("");
+    var shown = Math.min(hits, cap), hidden = hits - shown;
+    count.textContent = (m ? fmt.format(hits) + " of " : "")
+      + fmt.format(total) + " tensors" + (m ? " match" : "")
+      + (hidden > 0 ? "; showing the first " + fmt.format(shown) + ", "
+         + fmt.format(hidden) + " hidden (refine the search)" : "");
+  }
+  var timer = null;
+  box.addEventListener("input", function () {
+    clearTimeout(timer); timer = setTimeout(render, 50); });
+})();
+"""
+
+
+def _dark_js() -> str:
+    """A script that redraws every figure in the dark theme's colours when the reader's
+    browser asks for a dark page (``prefers-color-scheme: dark``)."""
+    from ckptlab.viz._style import THEMES
+
+    light, dark = THEMES["light"], THEMES["dark"]
+    script = r"""
+(function () {
+  if (!window.matchMedia || !window.matchMedia("(prefers-color-scheme: dark)").matches) return;
+  var light = @LIGHT@, dark = @DARK@;
+  function darken() {
+    document.querySelectorAll(".js-plotly-plot").forEach(function (gd) {
+      if (!gd.layout || !window.Plotly) return;
+      var update = {"plot_bgcolor": dark.plot, "paper_bgcolor": dark.paper,
+                    "font.color": dark.font, "modebar.color": dark.muted,
+                    "modebar.activecolor": dark.font};
+      Object.keys(gd.layout).forEach(function (k) {
+        if (/^[xy]axis\d*$/.test(k)) {
+          update[k + ".gridcolor"] = dark.grid;
+          update[k + ".zerolinecolor"] = dark.grid;
+        }
+      });
+      Plotly.relayout(gd, update);
+      (gd.data || []).forEach(function (t, i) {
+        if (t.type === "heatmap" && Array.isArray(t.colorscale)) {
+          var scale = t.colorscale.map(function (s) {
+            return [s[0], s[1] === light.empty ? dark.empty : s[1]]; });
+          Plotly.restyle(gd, {colorscale: [scale]}, [i]);
+        }
+      });
+    });
+    document.body.classList.add("ckptlab-dark");
+  }
+  if (document.readyState === "complete") darken();
+  else window.addEventListener("load", darken);
+})();
+"""
+    return (script.replace("@LIGHT@", _json_for_script(light))
+            .replace("@DARK@", _json_for_script(dark)))
+
+
+def _json_for_script(value: Any) -> str:
+    """JSON that cannot end the script element it sits in."""
+    import json
+
+    return json.dumps(value, ensure_ascii=True, separators=(",", ":")).replace("<", "\\u003c")
+
+
+def _tensor_section(table: TensorTable, multi: bool) -> str:
+    """The tensor table with a search box: the first rows in the page, all of them (up to
+    ``MAX_FILTER_ROWS``) searchable in the browser, the shown rows capped at
+    ``MAX_TENSOR_ROWS`` with a count of the hidden ones."""
+    header = ["name", "dtype", "shape", "kind", "bytes", "params", *(["file"] * multi),
+              "offset"]
+    numeric = [h in ("bytes", "params", "offset") for h in header]
+    rows: list[list[Any]] = []
+    for i in range(min(len(table), MAX_FILTER_ROWS)):
+        off = int(table.offsets[i])
+        row: list[Any] = [table.names[i], table.dtypes[i], table.shapes[i], table.kinds[i],
+                          int(table.nbytes[i]), int(table.parameters[i])]
+        if multi:
+            row.append(table.files[i] or "—")
+        row.append("—" if off < 0 else off)
+        rows.append(row)
+    n = len(table)
+    hidden = n - min(n, MAX_TENSOR_ROWS)
+    count = (f"{n:,} tensors" + (f"; showing the first {MAX_TENSOR_ROWS:,}, {hidden:,} hidden "
+                                 "(search to find any)" if hidden else ""))
+    searchable = ("" if n <= MAX_FILTER_ROWS else
+                  f" The search covers the first {MAX_FILTER_ROWS:,} tensors; "
+                  "<code>ckptlab inspect --filter</code> searches them all.")
+    return (
+        "<h2>Tensors</h2>"
+        '<input id="ckptlab-filter" class="ckptlab-filter" type="search" '
+        'placeholder="search tensors: a name part, or a glob like *.mlp.*" '
+        'aria-label="search tensors" autocomplete="off"> '
+        f'<span id="ckptlab-filter-count" class="note">{count}</span>'
+        + (f'<p class="note">{searchable}</p>' if searchable else "")
+        + f'<div id="ckptlab-tensors">{html_table(header, rows[:MAX_TENSOR_ROWS])}</div>'
+        f'<script type="application/json" id="ckptlab-tensor-rows">{_json_for_script(rows)}'
+        "</script>"
+        f'<script type="application/json" id="ckptlab-tensor-numeric">'
+        f"{_json_for_script(numeric)}</script>"
+        "<script>" + _FILTER_JS.replace("@CAP@", str(MAX_TENSOR_ROWS)).replace("@TOTAL@", str(n))
+        + "</script>")
+
+
+def _dtype_html(source: Any) -> str:
+    totals = dtype_totals(source)
+    if not totals:
+        return ""
+    return "<h3>By dtype</h3>" + html_table(
+        ["dtype", "tensors", "parameters", "bytes"],
+        [[t.dtype, t.tensors, t.parameters, t.nbytes] for t in totals])
+
+
+def _legend(lanes: Iterable[str]) -> str:
+    keys = "".join(f'<span style="background:{LANE_COLORS[k]}">{LANE_LABELS[k]}</span>'
                    for k in lanes)
+    return (keys + '<span class="note" style="color:#666">shade: the share of a bin a kind '
+            f"covers; a thin tick: present but under {TINY_FRACTION:.0%} of the bin</span>")
 
 
 def _page(name: str, nbytes: int, body: str) -> str:
@@ -105,6 +288,7 @@ def _page(name: str, nbytes: int, body: str) -> str:
 <p class="note">{human_nbytes(nbytes)} · generated {stamp} · self-contained: no
 network access needed.</p>
 {body}
+<script>{_dark_js()}</script>
 </body></html>
 """
 
@@ -142,8 +326,7 @@ def _layout_report(layout: ArchiveLayout, hex_bytes: bytes | None) -> str:
     if layout.tensors:
         figures.append(("Tensors → storages → bytes" if zip_ else "Tensors → bytes",
                         storage_figure(layout)))
-    tensors = [[".".join(map(str, t.path)), t.dtype, str(list(t.shape)), t.storage_key,
-                t.storage_offset] for t in layout.tensors]
+    table = tensor_table(layout)
     pct = 100 * layout.overhead_nbytes / max(layout.file_nbytes, 1)
     facts: list[list[Any]] = [["format", layout.format], ["file", layout.path],
                               ["size", layout.file_nbytes]]
@@ -161,8 +344,13 @@ def _layout_report(layout: ArchiveLayout, hex_bytes: bytes | None) -> str:
                    "offset)", layout.alignment],
                   ["header and padding", f"{layout.overhead_nbytes:,} B ({pct:.3f}%)"],
                   ["header padding", layout.padding_nbytes]]
-    body = [html_table(["", ""], facts), f'<div class="legend">{_legend(bm.lanes)}</div>',
-            _figures_html(figures)]
+    facts += [["parameters", table.total_parameters]]
+    head: list[tuple[str, go.Figure]] = (
+        [("Bytes by module", treemap_figure(table))] if layout.tensors else [])
+    body = [html_table(["", ""], facts), _dtype_html(table), _figures_html(head),
+            _tensor_section(table, multi=False),
+            f'<div class="legend">{_legend(bm.lanes)}</div>',
+            _figures_html(figures, start=len(head))]
     if zip_:
         records = [[r.short_name, r.header_offset, r.data_offset, r.data_nbytes,
                     r.padding_nbytes, r.zip64_extra_nbytes, r.descriptor_nbytes,
@@ -170,18 +358,6 @@ def _layout_report(layout: ArchiveLayout, hex_bytes: bytes | None) -> str:
         body.append("<h2>Records</h2>" + html_table(
             ["record", "header", "data offset", "data bytes", "FB padding", "zip64 extra",
              "descriptor", "crc32"], records[:MAX_TABLE_ROWS]) + _more(len(records)))
-        body.append("<h2>Tensors</h2>" + html_table(
-            ["tensor", "dtype", "shape", "storage", "storage_offset"],
-            tensors[:MAX_TABLE_ROWS]) + _more(len(tensors)))
-    else:
-        storages = {s.key: s for s in layout.storages}
-        rows = [[".".join(map(str, t.path)), t.dtype, str(list(t.shape)),
-                 storages[t.storage_key].data_offset if t.storage_key in storages else "—",
-                 storages[t.storage_key].nbytes if t.storage_key in storages else "—"]
-                for t in layout.tensors]
-        body.append("<h2>Tensors</h2>" + html_table(
-            ["tensor", "dtype", "shape", "data offset", "bytes"], rows[:MAX_TABLE_ROWS])
-            + _more(len(rows)))
     if hex_bytes:
         body.append("<h2>First bytes</h2>" + hex_html(hex_bytes[:1024], 0, layout))
     return _page(name, layout.file_nbytes, "\n".join(body))
@@ -198,44 +374,10 @@ def _file_layout(entry: Any, offsets: list[int]) -> ArchiveLayout:
                          alignment=largest_alignment(offsets) if offsets else 4096, zip64=False)
 
 
-def _union_nbytes(ranges: Iterable[tuple[int, int]]) -> int:
-    """Bytes covered by ``(offset, nbytes)`` ranges (tensors that view one storage overlap)."""
-    total, end = 0, -1
-    for lo, n in sorted(ranges):
-        hi = lo + n
-        if hi > end:
-            total += hi - max(lo, end)
-            end = hi
-    return total
-
-
 def _shape(shape: Any) -> str:
     if shape is None:
         return "?"
     return "x".join("j" if d < 0 else str(d) for d in shape) or "scalar"
-
-
-def _files_figure(rows: Sequence[tuple[str, int, int]]) -> go.Figure:
-    """Bytes per file, tensor bytes apart from the rest (headers, metadata, other files)."""
-    shown = list(rows)[:MAX_PLACEMENT_ROWS]
-    names = [plain_text(r[0]) for r in shown]
-    fig = go.Figure([
-        go.Bar(y=names, x=[r[2] for r in shown], orientation="h", name="tensor bytes",
-               marker={"color": KIND_COLORS[SegmentKind.DATA]},
-               hovertemplate="%{y}: %{x:,} B of tensors<extra></extra>"),
-        go.Bar(y=names, x=[r[1] - r[2] for r in shown], orientation="h", name="other bytes",
-               marker={"color": "#bab0ac"},
-               hovertemplate="%{y}: %{x:,} B besides tensors<extra></extra>")])
-    fig.update_layout(
-        barmode="stack", title=f"Bytes per file · {len(rows)} files",
-        xaxis={"title": "bytes", "tickformat": ",d"},
-        yaxis={"autorange": "reversed", "automargin": True},
-        height=max(240, 90 + 22 * len(shown)), margin={"l": 20, "r": 20, "t": 50, "b": 45},
-        plot_bgcolor="#ffffff",
-        meta={"kind": "files", "files": [r[0] for r in shown],
-              "nbytes": [r[1] for r in shown], "tensor_nbytes": [r[2] for r in shown],
-              "omitted": len(rows) - len(shown)})
-    return fig
 
 
 def _placement_figure(parts: Sequence[tuple[str, Any]], multi: bool) -> go.Figure:
@@ -243,7 +385,7 @@ def _placement_figure(parts: Sequence[tuple[str, Any]], multi: bool) -> go.Figur
     ordered = sorted(parts, key=lambda kp: (-kp[1].nbytes, kp[0]))
     shown = ordered[:MAX_PLACEMENT_ROWS]
     files = list(dict.fromkeys(p.file for _, p in shown))
-    color = {f: _FILE_COLORS[i % len(_FILE_COLORS)] for i, f in enumerate(files)}
+    color = {f: PALETTE[i % len(PALETTE)] for i, f in enumerate(files)}
     labels = [plain_text(f"{k} · {p.file}" if multi else k) for k, p in shown]
     fig = go.Figure(go.Bar(
         y=labels, x=[max(p.nbytes, 1) for _, p in shown], base=[p.offset for _, p in shown],
@@ -258,11 +400,10 @@ def _placement_figure(parts: Sequence[tuple[str, Any]], multi: bool) -> go.Figur
                f"Tensors in their file{'s' * multi} · {len(parts)}"),
         xaxis={"title": "file offset (bytes)", "tickformat": ",d"},
         yaxis={"autorange": "reversed", "automargin": True}, showlegend=False,
-        height=max(260, 80 + 18 * len(shown)), margin={"l": 20, "r": 20, "t": 50, "b": 45},
-        plot_bgcolor="#ffffff",
+        height=max(280, 110 + 18 * len(shown)), margin={"l": 20, "r": 20, "t": 76, "b": 45},
         meta={"kind": "placement", "rows": [k for k, _ in shown],
               "omitted": len(parts) - len(shown)})
-    return fig
+    return style_figure(fig)
 
 
 def _checkpoint_report(ck: Any, hex_bytes: bytes | None, hex_file: str | None,
@@ -279,23 +420,26 @@ def _checkpoint_report(ck: Any, hex_bytes: bytes | None, hex_file: str | None,
                                if any(p.file == f.path for p in t.parts)}) for f in ck.files}
     data_offsets = [p.offset for _, p in parts if p.nbytes and p.compression is None]
     figures: list[tuple[str, go.Figure]] = []
-    file_rows = sorted(((f.path, f.nbytes, _union_nbytes((p.offset, p.nbytes)
-                                                          for p in by_file.get(f.path, ())))
+    file_rows = sorted(((f.path, f.nbytes, union_nbytes((p.offset, p.nbytes)
+                                                         for p in by_file.get(f.path, ())))
                         for f in ck.files), key=lambda r: (-r[1], r[0]))
+    table = tensor_table(ck)
+    head: list[tuple[str, go.Figure]] = (
+        [("Bytes by module", treemap_figure(table))] if ck.tensors else [])
     if multi:
-        figures.append(("Files", _files_figure(file_rows)))
+        figures.append(("Files", files_figure(ck, max_files=MAX_PLACEMENT_ROWS)))
     # the files that hold tensor bytes (an index or .metadata is one run of bytes: the table
     # says all there is), the largest first; any file when none holds tensors
     drawable = [f for f in sorted(ck.files, key=lambda f: (-f.nbytes, f.path))
                 if f.nbytes and f.segments]
     drawable = [f for f in drawable if f.path in by_file] or drawable
     mapped = drawable[:max(max_file_maps, 0)]
-    lanes: dict[SegmentKind, None] = {}
+    lanes: dict[str, None] = {}
     zip_layout = None
     for f in mapped:
         offsets = [p.offset for p in by_file.get(f.path, ()) if p.nbytes]
         layout = _file_layout(f, offsets)
-        bm = ByteMap.from_layout(layout)
+        bm = ByteMap.from_file(f, ck.tensors.values())
         lanes.update(dict.fromkeys(bm.lanes))
         title = (f"{plain_text(f.path)} · {human_nbytes(f.nbytes)} · "
                  f"{tensors_in.get(f.path, 0)} tensors" +
@@ -325,12 +469,13 @@ def _checkpoint_report(ck: Any, hex_bytes: bytes | None, hex_file: str | None,
     facts: list[list[Any]] = [
         ["format", ck.format], ["path", ck.path], ["size", ck.nbytes],
         ["files", len(ck.files)], ["tensors", len(ck.tensors)],
-        ["parameters", ck.parameters],
+        ["parameters", ck.parameters], ["bytes of tensors", table.total_nbytes],
         ["data alignment (largest power of two ≤ 4096 dividing every tensor's offset)",
          largest_alignment(data_offsets) if data_offsets else "—"]]
     if any(p.compression for _, p in parts):
         facts.append(["compressed parts", sum(bool(p.compression) for _, p in parts)])
-    body = [html_table(["", ""], facts)]
+    body = [html_table(["", ""], facts), _dtype_html(table), _figures_html(head),
+            _tensor_section(table, multi)]
     if ck.notes:
         body.append("<ul class=\"note\">" + "".join(f"<li>{html.escape(n)}</li>"
                                                     for n in ck.notes) + "</ul>")
@@ -342,7 +487,7 @@ def _checkpoint_report(ck: Any, hex_bytes: bytes | None, hex_file: str | None,
               f"{100 * f.nbytes / max(ck.nbytes, 1):.2f}%"] for f in ck.files][:MAX_TABLE_ROWS])
             + _more(len(ck.files)))
     body.append(f'<div class="legend">{_legend(k for k in lanes)}</div>')
-    body.append(_figures_html(figures))
+    body.append(_figures_html(figures, start=len(head)))
     body.append(maps_note)
     if zip_layout is not None:
         records = [[r.short_name, r.header_offset, r.data_offset, r.data_nbytes,
@@ -351,17 +496,6 @@ def _checkpoint_report(ck: Any, hex_bytes: bytes | None, hex_file: str | None,
         body.append("<h2>Records</h2>" + html_table(
             ["record", "header", "data offset", "data bytes", "FB padding", "zip64 extra",
              "descriptor", "crc32"], records[:MAX_TABLE_ROWS]) + _more(len(records)))
-    rows = []
-    for t in ck.tensors.values():
-        row = [t.name, t.dtype, _shape(t.shape), t.kind, t.nbytes, t.parameters]
-        if multi:
-            row.append(t.file or "—")
-        row.append("—" if t.offset is None else t.offset)
-        rows.append(row)
-    header = ["name", "dtype", "shape", "kind", "bytes", "params", *(["file"] * multi),
-              "offset"]
-    body.append("<h2>Tensors</h2>" + html_table(header, rows[:MAX_TABLE_ROWS])
-                + _more(len(rows)))
     several = [(k, p) for (k, p), (_, many) in zip(parts, owned) if many]
     if several:
         prow = [[k, p.role, ",".join(map(str, p.chunk_offsets or ())) or "—", p.file,

@@ -7,11 +7,11 @@ import plotly.graph_objects as go
 from ckptlab.errors import InvalidArgumentError
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.format.layout import ArchiveLayout, TensorInfo
-from ckptlab.viz._style import plain_text
+from ckptlab.viz._style import PALETTE, plain_text, style_figure
 
 __all__ = ["storage_figure", "tensor_span"]
 
-_STORAGE_COLORS = ("#4c78a8", "#54a24b", "#b279a2", "#f58518", "#72b7b2", "#e45756")
+_STORAGE_COLORS = PALETTE
 
 
 def tensor_span(tensor: TensorInfo) -> tuple[int, int]:
@@ -93,8 +93,8 @@ def storage_figure(layout: ArchiveLayout, *, max_rows: int = 60,
         xaxis={"title": "byte offset inside the storage", "tickformat": ",d"},
         yaxis={"autorange": "reversed", "automargin": True},
         height=max(260, 80 + 18 * len(rows)), showlegend=False,
-        margin={"l": 20, "r": 20, "t": 50, "b": 45}, plot_bgcolor="#ffffff",
+        margin={"l": 20, "r": 20, "t": 76, "b": 45},
         meta={"kind": "storages", "rows": [list(map(str, t.path)) for t, _ in rows],
               "shared": shared, "omitted": total - len(rows)},
     )
-    return fig
+    return style_figure(fig)

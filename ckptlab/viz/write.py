@@ -8,7 +8,7 @@ from typing import Any
 import plotly.graph_objects as go
 
 from ckptlab.errors import InvalidArgumentError
-from ckptlab.viz._style import human_nbytes, plain_text
+from ckptlab.viz._style import PALETTE, human_nbytes, plain_text, style_figure
 from ckptlab.write.buckets import (
     BucketAssignment,
     item_is_tensor,
@@ -36,8 +36,8 @@ assert set(PHASE_COLORS) == set(PHASES)
 
 # items are coloured by a hash of their key: the same item keeps its colour when the buckets
 # change, and neighbours in a stack rarely share one
-ITEM_COLORS: tuple[str, ...] = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2",
-                                "#eeca3b", "#b279a2", "#ff9da6", "#9d755d", "#79706e")
+ITEM_COLORS: tuple[str, ...] = PALETTE  # the one palette of ckptlab.viz._style
+MAX_BUCKET_LABELS = 12  # buckets whose totals are written above their bars
 SAVE_ROW = "save"  # the timeline row of save-wide events (bucket None)
 _GROUP_PATTERNS = ("", "/")  # group 1 (the separation hint's buckets) is hatched
 
@@ -166,14 +166,15 @@ def timeline_figure(timeline: Timeline) -> go.Figure:
         outcome = "written"
     n_files = len(timeline.files)
     title = (f"Save timeline · {human_nbytes(nbytes)} written to {n_files} "
-             f"file{'s' if n_files != 1 else ''}")
+             f"file{'s' if n_files != 1 else ''}<br>")  # two lines: never clipped
     if timeline.returned_s is not None:
-        title += f" · returned after {1e3 * timeline.returned_s:.1f} ms"
+        title += f"returned after {1e3 * timeline.returned_s:.1f} ms"
     if timeline.finished_s is not None:
         title += f" · finished after {1e3 * timeline.finished_s:.1f} ms"
     if write_gbps is not None:
         title += f" · written at {write_gbps:.2f} GB/s"
     title += f" · {outcome}"
+    title = title.replace("<br> · ", "<br>")
     fig.update_layout(
         title={"text": title, "font": {"size": 14}}, barmode="overlay",
         xaxis={"title": "milliseconds since the save started", "rangemode": "tozero",
@@ -182,15 +183,14 @@ def timeline_figure(timeline: Timeline) -> go.Figure:
                "range": [len(rows) - 0.5, -0.5]},  # the save row on top, then bucket 0, 1, ...
         shapes=shapes, annotations=annotations, bargap=0.3,
         legend={"title": {"text": "phase"}, "traceorder": "normal"},
-        height=max(380, 160 + 34 * len(rows)), margin={"l": 80, "r": 20, "t": 80, "b": 50},
-        plot_bgcolor="#ffffff",
+        height=max(380, 160 + 34 * len(rows)), margin={"l": 80, "r": 20, "t": 118, "b": 50},
         meta={"kind": "timeline", "unit": "ms", "rows": rows, "phases": phases,
               "returned_s": timeline.returned_s, "finished_s": timeline.finished_s,
               "nbytes": nbytes, "gbps": save_gbps, "write_span_s": write_span_s,
               "write_gbps": write_gbps, "buckets": per_bucket,
               "committed": timeline.committed, "error": timeline.error, "outcome": outcome},
     )
-    return fig
+    return style_figure(fig)
 
 
 def _item_color(key: str) -> str:
@@ -292,11 +292,16 @@ def bucket_figure(assignment: BucketAssignment) -> go.Figure:
             f"<b>bucket {b.index}</b> (group {b.group})<br>{human_nbytes(b.nbytes)} "
             f"({b.nbytes:,} B), {share:.3f} × ideal<br>{len(b.items) - objects} tensor items"
             + (f" ({empty} empty)" if empty else "") + f", {objects} bytes items")
+    # a total above each bar, while they fit side by side (about 60 px a label on a plot of
+    # 700 px or more); with more buckets the labels would run together ("5.0 GiB5.0 GiB"),
+    # so the totals stay in the hover text only
+    labelled = len(assignment.buckets) <= MAX_BUCKET_LABELS
     fig.add_trace(go.Scatter(
         name="bucket total", x=[b.index for b in assignment.buckets],
-        y=[b.nbytes for b in assignment.buckets], mode="text",
-        text=[human_nbytes(b.nbytes) for b in assignment.buckets], textposition="top center",
-        textfont={"size": 10}, hovertext=totals_hover,
+        y=[b.nbytes for b in assignment.buckets], mode="text" if labelled else "markers",
+        text=[human_nbytes(b.nbytes) for b in assignment.buckets] if labelled else None,
+        textposition="top center", cliponaxis=False,
+        marker={"size": 1, "opacity": 0}, textfont={"size": 10}, hovertext=totals_hover,
         hovertemplate="%{hovertext}<extra></extra>", showlegend=False))
 
     shapes: list[dict[str, Any]] = []
@@ -340,8 +345,7 @@ def bucket_figure(assignment: BucketAssignment) -> go.Figure:
         yaxis={"title": "bytes", "rangemode": "tozero", "gridcolor": "#eeeeee",
                "exponentformat": "SI"},  # k, M, G (plotly's default "B" reads as bytes)
         shapes=shapes, annotations=annotations, height=380,
-        legend={"orientation": "h", "y": -0.25}, margin={"l": 70, "r": 20, "t": 60, "b": 80},
-        plot_bgcolor="#ffffff",
+        legend={"orientation": "h", "y": -0.25}, margin={"l": 70, "r": 20, "t": 80, "b": 80},
         meta={"kind": "buckets", "n_buckets": n, "separation_hint": hint,
               "bucket_nbytes": list(assignment.bucket_nbytes),
               "bucket_groups": [b.group for b in assignment.buckets],
@@ -349,4 +353,4 @@ def bucket_figure(assignment: BucketAssignment) -> go.Figure:
               "overall_imbalance": overall, "groups": groups,
               "items": n_items, "byte_items": n_byte_items, "largest": largest},
     )
-    return fig
+    return style_figure(fig)

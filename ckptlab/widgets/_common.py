@@ -1,9 +1,12 @@
-"""What every view needs: a layout from whatever the user has, and small HTML tables."""
+"""What every view needs: a layout from whatever the user has, small HTML tables, and a
+progress bar for work that may take over a second."""
 
 from __future__ import annotations
 
+import contextlib
 import html
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from ckptlab.errors import InvalidArgumentError
@@ -22,6 +25,23 @@ def as_layout(source: LayoutSource) -> ArchiveLayout:
         return inspect(source)
     raise InvalidArgumentError(
         f"expected an ArchiveLayout, a path or bytes of a checkpoint, got {type(source).__name__}")
+
+
+PROGRESS_DELAY_S = 1.0  # a bar shows only for work still running after this long
+
+
+@contextlib.contextmanager
+def progress(total: int, desc: str) -> Iterator[Any]:
+    """A progress bar (``tqdm.auto``: a widget in a notebook, text elsewhere) for ``total``
+    steps, shown only once the work has run for ``PROGRESS_DELAY_S`` and removed when done.
+    Call ``bar.update(1)`` after each step."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=desc, delay=PROGRESS_DELAY_S, leave=False)
+    try:
+        yield bar
+    finally:
+        bar.close()
 
 
 def summary_html(layout: ArchiveLayout) -> str:

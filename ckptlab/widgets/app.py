@@ -3,13 +3,30 @@
 Everything is served from the local server: BokehJS, panel's and plotly's JavaScript come
 with the app (no CDN), so it works on a cluster node without internet.
 
+Tensor first, any format. :class:`CheckpointApp` opens on what :func:`ckptlab.open` reads (a
+torch.save file, safetensors, a Hugging Face or DCP directory, legacy, TorchScript, .pt2): a
+summary with totals by dtype, a searchable, sortable tensor table (the browser gets one page
+of rows at a time; filter and sort run on the server), the non-tensor values, and the byte
+map of a file with the selected tensor's parts outlined and its first bytes in hex.
+Multi-file checkpoints get a file picker and a bytes-per-file overview. A torch.save zip also
+gets :class:`LayoutApp`, the records and the alignment what-if, since there alignment is the
+writer's choice.
+
+First paint comes from the index. The table and the totals need only a
+:class:`~ckptlab.checkpoint._cache.CheckpointIndex`, which :class:`ServedCheckpoint` reads from
+the on-disk :class:`~ckptlab.checkpoint._cache.InspectionCache` when the file was seen before
+(a fraction of a second at 100,000 tensors, where opening the file takes seconds); the full
+:class:`~ckptlab.checkpoint.Checkpoint`, which the byte map needs, is then opened on a thread
+once the first page has loaded, and every session draws its map when it is there.
+
 Many sessions, one server. Panel runs every session's callbacks on one thread, so what a
 session costs is what the next visitor waits for. Work that depends only on the file and an
 alignment (the what-if layout, its byte map arrays, its summary, the alignment costs) is done
 once per (file, alignment) in a :class:`LayoutCache` that the server owns and every session
-reads; a session keeps only its own figures and widgets, and they are freed when panel ends
-the session (``pn.state.on_session_destroyed``). The cache holds frozen data and never a
-session's objects, and it is bounded (least recently used views go first).
+reads; the tensor table's rows and the per-file byte maps are held once by the
+:class:`ServedCheckpoint`. A session keeps only its own figures and widgets, and they are
+freed when panel ends the session (``pn.state.on_session_destroyed``). The caches hold frozen
+data and never a session's objects, and they are bounded (least recently used views go first).
 """
 
 from __future__ import annotations
@@ -20,14 +37,17 @@ import html
 import os
 import sys
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import panel as pn
 
-from ckptlab.errors import InvalidArgumentError
+from ckptlab.checkpoint._cache import CheckpointIndex, InspectionCache
+from ckptlab.errors import CkptlabError, InvalidArgumentError
 from ckptlab.format import AlignmentCost, ArchiveLayout, alignment_costs, read_range, realign
 from ckptlab.format.predict import DEFAULT_ALIGNMENTS
 from ckptlab.viz import (
@@ -47,16 +67,35 @@ from ckptlab.widgets._common import (
     item_tensor_rows,
     summary_html,
 )
+from ckptlab.widgets._tensor_table import (
+    TABLE_CSS,
+    NameSearch,
+    TensorTable,
+    index_summary_html,
+    objects_html,
+    tensor_details_html,
+    tensor_frame,
+)
 
-__all__ = ["LayoutApp", "LayoutCache", "LayoutView", "serve"]
+__all__ = ["CheckpointApp", "LayoutApp", "LayoutCache", "LayoutView", "ServedCheckpoint",
+           "serve"]
 
 PROMPT = "<i>Click the byte map or pick an item.</i>"
+TENSOR_PROMPT = "<i>Pick a tensor in the table to see its parts, its bytes on the map and hex.</i>"
 # A session nobody is connected to ends after SESSION_LIFETIME_MS (bokeh's default: a page
 # connects its websocket only once its scripts ran, seconds after the GET that built its
 # session on a busy machine). Bokeh looks for such sessions every 17 s by default; every 2 s,
 # a closed page's session is freed 15-17 s after it closed.
 SESSION_CHECK_MS = 2_000
 SESSION_LIFETIME_MS = 15_000
+POLL_MS = 300  # how often a session looks whether the byte map's data has arrived
+# the full open starts this long after serving if no page asked first (a page asks once it
+# has loaded: a thread opening the file while the first page loads slows that page 3x)
+LOAD_FALLBACK_S = 30.0
+# up to this many tensors the whole checkpoint is opened before serving (under a second); past
+# it the table paints first and the byte map follows
+EAGER_TENSORS = 20_000
+MAX_FILES_LISTED = 1000  # file picker entries (the largest files, and the one shown)
 
 
 def _alignment_options(layout: ArchiveLayout) -> list[int]:
@@ -350,6 +389,427 @@ class LayoutApp:
             self.hex.object = "<i>A what-if layout has no bytes: pick the file's own alignment.</i>"
 
 
+# -- tensor first, any format --------------------------------------------------------------------
+class ServedCheckpoint:
+    """One checkpoint as a server shows it to every session: the index now, the rest later.
+
+    ``index`` (a :class:`~ckptlab.checkpoint._cache.CheckpointIndex`) and ``frame`` (the
+    tensor table's rows) are there from the start: read from ``inspection_cache`` when the
+    checkpoint was seen before, else from opening it (then stored). ``checkpoint`` (the
+    opened :class:`~ckptlab.checkpoint.Checkpoint`) and the byte maps come from
+    :meth:`load`, which :meth:`start_loading` runs on a thread; ``ready`` is set when they are
+    there (or ``error`` says why they are not). Shared by sessions: holds frozen data only.
+
+    Parameters
+    ----------
+    path
+        A checkpoint file or directory (anything :func:`ckptlab.open` reads).
+    inspection_cache
+        The on-disk cache of indexes; None opens the checkpoint without one.
+    layout_cache
+        The torch.save what-if views shared by sessions (a new :class:`LayoutCache` if None).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *,
+                 inspection_cache: InspectionCache | None = None,
+                 layout_cache: LayoutCache | None = None) -> None:
+        self.path = os.fspath(path)
+        self.layout_cache = layout_cache if layout_cache is not None else LayoutCache()
+        self.inspection_cache = inspection_cache
+        start = time.perf_counter()
+        if inspection_cache is not None:
+            self.index, self.checkpoint = inspection_cache.index_of(self.path)
+            self.from_cache = self.checkpoint is None
+        else:
+            from ckptlab.checkpoint.open import open_checkpoint
+
+            self.checkpoint = open_checkpoint(self.path)
+            self.index = CheckpointIndex.from_checkpoint(self.checkpoint)
+            self.from_cache = False
+        self.frame = tensor_frame(self.index)
+        self.name_search = NameSearch(self.frame["name"])
+        self.summary_html = index_summary_html(self.index)  # what every session shows first
+        self.objects_html = objects_html(self.index.objects)
+        self.index_s = time.perf_counter() - start
+        self.ready = threading.Event()
+        self.error: str | None = None
+        self._lock = threading.Lock()
+        self._started = False
+        self._bytemaps: OrderedDict[str, ByteMap] = OrderedDict()
+        self._file_parts: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    @property
+    def is_zip(self) -> bool:
+        """A single torch.save zip: alignment is the writer's choice, records are shown."""
+        return self.index.format == "torch-zip" and len(self.index.files) == 1
+
+    def full_path(self, rel: str) -> str:
+        """Where file ``rel`` of the checkpoint is on disk."""
+        if os.path.isdir(self.path):
+            return os.path.join(self.path, rel)
+        return self.path
+
+    def start_loading(self) -> None:
+        """Run :meth:`load` on a thread (once; later calls do nothing)."""
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        threading.Thread(target=self.load, name="ckptlab-open", daemon=True).start()
+
+    def load(self) -> None:
+        """Open the checkpoint (when the index came from the cache) and build what the byte
+        maps need; sets ``ready``. Errors are kept in ``error`` (shown by the sessions).
+        Once ``ready``, later calls do nothing."""
+        with self._lock:
+            self._started = True
+        if self.ready.is_set():
+            return
+        try:
+            if self.checkpoint is None:
+                from ckptlab.checkpoint.open import open_checkpoint
+
+                self.checkpoint = open_checkpoint(self.path)
+            if self.is_zip:
+                layout = self.checkpoint.files[0].layout
+                self.layout_cache.view(layout, _own_alignment(layout))
+                self.layout_cache.costs(layout, _alignment_options(layout))
+            else:
+                self.bytemap(self.default_file())
+        except (CkptlabError, OSError) as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.ready.set()
+
+    def default_file(self) -> str:
+        """The file the map shows first: the largest one holding tensor bytes."""
+        holding = set(self.index.part_file)
+        files = self.index.files
+        ranked = sorted(range(len(files)), key=lambda i: (i not in holding, -files[i][2], i))
+        return files[ranked[0]][0] if ranked else ""
+
+    def bytemap(self, rel: str) -> ByteMap:
+        """The byte map of file ``rel`` (built once; the 8 last used are kept)."""
+        with self._lock:
+            bm = self._bytemaps.get(rel)
+            if bm is not None:
+                self._bytemaps.move_to_end(rel)
+                return bm
+        ck = self.checkpoint
+        entry = ck.file(rel)
+        bm = ByteMap.from_file(entry, ck.tensors.values())
+        with self._lock:
+            self._bytemaps[rel] = bm
+            while len(self._bytemaps) > 8:
+                self._bytemaps.popitem(last=False)
+        return bm
+
+    def file_layout(self, rel: str) -> ArchiveLayout | None:
+        """The file's layout for the hex view's colours (None where the model has none)."""
+        if self.checkpoint is None:
+            return None
+        try:
+            layout = self.checkpoint.file(rel).layout
+        except KeyError:
+            return None
+        if isinstance(layout, ArchiveLayout):
+            return layout
+        with self._lock:
+            bm = self._bytemaps.get(rel)
+        return bm.layout if bm is not None else None
+
+    def tensor_at(self, rel: str, offset: int) -> int | None:
+        """The row of a tensor with a part holding byte ``offset`` of file ``rel``."""
+        with self._lock:
+            found = self._file_parts.get(rel)
+        if found is None:
+            idx = self.index
+            fid = next((i for i, f in enumerate(idx.files) if f[0] == rel), -1)
+            pfile = np.asarray(idx.part_file, dtype=np.int64)
+            sel = np.flatnonzero(pfile == fid)
+            starts = np.asarray(idx.part_offset, dtype=np.int64)[sel]
+            ends = starts + np.maximum(np.asarray(idx.part_nbytes, dtype=np.int64)[sel], 1)
+            rows = np.searchsorted(np.asarray(idx.part_start, dtype=np.int64), sel,
+                                   side="right") - 1
+            order = np.argsort(starts, kind="stable")
+            found = (starts[order], ends[order], rows[order])
+            with self._lock:
+                self._file_parts[rel] = found
+        starts, ends, rows = found
+        hi = int(np.searchsorted(starts, offset, side="right"))
+        for i in range(hi - 1, max(hi - 65, -1), -1):  # parts that start before it, nearest first
+            if ends[i] > offset:
+                return int(rows[i])
+        return None
+
+
+def _part_ranges(index: CheckpointIndex, row: int, rel: str) -> list[tuple[int, int]]:
+    return [(offset, nbytes) for _, file, offset, nbytes in index.parts_of(row) if file == rel]
+
+
+def _marks(ranges: Sequence[tuple[int, int]], x_range: Sequence[float]) -> list[dict[str, Any]]:
+    """Outlines of byte ranges ``(offset, nbytes)``, and a full-height line through each one
+    too narrow to see at the map's zoom (a 64-byte tensor in a 30 MB file)."""
+    lo, hi = float(x_range[0]), float(x_range[1])
+    sliver = max(hi - lo, 1.0) / 400
+    shapes: list[dict[str, Any]] = []
+    for offset, nbytes in ranges:
+        shapes.append(dict(type="rect", xref="x", yref="paper", x0=offset,
+                           x1=offset + max(nbytes, 1), y0=0, y1=1,
+                           line={"color": "black", "width": 2},
+                           fillcolor="rgba(0,0,0,0.08)", name="selected tensor"))
+        if nbytes < sliver:
+            mid = offset + nbytes / 2
+            shapes.append(dict(type="line", xref="x", yref="paper", x0=mid, x1=mid, y0=0,
+                               y1=1, line={"color": "black", "width": 2, "dash": "dot"},
+                               name="selected tensor"))
+    return shapes
+
+
+class CheckpointApp:
+    """The served app for any checkpoint, tensor first; ``.view`` is the panel layout.
+
+    Parameters
+    ----------
+    source
+        A checkpoint path (file or directory), or a :class:`ServedCheckpoint` a server shares
+        between sessions.
+    inspection_cache
+        For a path: the on-disk index cache to use (None: open the checkpoint directly).
+
+    Notes
+    -----
+    The summary, the tensor table and the values come from the index and show at once; the
+    byte map section shows when the served checkpoint is ``ready`` (the session looks every
+    ``POLL_MS``; :meth:`refresh` does it by hand).
+    """
+
+    def __init__(self, source: str | os.PathLike[str] | ServedCheckpoint, *,
+                 inspection_cache: InspectionCache | None = None) -> None:
+        if isinstance(source, ServedCheckpoint):
+            self.served = source
+        elif isinstance(source, (str, os.PathLike)):
+            self.served = ServedCheckpoint(source, inspection_cache=inspection_cache)
+            self.served.load()
+        else:
+            raise InvalidArgumentError(
+                f"expected a checkpoint path or a ServedCheckpoint, got {type(source).__name__}")
+        served = self.served
+        self.index = served.index
+        self.selected: int | None = None
+        self.file: str | None = None  # the file the map shows (None: not drawn yet)
+        self.layout_app: LayoutApp | None = None
+        self.map_pane: Any = None
+        self.file_picker: Any = None
+        self._callback: Any = None
+        self._watchers: list[Any] = []
+        name = plain_text(served.path.rstrip("/").rsplit("/", 1)[-1])
+        self.title = pn.pane.HTML(
+            f"<h2 style='margin:4px 0'>ckptlab · {html.escape(name)}</h2>",
+            css_classes=["ckptlab-title"], sizing_mode="stretch_width")
+        self.summary = pn.pane.HTML(served.summary_html, sizing_mode="stretch_width",
+                                    stylesheets=[TABLE_CSS],
+                                    css_classes=["ckptlab-header"])
+        self.tensors = TensorTable(served.frame, on_select=self.select_row,
+                                   search=served.name_search)
+        self.details = pn.pane.HTML(TENSOR_PROMPT, sizing_mode="stretch_width",
+                                    stylesheets=[TABLE_CSS],
+                                    css_classes=["ckptlab-tensor-details"])
+        self.hex = pn.pane.HTML("", width=640, css_classes=["ckptlab-tensor-hex"])
+        self.values = pn.pane.HTML(served.objects_html, sizing_mode="stretch_width",
+                                    stylesheets=[TABLE_CSS],
+                                   css_classes=["ckptlab-values-pane"])
+        self.map_section = pn.Column(
+            pn.pane.HTML(f"<i>Reading the byte layout of {html.escape(name)}…</i>",
+                         css_classes=["ckptlab-map-loading"]),
+            sizing_mode="stretch_width", css_classes=["ckptlab-map-section"])
+        self.view = pn.Column(
+            self.title, self.summary,
+            self.tensors.view,
+            pn.Row(self.details, self.hex, sizing_mode="stretch_width"),
+            pn.pane.HTML("<h3 style='margin:8px 0 2px'>Values besides tensors</h3>"),
+            self.values,
+            self.map_section, sizing_mode="stretch_width", css_classes=["ckptlab-app"])
+        if not self.refresh():
+            doc = pn.state.curdoc
+            if doc is not None and doc.session_context is not None:
+                self._callback = pn.state.add_periodic_callback(self._poll, period=POLL_MS)
+                pn.state.onload(served.start_loading)
+
+    # -- the byte map section -----------------------------------------------------------------
+    def _poll(self) -> None:
+        if self.refresh() and self._callback is not None:
+            self._callback.stop()
+            self._callback = None
+
+    def refresh(self) -> bool:
+        """Draw the byte map section if the checkpoint is opened; True once it is drawn."""
+        if self.file is not None or self.layout_app is not None:
+            return True
+        served = self.served
+        if not served.ready.is_set() or self.view is None:
+            return False
+        if served.error is not None:
+            self.map_section.objects = [pn.pane.HTML(
+                f"<b>The byte map is not available:</b> {html.escape(served.error)}",
+                css_classes=["ckptlab-map-error"])]
+            self.file = ""
+            return True
+        if served.is_zip:
+            self._draw_zip()
+        else:
+            self._draw_files()
+        if self.selected is not None:
+            self.select_row(self.selected)
+        return True
+
+    def _draw_zip(self) -> None:
+        layout = self.served.checkpoint.files[0].layout
+        self.layout_app = app = LayoutApp(layout, cache=self.served.layout_cache)
+        self.file = self.index.files[0][0]
+        self.map_pane = app.map_pane
+        self.map_section.objects = [
+            pn.pane.HTML("<h3 style='margin:8px 0 2px'>torch.save layout: records, byte map "
+                         "and the alignment what-if</h3>"),
+            app.summary, app.alignment, app.tabs]
+
+    def _draw_files(self) -> None:
+        served = self.served
+        files = self.index.files
+        first = served.default_file()
+        parts: list[Any] = [pn.pane.HTML("<h3 style='margin:8px 0 2px'>Bytes of the files</h3>")]
+        if len(files) > 1:
+            from ckptlab.viz.bytemap import files_figure
+
+            parts.append(pn.pane.Plotly(files_figure(served.checkpoint),
+                                        sizing_mode="stretch_width",
+                                        css_classes=["ckptlab-files"]))
+            ranked = sorted(files, key=lambda f: (-f[2], f[0]))[:MAX_FILES_LISTED]
+            if all(f[0] != first for f in ranked):
+                ranked.append(next(f for f in files if f[0] == first))
+            options = {f"{f[0]} · {f[1]} · {human_nbytes(f[2])}": f[0]
+                       for f in sorted(ranked, key=lambda f: f[0])}
+            self.file_picker = pn.widgets.Select(name="file", options=options, value=first,
+                                                 width=520, css_classes=["ckptlab-file-picker"])
+            self._watchers.append(self.file_picker.param.watch(self._on_file, "value"))
+            parts.append(self.file_picker)
+        self.map_pane = pn.pane.Plotly(None, sizing_mode="stretch_width",
+                                       css_classes=["ckptlab-bytemap"])
+        self._watchers += [self.map_pane.param.watch(self._on_relayout, "relayout_data"),
+                           self.map_pane.param.watch(self._on_click, "click_data")]
+        parts.append(self.map_pane)
+        self.map_section.objects = parts
+        self.show_file(first)
+
+    def _map_title(self, rel: str) -> str:
+        fid = next((i for i, f in enumerate(self.index.files) if f[0] == rel), -1)
+        nbytes = self.index.files[fid][2] if fid >= 0 else 0
+        fmt = self.index.files[fid][1] if fid >= 0 else ""
+        held = sum(1 for f in self.index.file if f == fid)
+        return (f"{plain_text(rel)} · {plain_text(fmt)} · {human_nbytes(nbytes)} · "
+                f"{held:,} tensor{'s' * (held != 1)} start here")
+
+    def show_file(self, rel: str, x_range: tuple[float, float] | None = None) -> None:
+        """Draw the byte map of file ``rel`` (a zip's own map is :class:`LayoutApp`'s)."""
+        if self.layout_app is not None or self.map_pane is None:
+            return
+        bm = self.served.bytemap(rel)
+        self.file = rel
+        if self.file_picker is not None and self.file_picker.value != rel:
+            self.file_picker.value = rel  # re-enters through _on_file, which stops here
+        fig = bytemap_figure(bm, x_range=x_range, title=self._map_title(rel))
+        fig.layout.shapes = self._selection_shapes(fig)
+        self.map_pane.object = fig
+
+    def _selection_shapes(self, fig: Any) -> list[dict[str, Any]]:
+        if self.selected is None or self.file is None:
+            return []
+        ranges = _part_ranges(self.index, self.selected, self.file)
+        return _marks(ranges, fig.layout.meta["x_range"]) if ranges else []
+
+    def _on_file(self, event: Any) -> None:
+        if event.new is not None and event.new != self.file:
+            self.show_file(event.new)
+
+    def _on_relayout(self, event: Any) -> None:
+        data = event.new or {}
+        if "xaxis.range[0]" in data and "xaxis.range[1]" in data:
+            x_range = (data["xaxis.range[0]"], data["xaxis.range[1]"])
+        elif "xaxis.range" in data:
+            x_range = tuple(data["xaxis.range"])
+        elif data.get("xaxis.autorange"):
+            x_range = None
+        else:
+            return
+        if self.file:
+            self.show_file(self.file, x_range)
+
+    def _on_click(self, event: Any) -> None:
+        points = (event.new or {}).get("points") or []
+        if points and "x" in points[0] and self.file:
+            row = self.served.tensor_at(self.file, int(points[0]["x"]))
+            if row is not None:
+                self.select_row(row)
+
+    # -- selection ------------------------------------------------------------------------------
+    def find(self, pattern: str) -> list[str]:
+        """Filter the table by name as the search box does; the names now listed."""
+        return list(self.tensors.find(pattern)["name"])
+
+    def select(self, name: str) -> None:
+        """Select tensor ``name`` (as clicking its row does)."""
+        self.select_row(self.index.row_of(name))
+
+    def select_row(self, row: int) -> None:
+        """Show tensor ``row``: its details and first bytes, its parts outlined on the map."""
+        index = self.index
+        self.selected = row
+        self.details.object = tensor_details_html(index, row)
+        parts = index.parts_of(row)
+        first = next(((file, offset, nbytes) for _, file, offset, nbytes in parts if file),
+                     None)
+        if first is None:
+            self.hex.object = ""
+            return
+        file, offset, nbytes = first
+        try:
+            data = read_range(self.served.full_path(file), offset, min(nbytes, HEX_NBYTES))
+        except (CkptlabError, OSError) as exc:
+            self.hex.object = f"<i>Cannot read its bytes: {html.escape(str(exc))}</i>"
+        else:
+            self.details.object += (f'<div class="ckptlab-hex-caption">its first '
+                                    f"{len(data):,} bytes, in {html.escape(file)} at offset "
+                                    f"{offset:,}:</div>")
+            self.hex.object = hex_html(data, offset, self.served.file_layout(file))
+        if self.layout_app is not None:
+            app = self.layout_app
+            if app.current is app.original:
+                fig = app.map_pane.object
+                fig.layout.shapes = _marks(_part_ranges(index, row, file),
+                                           fig.layout.meta["x_range"])
+                app.map_pane.object = fig
+        elif self.map_pane is not None:
+            if file != self.file:
+                self.show_file(file)
+            else:
+                fig = self.map_pane.object
+                fig.layout.shapes = self._selection_shapes(fig)
+                self.map_pane.object = fig
+
+    def close(self) -> None:
+        """Stop reacting to events and drop this session's figures and widgets."""
+        if self._callback is not None:
+            self._callback.stop()
+            self._callback = None
+        for watcher in self._watchers:
+            watcher.inst.param.unwatch(watcher)
+        self._watchers = []
+        self.tensors.close()
+        if self.layout_app is not None:
+            self.layout_app.close()
+        self.view = self.map_section = self.map_pane = self.layout_app = None
+
+
 def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's ``malloc_trim``, or None where there is none (macOS, musl)."""
     if not sys.platform.startswith("linux"):
@@ -373,13 +833,17 @@ def _release_memory(trim: Callable[[int], int] | None) -> None:
 
 
 class _Sessions:
-    """The server's sessions: one :class:`LayoutApp` each over the shared cache. An ended
-    session's app is closed, and memory is given back once per burst of endings."""
+    """The server's sessions: one app each (a :class:`CheckpointApp` over a
+    :class:`ServedCheckpoint`, or a :class:`LayoutApp` for a layout without a file) over the
+    shared caches. An ended session's app is closed, and memory is given back once per burst
+    of endings."""
 
-    def __init__(self, layout: ArchiveLayout, cache: LayoutCache, *,
+    def __init__(self, layout: ArchiveLayout | None, cache: LayoutCache, *,
+                 served: ServedCheckpoint | None = None,
                  release_delay_s: float = 1.0) -> None:
         self.layout = layout
         self.cache = cache
+        self.served = served
         self.live = 0
         self.release_delay_s = release_delay_s
         self._release_pending = False
@@ -388,14 +852,16 @@ class _Sessions:
 
     def open(self) -> pn.Column:
         """A new session's view (panel calls this once per browser page)."""
-        app = LayoutApp(self.layout, cache=self.cache)
+        app: CheckpointApp | LayoutApp = (
+            CheckpointApp(self.served) if self.served is not None
+            else LayoutApp(self.layout, cache=self.cache))
         doc = pn.state.curdoc
         if doc is not None and doc.session_context is not None:
             self.live += 1
             pn.state.on_session_destroyed(lambda context: self._ended(app))
         return app.view
 
-    def _ended(self, app: LayoutApp) -> None:
+    def _ended(self, app: CheckpointApp | LayoutApp) -> None:
         if app.view is None:  # closed already
             return
         self.live -= 1
@@ -419,27 +885,87 @@ class _Sessions:
             gc.freeze()
 
 
-def serve(source: LayoutSource, *, port: int = 5006, address: str = "127.0.0.1",
-          show: bool = False, cache: LayoutCache | None = None) -> None:
+def serve(source: LayoutSource | ServedCheckpoint, *, port: int = 5006,
+          address: str = "127.0.0.1", show: bool = False, cache: LayoutCache | None = None,
+          inspection_cache: InspectionCache | None = None) -> None:
     """Serve the app for ``source`` on ``http://address:port/`` until interrupted.
 
-    Every browser session gets its own :class:`LayoutApp` over one :class:`LayoutCache`
-    (``cache``, or a new one): the layout is inspected once, and each (file, alignment)
-    what-if is computed once for all sessions. A session is freed 15-17 s after its page
-    closed (``SESSION_LIFETIME_MS`` unconnected, looked for every ``SESSION_CHECK_MS``).
+    Parameters
+    ----------
+    source
+        A checkpoint file or directory of any format :func:`ckptlab.open` reads (each
+        session gets a :class:`CheckpointApp`), a :class:`ServedCheckpoint`, or an
+        :class:`~ckptlab.ArchiveLayout` or bytes (a :class:`LayoutApp`: records and the
+        alignment what-if only).
+    port, address
+        Where to listen (``127.0.0.1``: this machine only).
+    show
+        Open a browser tab.
+    cache
+        The torch.save what-if views shared by sessions (a new :class:`LayoutCache` if None).
+    inspection_cache
+        The on-disk index cache (:class:`~ckptlab.checkpoint._cache.InspectionCache`; by
+        default one in ``$CKPTLAB_CACHE_DIR`` or ``~/.cache/ckptlab``): a checkpoint seen
+        before shows its tensor table without being opened first.
+
+    Notes
+    -----
+    The index is read (or the checkpoint opened) once, before serving. Past
+    ``EAGER_TENSORS`` tensors the full checkpoint for the byte maps is opened on a thread
+    when the first page has loaded (or ``LOAD_FALLBACK_S`` after serving); below, before
+    serving. A session is freed 15-17 s after its page closed
+    (``SESSION_LIFETIME_MS`` unconnected, looked for every ``SESSION_CHECK_MS``).
     """
-    layout = as_layout(source)
     cache = cache if cache is not None else LayoutCache()
-    # the first visitor must not wait for the file's own view and costs: compute them now,
-    # and let panel build (and end) one session before serving (``warm=True``), which
-    # imports what a page needs (plotly's figure widget module alone takes seconds)
-    cache.view(layout, _own_alignment(layout))
-    if layout.format == "torch-zip":
-        cache.costs(layout, _alignment_options(layout))
-    sessions = _Sessions(layout, cache)
-    pn.extension("plotly", inline=True)
+    served: ServedCheckpoint | None = None
+    layout: ArchiveLayout | None = None
+    if isinstance(source, ServedCheckpoint):
+        served = source
+    elif isinstance(source, (str, os.PathLike)):
+        served = ServedCheckpoint(
+            source, layout_cache=cache,
+            inspection_cache=inspection_cache if inspection_cache is not None
+            else InspectionCache())
+    else:
+        layout = as_layout(source)
+        # the first visitor must not wait for the file's own view and costs: compute them
+        # now, and let panel build (and end) one session before serving (``warm=True``),
+        # which imports what a page needs (plotly's figure widget module alone takes seconds)
+        cache.view(layout, _own_alignment(layout))
+        if layout.format == "torch-zip":
+            cache.costs(layout, _alignment_options(layout))
+    sessions = _Sessions(layout, served.layout_cache if served is not None else cache,
+                         served=served)
+    pn.extension("plotly", "tabulator", inline=True)
     origins = [f"{address}:{port}", f"localhost:{port}", f"127.0.0.1:{port}"]
+    if served is not None and len(served.index) <= EAGER_TENSORS:
+        served.load()  # small: every page gets its byte map with its first paint
+    elif served is not None:
+        timer = threading.Timer(LOAD_FALLBACK_S, served.start_loading)
+        timer.daemon = True
+        timer.start()
     pn.serve({"/": sessions.open}, port=port, address=address, show=show,
              websocket_origin=origins, title="ckptlab", threaded=False, print_url=True,
              warm=True, check_unused_sessions_milliseconds=SESSION_CHECK_MS,
              unused_session_lifetime_milliseconds=SESSION_LIFETIME_MS)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m ckptlab.widgets.app PATH [--port N] [--address A]``: serve any checkpoint.
+
+    The same as ``ckptlab serve`` without its format check (for the browser tests and the
+    first-paint benchmark while the CLI refuses formats other than torch.save files).
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m ckptlab.widgets.app")
+    parser.add_argument("path")
+    parser.add_argument("--port", type=int, default=5006)
+    parser.add_argument("--address", default="127.0.0.1")
+    args = parser.parse_args(argv)
+    serve(args.path, port=args.port, address=args.address)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

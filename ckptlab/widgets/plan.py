@@ -41,10 +41,26 @@ class PlannedSave:
 
 
 def _replace(widget: go.FigureWidget, fig: go.Figure) -> None:
-    """Show ``fig`` in ``widget``: its traces and its whole layout, in one update."""
+    """Show ``fig`` in ``widget``: its traces and its whole layout, in one update.
+
+    Traces of the same types are restyled in place: removing every trace and adding new
+    ones is two messages the front end must apply in order, and a view still drawing its
+    first frame could be left with empty -1..6 axes. Only a change in the number or types of
+    traces takes that path.
+    """
+    same = len(widget.data) == len(fig.data) and all(
+        a.type == b.type for a, b in zip(widget.data, fig.data, strict=True))
     with widget.batch_update():
-        widget.data = ()
-        widget.add_traces(fig.data)
+        if same:
+            for old, new in zip(widget.data, fig.data, strict=True):
+                props = new.to_plotly_json()
+                props.pop("type", None)
+                for stale in set(old.to_plotly_json()) - set(props) - {"type", "uid"}:
+                    props[stale] = None  # unset what the new trace does not have
+                old.update(props, overwrite=True)
+        else:
+            widget.data = ()
+            widget.add_traces(fig.data)
         widget.layout = fig.layout
 
 

@@ -23,6 +23,7 @@ what the app used before sessions shared their work (RSS 104 -> 324 -> 282 MiB).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import re
@@ -315,7 +316,10 @@ def test_twenty_sessions_share_the_work_and_are_freed(server: ServedProcess,
     # panel builds and ends one warm-up session before it serves; wait for its release
     rss_before = watch.settled_rss(within_s=15)
 
-    figures = asyncio.run(_drive(server.url, pages, watch, executable))
+    # on a thread of its own: the session's sync Playwright (other browser tests) keeps an
+    # event loop running on this one, where asyncio.run refuses to start another
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        figures = pool.submit(asyncio.run, _drive(server.url, pages, watch, executable)).result()
 
     # panel ends a session SESSION_LIFETIME_MS after its websocket closed (checked every
     # SESSION_CHECK_MS); the app then frees it and gives the memory back a second later

@@ -19,8 +19,17 @@ from hypothesis import strategies as st
 import ckptlab as cl
 from ckptlab import SegmentKind
 from ckptlab.errors import CkptlabError, InvalidArgumentError
-from ckptlab.viz import KIND_LABELS, ByteMap, bytemap_figure, bytemap_trace, overhead_figure
-from ckptlab.viz._style import KIND_ORDER, plain_text
+from ckptlab.viz import ByteMap, bytemap_figure, bytemap_trace, overhead_figure
+from ckptlab.viz._style import (
+    KIND_ORDER,
+    LANE_LABELS,
+    LANE_ORDER,
+    LANE_WORDS,
+    METADATA_LANE,
+    human_nbytes,
+    plain_text,
+)
+from ckptlab.viz.bytemap import bytemap_marks
 
 U32 = 0xFFFFFFFF
 TRAILER_ITEM_NAMES = {
@@ -86,6 +95,17 @@ def maps(layouts) -> dict[str, ByteMap]:
     return {name: ByteMap.from_layout(layout) for name, layout in layouts.items()}
 
 
+def seg_lane(layout: cl.ArchiveLayout, seg: cl.Segment) -> str:
+    """The lane of a segment, the slow way: storage bytes are tensor data; the other data
+    (data.pkl and small records) and a JSON header are metadata."""
+    if seg.kind is SegmentKind.DATA:
+        return (SegmentKind.DATA if seg.record in {s.record for s in layout.storages}
+                else METADATA_LANE)
+    if seg.kind is SegmentKind.HEADER:
+        return METADATA_LANE
+    return seg.kind
+
+
 def seg_arrays(layout: cl.ArchiveLayout) -> tuple[np.ndarray, np.ndarray, list[SegmentKind]]:
     starts = np.array([s.offset for s in layout.segments], dtype=np.int64)
     ends = np.array([s.end_offset for s in layout.segments], dtype=np.int64)
@@ -100,17 +120,25 @@ def overlap(layout: cl.ArchiveLayout, edges: np.ndarray) -> np.ndarray:
                    - np.maximum(starts[:, None], lo[None, :]), 0, None)
 
 
-def brute_coverage(layout: cl.ArchiveLayout, lanes: tuple[SegmentKind, ...],
+def brute_coverage(layout: cl.ArchiveLayout, lanes: tuple[str, ...],
                    edges: np.ndarray) -> np.ndarray:
     ov = overlap(layout, edges)
-    kinds = np.array([s.kind.value for s in layout.segments])
-    return np.stack([ov[kinds == k.value].sum(axis=0) for k in lanes])
+    seg_lanes = np.array([str(seg_lane(layout, s)) for s in layout.segments])
+    return np.stack([ov[seg_lanes == str(k)].sum(axis=0) for k in lanes])
 
 
 def kind_totals(layout: cl.ArchiveLayout) -> dict[SegmentKind, int]:
     out: dict[SegmentKind, int] = {}
     for s in layout.segments:
         out[s.kind] = out.get(s.kind, 0) + s.nbytes
+    return out
+
+
+def lane_totals(layout: cl.ArchiveLayout) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for s in layout.segments:
+        lane = seg_lane(layout, s)
+        out[lane] = out.get(lane, 0) + s.nbytes
     return out
 
 
@@ -143,7 +171,9 @@ def test_arrays_are_the_segments(layouts, maps, name):
     np.testing.assert_array_equal(bm.starts, starts)
     np.testing.assert_array_equal(bm.nbytes, ends - starts)
     assert [KIND_ORDER[c] for c in bm.kinds] == kinds
-    assert bm.lanes == tuple(k for k in KIND_ORDER if k in set(kinds))
+    seg_lanes = [seg_lane(layout, s) for s in layout.segments]
+    assert [LANE_ORDER[c] for c in bm.lane_codes] == seg_lanes
+    assert bm.lanes == tuple(k for k in LANE_ORDER if k in set(seg_lanes))
     assert bm.file_nbytes == layout.file_nbytes
     # items: runs of segments with one owner, in file order
     names = [item_name(s) for s in layout.segments]
@@ -151,10 +181,10 @@ def test_arrays_are_the_segments(layouts, maps, name):
     assert list(bm.item_names) == [n for n, _ in itertools.groupby(names)]
     assert np.all(np.diff(bm.items) >= 0) and bm.items[0] == 0
     # per lane: the segment indices and the running byte totals
-    totals = kind_totals(layout)
-    for row, kind in enumerate(bm.lanes):
-        assert list(bm.lane_segments[row]) == [i for i, k in enumerate(kinds) if k is kind]
-        assert bm.prefix[row, -1] == totals[kind]
+    totals = lane_totals(layout)
+    for row, lane in enumerate(bm.lanes):
+        assert list(bm.lane_segments[row]) == [i for i, k in enumerate(seg_lanes) if k == lane]
+        assert bm.prefix[row, -1] == totals[lane]
     assert bm.prefix[:, -1].sum() == layout.file_nbytes
 
 
@@ -226,9 +256,9 @@ def test_coverage_is_the_brute_force_overlap(layouts, maps, data):
 
 
 @pytest.mark.parametrize("name", ["sample", "small", "safetensors", "predicted", "zip64"])
-def test_coverage_of_the_whole_file_is_the_kind_totals(layouts, maps, name):
+def test_coverage_of_the_whole_file_is_the_lane_totals(layouts, maps, name):
     layout, bm = layouts[name], maps[name]
-    totals = kind_totals(layout)
+    totals = lane_totals(layout)
     whole = bm.coverage(np.array([0, layout.file_nbytes]))
     assert dict(zip(bm.lanes, whole[:, 0].tolist())) == totals
     # any binning sums to the same totals
@@ -266,15 +296,20 @@ def check_trace(layout: cl.ArchiveLayout, bm: ByteMap, lo: int, hi: int, bins: i
         assert n_cols == len(vis)
         for col, i in enumerate(vis):  # one column per segment, clipped to the window
             seg = layout.segments[i]
+            row = lane_of[seg_lane(layout, seg)]
             assert (x[col], x[col + 1]) == (max(seg.offset, lo), min(seg.end_offset, hi))
             filled = np.flatnonzero(~np.isnan(z[:, col]))
-            assert filled.tolist() == [lane_of[seg.kind]]  # its lane is its kind
-            assert lane_of[seg.kind] < z[lane_of[seg.kind], col] < lane_of[seg.kind] + 1
+            assert filled.tolist() == [row]  # its lane
+            assert row < z[row, col] < row + 1
             item = bm.item_at(seg.offset)
             assert custom[:, col].tolist() == [[seg.offset, seg.end_offset, seg.nbytes,
                                                 item]] * n_lanes
-            assert text[lane_of[seg.kind], col] == plain_text(bm.item_label(item))
-            assert set(np.delete(text[:, col], lane_of[seg.kind])) <= {""}
+            # plain words: the bytes, what they are, whose they are, how many
+            assert text[row, col] == (
+                f"bytes {seg.offset:,}–{seg.end_offset - 1:,}: "
+                f"{LANE_WORDS[seg_lane(layout, seg)]} of {bm.item_description(item)} "
+                f"({human_nbytes(seg.nbytes)})")
+            assert set(np.delete(text[:, col], row)) <= {""}
         return
     assert n_cols == min(bins, hi - lo)
     widths = np.diff(x)
@@ -283,21 +318,24 @@ def check_trace(layout: cl.ArchiveLayout, bm: ByteMap, lo: int, hi: int, bins: i
     np.testing.assert_array_equal(custom[:, :, 0], cover)
     np.testing.assert_array_equal(np.isnan(z), cover == 0)
     ov = overlap(layout, x) > 0
-    kinds = [s.kind for s in layout.segments]
     seg_items = np.array([bm.item_at(s.offset) for s in layout.segments])
-    for row, kind in enumerate(bm.lanes):
+    seg_lanes = [seg_lane(layout, s) for s in layout.segments]
+    for row, lane in enumerate(bm.lanes):
         covered = cover[row] > 0
         lane_z = z[row, covered]
         assert np.all((lane_z > row) & (lane_z < row + 1))  # the colour band of the lane
         frac = cover[row, covered] / widths[covered]
-        order = np.argsort(frac, kind="stable")
-        assert np.all(np.diff(lane_z[order]) >= -1e-12)  # more bytes, darker shade
-        mine = np.array([k is kind for k in kinds])
+        # the shade is the share of the bin the lane covers: 1% of a bin is 1% tinted
+        np.testing.assert_allclose(lane_z - row, 0.999 * frac)
+        mine = np.array([k == lane for k in seg_lanes])
         for col in np.flatnonzero(covered):
-            owners = np.flatnonzero(mine & ov[:, col])  # this kind's segments in this bin
+            owners = np.flatnonzero(mine & ov[:, col])  # this lane's segments in this bin
             first, last = seg_items[owners[0]], seg_items[owners[-1]]
             assert (custom[row, col, 1], custom[row, col, 2]) == (first, last)
-            assert text[row, col] == plain_text(bm.item_names[first])
+            sentence = text[row, col]
+            assert sentence.startswith(f"bytes {x[col]:,}–{x[col + 1] - 1:,}: "
+                                       f"{human_nbytes(cover[row, col])} of {LANE_WORDS[lane]}")
+            assert f"<br>in {bm.item_description(first)}" in sentence
         assert np.all(custom[row, ~covered, 1:] == -1)
         assert set(text[row, ~covered]) <= {""}
 
@@ -414,19 +452,22 @@ def test_figure_is_the_trace(layouts, maps, name):
     for x_range in (None, (0, min(5000, layout.file_nbytes))):
         fig = bytemap_figure(bm, x_range=x_range, bins=300)
         trace = bytemap_trace(bm, x_range=x_range, bins=300)
-        assert len(fig.data) == 1
-        heat = fig.data[0]
+        assert len(fig.data) == 2
+        heat, ticks = fig.data
+        marks = bytemap_marks(trace)
+        np.testing.assert_array_equal(np.asarray(ticks.x, dtype=float), marks["x"])
+        assert list(ticks.y or ()) == list(marks["y"])
         assert heat.type == "heatmap" and heat.name == "bytes"
         np.testing.assert_array_equal(np.asarray(heat.x), trace["x"])
         np.testing.assert_array_equal(np.asarray(heat.z, dtype=float),
                                       np.asarray(trace["z"], dtype=float))
         np.testing.assert_array_equal(np.asarray(heat.customdata), trace["customdata"])
-        assert list(heat.y) == [KIND_LABELS[k] for k in bm.lanes]
+        assert list(heat.y) == [LANE_LABELS[k] for k in bm.lanes]
         assert (heat.zmin, heat.zmax) == (0, len(bm.lanes))
         meta = fig.layout.meta
         assert meta == {"kind": "bytemap", **trace["meta"],
-                        "lanes": [k.value for k in bm.lanes],
-                        "file_nbytes": layout.file_nbytes}
+                        "lanes": [str(k) for k in bm.lanes],
+                        "file_nbytes": layout.file_nbytes, "tiny": len(marks["x"])}
         assert list(fig.layout.xaxis.range) == trace["meta"]["x_range"]
     fig = bytemap_figure(layout)  # from a layout
     assert fig.layout.meta == bytemap_figure(bm).layout.meta
@@ -437,11 +478,12 @@ def test_figure_is_the_trace(layouts, maps, name):
 
 
 def test_lanes_of_each_format(maps):
+    # data.pkl and the small records have their own lane: the data lane is tensor bytes only
     assert maps["small"].lanes == (
-        SegmentKind.LOCAL_HEADER, SegmentKind.NAME, SegmentKind.PADDING, SegmentKind.DATA,
-        SegmentKind.DESCRIPTOR, SegmentKind.CENTRAL_DIRECTORY, SegmentKind.ZIP64_EOCD,
-        SegmentKind.ZIP64_LOCATOR, SegmentKind.EOCD)
-    assert maps["safetensors"].lanes == (SegmentKind.HEADER_LENGTH, SegmentKind.HEADER,
+        SegmentKind.LOCAL_HEADER, SegmentKind.NAME, SegmentKind.PADDING, METADATA_LANE,
+        SegmentKind.DATA, SegmentKind.DESCRIPTOR, SegmentKind.CENTRAL_DIRECTORY,
+        SegmentKind.ZIP64_EOCD, SegmentKind.ZIP64_LOCATOR, SegmentKind.EOCD)
+    assert maps["safetensors"].lanes == (SegmentKind.HEADER_LENGTH, METADATA_LANE,
                                          SegmentKind.HEADER_PADDING, SegmentKind.DATA)
     assert SegmentKind.ZIP64_EXTRA in maps["zip64"].lanes
     assert maps["zip64"].lanes == maps["zip64-predicted"].lanes
@@ -456,8 +498,11 @@ def test_safetensors_map_is_exact_with_the_tensor_names(layouts, maps, hostile_n
     assert np.asarray(trace["x"]).tolist() == [s.offset for s in layout.segments] + [
         layout.file_nbytes]
     data_row = bm.lanes.index(SegmentKind.DATA)
+    a, h = layout.segments[3:]
     assert np.asarray(trace["text"])[data_row, 3:].tolist() == [  # shown as typed, not markup
-        "a · a float32[3, 2]", plain_text(f"{hostile_name} · {hostile_name} bfloat16[5]")]
+        f"bytes {a.offset:,}–{a.end_offset - 1:,}: data of tensor a float32[3, 2] (24 B)",
+        f"bytes {h.offset:,}–{h.end_offset - 1:,}: data of tensor "
+        f"{plain_text(hostile_name)} bfloat16[5] (10 B)"]
 
 
 def test_zip64_lanes(layouts, maps):
@@ -532,7 +577,9 @@ def test_overhead_by_bytes_is_the_non_data_share_of_each_bin(layouts, maps, name
     assert lo[0] == 0 and hi[-1] == layout.file_nbytes and np.array_equal(lo[1:], hi[:-1])
     assert fig.layout.meta == {"kind": "overhead", "by": "bytes", "columns": len(lo)}
     np.testing.assert_array_equal(np.asarray(trace.x), lo)
-    cover = brute_coverage(layout, (SegmentKind.DATA,), np.append(lo, hi[-1]))[0]
+    ov = overlap(layout, np.append(lo, hi[-1]))
+    is_data = np.array([s.kind is SegmentKind.DATA for s in layout.segments])
+    cover = ov[is_data].sum(axis=0)  # payload by segment kind: tensors and pickles alike
     np.testing.assert_allclose(np.asarray(trace.y), 100 * (1 - cover / (hi - lo)))
 
 

@@ -34,9 +34,11 @@ from ckptlab.viz import (
     report_html,
     storage_figure,
     tensor_span,
+    treemap_figure,
 )
 from ckptlab.viz._style import plain_text, tint
 from ckptlab.viz.hexview import MAX_HEX_NBYTES
+from ckptlab.viz.report import MAX_TENSOR_ROWS
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:ComplexHalf support is experimental:UserWarning")
@@ -357,23 +359,26 @@ def test_report_of_a_torch_zip(sample_layout, sample_file):
     assert "<script src=\"http" not in doc and "src='http" not in doc
     assert doc.count("plotly.js v") == 1  # the library inline, once, not from a CDN
     figs = figures_in(doc)
-    assert list(figs) == [f"ckptlab-fig-{i}" for i in range(4)]
+    assert list(figs) == [f"ckptlab-fig-{i}" for i in range(5)]
     kinds = [layout["meta"]["kind"] for _, layout in figs.values()]
-    assert kinds == ["bytemap", "overhead", "alignment", "storages"]
-    for title in ("Byte map", "Overhead", "Alignment cost", "Tensors → storages → bytes"):
+    assert kinds == ["treemap", "bytemap", "overhead", "alignment", "storages"]  # tensors first
+    for title in ("Bytes by module", "Byte map", "Overhead", "Alignment cost",
+                  "Tensors → storages → bytes"):
         assert f"<h2>{title}</h2>" in doc
+    assert doc.index("<h2>Tensors</h2>") < doc.index("<h2>Byte map</h2>")
     # the embedded figures are the builders' figures
+    assert figs["ckptlab-fig-0"][1]["meta"] == treemap_figure(sample_layout).layout.meta
     ref = bytemap_figure(sample_layout)
-    data, layout = figs["ckptlab-fig-0"]
+    data, layout = figs["ckptlab-fig-1"]
     assert layout["meta"] == ref.layout.meta
     np.testing.assert_array_equal(decode_array(data[0]["x"]), np.asarray(ref.data[0].x))
     np.testing.assert_array_equal(decode_array(data[0]["customdata"]),
                                   np.asarray(ref.data[0].customdata))
-    assert figs["ckptlab-fig-1"][1]["meta"] == overhead_figure(sample_layout).layout.meta
-    cost = figs["ckptlab-fig-2"][1]["meta"]
+    assert figs["ckptlab-fig-2"][1]["meta"] == overhead_figure(sample_layout).layout.meta
+    cost = figs["ckptlab-fig-3"][1]["meta"]
     assert cost["current"] == sample_layout.storage_alignment == 64
     assert cost["alignments"] == list(DEFAULT_ALIGNMENTS)
-    assert figs["ckptlab-fig-3"][1]["meta"] == storage_figure(sample_layout).layout.meta
+    assert figs["ckptlab-fig-4"][1]["meta"] == storage_figure(sample_layout).layout.meta
     # tables: every record and tensor, with its numbers
     for r in sample_layout.records:
         assert f"<td>{html.escape(r.short_name)}</td><td style=\"text-align:right\">{r.header_offset:,}</td>" \
@@ -391,23 +396,24 @@ def test_report_without_hex_bytes(small_file):
     layout = cl.inspect(small_file)
     doc = report_html(layout)
     assert "First bytes" not in doc and "ckptlab-hex" not in doc
-    assert len(figures_in(doc)) == 4
+    assert len(figures_in(doc)) == 5
 
 
 def test_report_of_safetensors_escapes_names(safetensors_file, hostile_name):
     layout = cl.inspect(safetensors_file)
     doc = report_html(layout, hex_bytes=safetensors_file.read_bytes())
     figs = figures_in(doc)
-    assert [lay["meta"]["kind"] for _, lay in figs.values()] == ["bytemap", "overhead",
-                                                                  "storages"]
+    assert [lay["meta"]["kind"] for _, lay in figs.values()] == ["treemap", "bytemap",
+                                                                  "overhead", "storages"]
     assert "Alignment cost" not in doc  # no alignment for safetensors
     assert hostile_name not in doc and "<script>alert" not in doc
     assert f"<td>{html.escape(hostile_name)}</td>" in doc
     # in the figures' JSON the name is plotly text shown as typed (not markup), with '<' also
     # escaped for the script tag
-    data, _ = figs["ckptlab-fig-0"]
-    assert plain_text(f"{hostile_name} · {hostile_name} bfloat16[5]") in decode_array(
-        data[0]["text"]).ravel()
+    data, _ = figs["ckptlab-fig-1"]
+    hover = [t for t in decode_array(data[0]["text"]).ravel() if t]
+    assert any(f"data of tensor {plain_text(hostile_name)} bfloat16[5]" in t for t in hover)
+    assert all(hostile_name not in t for t in hover)
 
 
 def test_report_truncates_long_tables(tmp_path):
@@ -416,8 +422,11 @@ def test_report_truncates_long_tables(tmp_path):
     torch.save(obj, path)
     doc = report_html(cl.inspect(path))
     assert "First 500 of 516 rows" in doc  # records: 510 storages + 6 small ones
-    assert "First 500 of 510 rows" in doc  # tensors
-    assert len(re.findall(r"<td>t\d+</td>", doc)) == 500  # tensor rows, by name
+    # tensors: the first 500 in the page, all 510 searchable, the count says what is hidden
+    assert "510 tensors; showing the first 200, 310 hidden" in doc
+    assert len(re.findall(r"<td>t\d+</td>", doc)) == MAX_TENSOR_ROWS == 200  # by name
+    rows = json.loads(re.search(r'id="ckptlab-tensor-rows">(.*?)</script>', doc).group(1))
+    assert [r[0] for r in rows] == [f"t{i}" for i in range(510)]
 
 
 def test_read_range_gives_the_reports_hex_bytes(sample_file):

@@ -160,8 +160,8 @@ def test_transfer_figure() -> None:
 
 
 def test_report_figures(torch_layout, safetensors_layout, torch_file) -> None:
-    for layout, head, n_figures in ((torch_layout, torch_file.read_bytes()[:1024], 4),
-                                    (safetensors_layout, None, 3)):
+    for layout, head, n_figures in ((torch_layout, torch_file.read_bytes()[:1024], 5),
+                                    (safetensors_layout, None, 4)):
         doc = report_html(layout, hex_bytes=head)
         assert BOLD not in doc and LINK not in doc and "<i>m" not in doc
         figures = re.findall(r"Plotly\.newPlot\(\s*\"[^\"]+\",\s*(\[.*?\]),\s*(\{.*?\}),\s*\{",

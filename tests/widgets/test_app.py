@@ -230,17 +230,19 @@ def test_app_from_a_predicted_layout(small_obj):
     assert app.current.segments == cl.predict_layout(small_obj, alignment=64).segments
 
 
-def test_serve_wires_the_app(monkeypatch, sample_file, sample_layout):
+def test_serve_wires_the_app(monkeypatch, sample_file, sample_layout, tmp_path):
+    monkeypatch.setenv("CKPTLAB_CACHE_DIR", str(tmp_path / "cache"))
     calls = []
     monkeypatch.setattr(pn, "serve", lambda *args, **kwargs: calls.append((args, kwargs)))
     monkeypatch.setattr(pn, "extension", lambda *args, **kwargs: calls.append((args, kwargs)))
     app_module.serve(sample_file, port=5123)
     (ext_args, ext_kwargs), ((routes,), kwargs) = calls
-    assert ext_args == ("plotly",) and ext_kwargs == {"inline": True}  # no CDN
+    assert ext_args == ("plotly", "tabulator") and ext_kwargs == {"inline": True}  # no CDN
     assert kwargs["port"] == 5123 and kwargs["address"] == "127.0.0.1"
     assert kwargs["show"] is False
     assert set(kwargs["websocket_origin"]) == {"127.0.0.1:5123", "localhost:5123"}
-    # each session builds its own app over the layout inspected once
+    # each session builds its own app over the checkpoint indexed once (and cached on disk)
+    assert len(list((tmp_path / "cache").glob("v*/*.json"))) == 1
     view = routes["/"]()
     assert isinstance(view, pn.Column)
     assert view is not routes["/"]()

@@ -134,18 +134,42 @@ def test_close_stops_the_session(sample_file):
     app.close()  # twice is harmless
 
 
-def test_serve_shares_one_cache_and_ends_sessions(monkeypatch, sample_file):
+def test_serve_shares_one_cache_and_ends_sessions(monkeypatch, sample_file, tmp_path):
     calls = {}
     monkeypatch.setattr(pn, "extension", lambda *args, **kwargs: None)
     monkeypatch.setattr(pn, "serve", lambda routes, **kwargs: calls.update(routes=routes,
                                                                            **kwargs))
     cache = LayoutCache()
-    app_module.serve(sample_file, port=5124, cache=cache)
+    served = app_module.ServedCheckpoint(
+        sample_file, layout_cache=cache,
+        inspection_cache=app_module.InspectionCache(tmp_path / "cache"))
+    app_module.serve(served, port=5124)
     assert calls["warm"] is True  # panel builds one session before it serves
     assert calls["check_unused_sessions_milliseconds"] == app_module.SESSION_CHECK_MS
     assert calls["unused_session_lifetime_milliseconds"] == app_module.SESSION_LIFETIME_MS
     assert calls["threaded"] is False
+    assert served.ready.is_set()  # a small checkpoint is opened in full before serving
     assert cache.misses == 1 and len(cache) == 1  # the file's own view, before any session
     first, second = calls["routes"]["/"](), calls["routes"]["/"]()
-    assert first is not second and cache.misses == 1
+    assert first is not second and (cache.misses, cache.hits) == (1, 2)  # shared, not redone
     assert first.objects[1].object == second.objects[1].object  # the shared summary
+
+
+def test_a_large_checkpoint_paints_its_table_before_it_is_opened(monkeypatch, sample_file,
+                                                                 tmp_path):
+    """Past EAGER_TENSORS the server serves from the cached index at once; the full open
+    follows on a thread (here: the fallback timer, as no page loads)."""
+    calls = {}
+    monkeypatch.setattr(pn, "extension", lambda *args, **kwargs: None)
+    monkeypatch.setattr(pn, "serve", lambda routes, **kwargs: calls.update(routes=routes))
+    monkeypatch.setattr(app_module, "EAGER_TENSORS", 10)
+    monkeypatch.setattr(app_module, "LOAD_FALLBACK_S", 0.2)
+    cache = app_module.InspectionCache(tmp_path / "cache")
+    app_module.ServedCheckpoint(sample_file, inspection_cache=cache)  # stores the index
+    served = app_module.ServedCheckpoint(sample_file, inspection_cache=cache)
+    assert served.from_cache and served.checkpoint is None
+    app_module.serve(served, port=5125)
+    view = calls["routes"]["/"]()  # a session before the open: table and summary only
+    assert "Reading the byte layout" in view.objects[-1].objects[0].object
+    assert served.ready.wait(60) and served.error is None
+    assert served.checkpoint is not None and len(served.layout_cache) == 1

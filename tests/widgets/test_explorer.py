@@ -55,7 +55,12 @@ def test_layout_explorer_starts_with_the_whole_file(explorer, sample_layout):
     bm = explorer.bytemap
     assert explorer.archive == sample_layout
     assert explorer.selected is None and explorer.items.value is None
-    assert explorer.figure.layout.meta == bytemap_figure(sample_layout).layout.meta
+    # a path opens as a Checkpoint: the map of its one file is the layout's, named by file
+    assert explorer.checkpoint is not None and explorer.checkpoint.format == "torch-zip"
+    assert explorer.figure.layout.meta == {**bytemap_figure(sample_layout).layout.meta,
+                                           "file": "sample.pt"}
+    np.testing.assert_array_equal(bm.lane_codes, cl.viz.ByteMap.from_layout(
+        sample_layout).lane_codes)
     assert explorer.figure.layout.meta["mode"] == "binned"
     assert [v for _, v in explorer.items.options] == list(range(len(bm.item_names)))
     for label, i in explorer.items.options:
@@ -153,7 +158,7 @@ def test_zoom_rebins(explorer, sample_layout):
     assert bm.item_names[explorer.selected] == r.name
     # zoom() without a range: the whole file again
     explorer.zoom()
-    assert explorer.figure.layout.meta == bytemap_figure(sample_layout).layout.meta
+    assert explorer.figure.layout.meta == bytemap_figure(bm).layout.meta
     assert list(explorer.figure.layout.xaxis.range) == [0, sample_layout.file_nbytes]
 
 

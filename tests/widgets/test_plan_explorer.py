@@ -128,3 +128,31 @@ def test_bad_arguments() -> None:
                    {"tensor": "nope"}):
         with pytest.raises(InvalidArgumentError):
             PlanExplorer(**kwargs)
+
+
+def _traces(fig) -> list[dict]:
+    """The traces as JSON data (typed arrays decoded), uids left out."""
+    import json
+
+    import plotly.io as pio
+
+    out = json.loads(pio.to_json(fig, validate=False))["data"]
+    for t in out:
+        t.pop("uid", None)
+    return out
+
+
+def test_figures_after_moves_are_the_builders_figures(explorer) -> None:
+    """Restyled in place or replaced, each figure's traces are exactly the fresh figure's,
+    with nothing left over from the figure before."""
+    for move in ({"world_size": 64}, {"tensor": NORM}, {"target": 8}, {"world_size": 8}):
+        explorer.show(**move)
+        cur = explorer.current
+        fqn = explorer.tensor.value
+        entry = cur.plan.tensors[fqn]
+        wanted = simulated_chunks(cur.config, fqn, explorer.target.value, sharding=cur.sharding)
+        assert _traces(explorer.bytes_figure) == _traces(rank_bytes_figure(cur.plan)), move
+        assert _traces(explorer.shard_figure) == _traces(shard_map_figure(cur.plan, fqn)), move
+        assert _traces(explorer.reshard_figure) == _traces(reshard_figure(
+            fqn, entry.size, entry.chunks, wanted, dtype=entry.dtype,
+            saved_ranks=entry.writers)), move

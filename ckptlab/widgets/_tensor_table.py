@@ -1,0 +1,219 @@
+"""The served app's tensor table: a searchable, sortable table that stays fast at 100k rows.
+
+The rows live on the server as one pandas DataFrame shared by every session
+(:func:`tensor_frame`); panel's ``Tabulator`` with ``pagination="remote"`` sends the browser
+one page at a time, and the name filter and the sort run on the server (a vectorised
+``str.contains`` over 100,000 names takes tens of milliseconds), so the browser never holds
+more than a page of rows.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import html
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import panel as pn
+
+from ckptlab.checkpoint._cache import CheckpointIndex
+from ckptlab.viz._style import html_table, human_nbytes
+
+__all__ = ["COLUMNS", "TABLE_CSS", "NameSearch", "TensorTable", "index_summary_html", "name_mask", "objects_html",
+           "tensor_details_html", "tensor_frame"]
+
+COLUMNS = ("name", "dtype", "shape", "kind", "bytes", "parameters", "file", "offset")
+PAGE_SIZE = 20
+# the HTML panes draw in their own shadow roots: tables get their spacing from this sheet
+TABLE_CSS = (".ckptlab-table{border-collapse:collapse} .ckptlab-table th,"
+             ".ckptlab-table td{padding:2px 14px 2px 2px;text-align:left}"
+             ".ckptlab-table td:not(:first-child){font-variant-numeric:tabular-nums}")
+MAX_VALUES = 200  # non-tensor values listed (the rest counted)
+MAX_VALUE_TEXT = 400  # characters of one value's JSON shown
+MAX_PARTS = 50  # parts listed in a tensor's details
+
+
+def tensor_frame(index: CheckpointIndex) -> pd.DataFrame:
+    """The table's rows: one per tensor, in the checkpoint's order (row ``i`` is tensor ``i``).
+
+    ``offset`` is -1 for a tensor without bytes; ``file`` is the file of its first part.
+    """
+    files = [f[0] for f in index.files] + [""]
+    return pd.DataFrame({
+        "name": pd.Series(index.names, dtype=object),
+        "dtype": pd.Categorical(index.dtypes),
+        "shape": pd.Series(index.shapes, dtype=object),
+        "kind": pd.Categorical(index.kinds),
+        "bytes": pd.Series(index.nbytes, dtype="int64"),
+        "parameters": pd.Series(index.parameters, dtype="int64"),
+        "file": pd.Categorical([files[i] for i in index.file]),
+        "offset": pd.Series(index.offset, dtype="int64"),
+    }, columns=list(COLUMNS))
+
+
+def name_mask(names: pd.Series, pattern: str) -> pd.Series:
+    """Which ``names`` match ``pattern``: a case-insensitive substring, or a glob when the
+    pattern has ``*``, ``?`` or ``[`` (``layers.*.mlp*``)."""
+    pattern = pattern.strip()
+    if not pattern:
+        return pd.Series(True, index=names.index)
+    if any(c in pattern for c in "*?["):
+        regex = fnmatch.translate(pattern)
+        return names.str.match(regex, flags=re.IGNORECASE).fillna(False)
+    return names.str.contains(pattern, case=False, regex=False).fillna(False)
+
+
+class NameSearch:
+    """Case-insensitive search over a table's names in one pass of C code.
+
+    The names, casefolded, are joined into one string (a newline between names; a newline
+    inside a name becomes a space); a substring search is one ``re.finditer`` over it and a
+    ``searchsorted`` from match positions to rows: about 10 ms over 100,000 names, where a
+    per-name ``str.contains(case=False)`` takes 150. Shared by every session of a server.
+    """
+
+    def __init__(self, names: pd.Series) -> None:
+        self.names = names
+        lowered = [str(n).replace("\n", " ").lower() for n in names]
+        self.blob = "\n".join(lowered)
+        lengths = np.fromiter((len(n) + 1 for n in lowered), dtype=np.int64,
+                              count=len(lowered))
+        self.starts = np.concatenate(([0], np.cumsum(lengths)[:-1])) if len(lowered) else (
+            np.zeros(0, dtype=np.int64))
+
+    def rows(self, pattern: str) -> np.ndarray:
+        """Positions (ascending) of the names matching ``pattern`` (see :func:`name_mask`)."""
+        pattern = pattern.strip()
+        if not pattern:
+            return np.arange(len(self.names))
+        if any(c in pattern for c in "*?["):
+            return np.flatnonzero(name_mask(self.names, pattern).to_numpy())
+        needle = pattern.lower()
+        if "\n" in needle:
+            return np.zeros(0, dtype=np.int64)
+        hits = np.fromiter((m.start() for m in re.finditer(re.escape(needle), self.blob)),
+                           dtype=np.int64)
+        return np.unique(np.searchsorted(self.starts, hits, side="right") - 1)
+
+    def mask(self, pattern: str) -> np.ndarray:
+        """A boolean array over the names: True where ``pattern`` matches."""
+        out = np.zeros(len(self.names), dtype=bool)
+        out[self.rows(pattern)] = True
+        return out
+
+
+class TensorTable:
+    """A search box over a :class:`panel.widgets.Tabulator` of :func:`tensor_frame` rows.
+
+    ``on_select(row)`` is called with the selected tensor's row (its position in the
+    checkpoint) when the user clicks a row. ``frame`` is shared: it is never changed here.
+    """
+
+    def __init__(self, frame: pd.DataFrame, *, on_select: Callable[[int], None] | None = None,
+                 page_size: int = PAGE_SIZE, search: NameSearch | None = None) -> None:
+        from bokeh.models.widgets.tables import NumberFormatter
+
+        self.frame = frame
+        self.name_search = search if search is not None else NameSearch(frame["name"])
+        self.on_select = on_select
+        self.search = pn.widgets.TextInput(
+            placeholder="find a tensor by name: a part of it, or a glob such as *.mlp.*",
+            sizing_mode="stretch_width", css_classes=["ckptlab-search"])
+        number = NumberFormatter(format="0,0")
+        self.table = pn.widgets.Tabulator(
+            frame, pagination="remote", page_size=page_size, disabled=True, show_index=False,
+            selectable=1, sizing_mode="stretch_width", css_classes=["ckptlab-tensors"],
+            formatters={"bytes": number, "parameters": number, "offset": number},
+            header_align={"bytes": "right", "parameters": "right", "offset": "right"},
+            text_align={"bytes": "right", "parameters": "right", "offset": "right"},
+            widths={"name": "34%"}, layout="fit_columns")
+        self.count = pn.pane.HTML(self._count_text(len(frame)), css_classes=["ckptlab-count"],
+                                  sizing_mode="stretch_width")
+        self.table.add_filter(pn.bind(self._filter, pattern=self.search.param.value_input))
+        self._watchers = [self.table.param.watch(self._on_selection, "selection")]
+        self.view = pn.Column(self.search, self.count, self.table, sizing_mode="stretch_width",
+                              css_classes=["ckptlab-tensor-table"])
+
+    def _count_text(self, shown: int) -> str:
+        total = len(self.frame)
+        what = f"{total:,} tensors" if shown == total else f"{shown:,} of {total:,} tensors"
+        return f'<span class="ckptlab-count-text">{what}</span>'
+
+    def _filter(self, df: pd.DataFrame, pattern: str | None = "") -> pd.DataFrame:
+        if not pattern or not pattern.strip():
+            out = df
+        else:  # df's index is the rows' positions in the frame (filters come before sorts)
+            out = df[self.name_search.mask(pattern)[df.index.to_numpy()]]
+        if self.count is not None:
+            self.count.object = self._count_text(len(out))
+        return out
+
+    def find(self, pattern: str) -> pd.DataFrame:
+        """Filter the table as typing ``pattern`` in the search box does; the rows shown."""
+        self.search.value_input = pattern
+        self.search.value = pattern
+        return self.table.current_view
+
+    def _on_selection(self, event: Any) -> None:
+        rows = event.new or []
+        if rows and self.on_select is not None:
+            self.on_select(int(self.frame.index[rows[0]]))
+
+    def close(self) -> None:
+        """Stop reacting to the table."""
+        for watcher in self._watchers:
+            watcher.inst.param.unwatch(watcher)
+        self._watchers = []
+        self.on_select = None
+
+
+def index_summary_html(index: CheckpointIndex) -> str:
+    """The header: name, format, files, tensors, parameters and bytes, then totals by dtype."""
+    name = html.escape(index.path.rstrip("/").rsplit("/", 1)[-1] or index.path)
+    nfiles = len(index.files)
+    line = (f'<div class="ckptlab-summary"><b>{name}</b> · {html.escape(index.format)} · '
+            f"{nfiles:,} file{'s' * (nfiles != 1)} · {len(index):,} tensors · "
+            f"{index.total_parameters:,} parameters · {human_nbytes(index.file_nbytes)} "
+            f"({index.file_nbytes:,} B) on disk, {human_nbytes(index.tensor_nbytes)} of "
+            f"tensor bytes</div>")
+    rows = [[dtype, n, params, human_nbytes(nb)]
+            for dtype, (n, params, nb) in index.totals_by_dtype().items()]
+    table = html_table(["dtype", "tensors", "parameters", "bytes"], rows,
+                       css_class="ckptlab-table ckptlab-dtypes") if rows else ""
+    notes = "".join(f"<li>{html.escape(n)}</li>" for n in index.notes[:10])
+    return line + table + (f'<ul class="ckptlab-notes">{notes}</ul>' if notes else "")
+
+
+def objects_html(objects: dict[str, Any]) -> str:
+    """The non-tensor values (step, lr, config), one row each, as inert JSON text."""
+    if not objects:
+        return '<i class="ckptlab-values">No values besides tensors.</i>'
+    rows = []
+    for i, (name, value) in enumerate(objects.items()):
+        if i >= MAX_VALUES:
+            rows.append(["…", f"{len(objects) - MAX_VALUES:,} more values"])
+            break
+        text = json.dumps(value, default=str, ensure_ascii=False)
+        if len(text) > MAX_VALUE_TEXT:
+            text = text[:MAX_VALUE_TEXT] + "…"
+        rows.append([name, text])
+    return html_table(["value", "as stored"], rows, css_class="ckptlab-table ckptlab-values")
+
+
+def tensor_details_html(index: CheckpointIndex, row: int) -> str:
+    """One tensor: name, dtype, shape, kind, bytes, parameters and its parts."""
+    parts = index.parts_of(row)
+    head = (f'<div class="ckptlab-tensor-title"><b>{html.escape(index.names[row])}</b> · '
+            f"{html.escape(index.dtypes[row])}{html.escape(index.shapes[row])} · "
+            f"{html.escape(index.kinds[row])} · {human_nbytes(index.nbytes[row])} · "
+            f"{index.parameters[row]:,} parameters</div>")
+    if not parts:
+        return head + "<i>No bytes in the files (an empty tensor).</i>"
+    rows = [[role, file, offset, nbytes] for role, file, offset, nbytes in parts[:MAX_PARTS]]
+    more = (f"<i>… {len(parts) - MAX_PARTS:,} more parts</i>" if len(parts) > MAX_PARTS
+            else "")
+    return head + html_table(["part", "file", "offset", "bytes"], rows) + more

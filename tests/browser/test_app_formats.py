@@ -1,0 +1,156 @@
+"""The tensor-first served app in chromium on four formats: a torch.save file, a safetensors
+file, a Hugging Face sharded directory and a DCP directory.
+
+Each: the page paints the summary and the tensor table; typing a name in the search box
+finds the tensor; clicking its row outlines its bytes on the byte map (a rectangle at the
+tensor's file offset in the figure the browser drew) and shows its first bytes in hex;
+the title, the plotly toolbar and the lane labels do not overlap. Screenshots go to
+``.artifacts/browser/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from browser_support import ServedProcess, free_port, serve_process
+
+import ckptlab as cl
+from ckptlab import samples
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(600)]
+
+MAP = ".ckptlab-bytemap .js-plotly-plot"
+ROW = ".ckptlab-tensors .tabulator-row"
+
+
+def _write_torch(root: Path) -> tuple[Path, str]:
+    return samples.write_sample(root / "sample.pt"), "model.transformer.h.1.mlp.c_fc.weight"
+
+
+def _write_safetensors(root: Path) -> tuple[Path, str]:
+    import torch
+    from safetensors.torch import save_file
+
+    path = root / "model.safetensors"
+    save_file({f"blocks.{i}.attn.weight": torch.full((64, 64), float(i)) for i in range(6)}
+              | {"head.bias": torch.ones(16)}, str(path))
+    return path, "blocks.4.attn.weight"
+
+
+def _write_hf(root: Path) -> tuple[Path, str]:
+    import torch
+    from safetensors.torch import save_file
+
+    out = root / "hf"
+    out.mkdir()
+    weight_map = {}
+    for shard in (1, 2):
+        name = f"model-0000{shard}-of-00002.safetensors"
+        tensors = {f"model.layers.{shard * 10 + i}.mlp.weight": torch.full((32, 32), float(i))
+                   for i in range(4)}
+        save_file(tensors, str(out / name))
+        weight_map.update(dict.fromkeys(tensors, name))
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": 0}, "weight_map": weight_map}))
+    return out, "model.layers.22.mlp.weight"
+
+
+def _write_dcp(root: Path) -> tuple[Path, str]:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    out = root / "dcp"
+    sd = {"model": {f"layer{i}.weight": torch.full((16, 16), float(i)) for i in range(5)},
+          "step": 1234, "lr": 3e-4}
+    dcp.save(sd, checkpoint_id=str(out), no_dist=True)
+    return out, "model.layer3.weight"
+
+
+WRITERS = {"torch": _write_torch, "safetensors": _write_safetensors, "hf": _write_hf,
+           "dcp": _write_dcp}
+
+
+@pytest.fixture(scope="module", params=list(WRITERS))
+def served(request, tmp_path_factory) -> Iterator[tuple[ServedProcess, Path, str]]:
+    root = tmp_path_factory.mktemp(f"fmt-{request.param}")
+    path, name = WRITERS[request.param](root)
+    port = free_port()
+    if request.param == "torch":  # the CLI verb itself
+        cmd = [sys.executable, "-m", "ckptlab", "serve", str(path), "--port", str(port)]
+    else:  # the CLI still refuses other formats up front: the app's own entry point
+        cmd = [sys.executable, "-m", "ckptlab.widgets.app", str(path), "--port", str(port)]
+    env = dict(os.environ, CKPTLAB_CACHE_DIR=str(root / "cache"))
+    with serve_process(cmd, port, timeout=180, env=env) as proc:
+        yield proc, path, name
+
+
+def _boxes_overlap(a: dict, b: dict) -> bool:
+    return not (a["x"] + a["width"] <= b["x"] or b["x"] + b["width"] <= a["x"]
+                or a["y"] + a["height"] <= b["y"] or b["y"] + b["height"] <= a["y"])
+
+
+def test_search_select_and_highlight(page, page_log, served, screenshot) -> None:
+    proc, path, name = served
+    ck = cl.open(path)
+    part = ck.tensors[name].parts[0]
+    page.goto(proc.url + "/")
+    page.locator(ROW).first.wait_for()
+    summary = page.locator(".ckptlab-summary").first.text_content()
+    assert f"{len(ck.tensors):,} tensors" in summary
+    assert f"{ck.parameters:,} parameters" in summary
+    if ck.format != "torch-zip":
+        assert "record" not in summary and "zip64" not in summary
+    count = page.locator(".ckptlab-count-text").first
+    assert count.text_content() == f"{len(ck.tensors):,} tensors"
+
+    page.locator(".ckptlab-search input").first.fill(name)
+    cell = page.locator(f'{ROW} .tabulator-cell[tabulator-field="name"]', has_text=name).first
+    cell.wait_for()
+    page.locator(".ckptlab-count-text", has_text=f" of {len(ck.tensors):,}").first.wait_for()
+    cells = page.locator(f'{ROW} .tabulator-cell[tabulator-field="name"]')
+    for _ in range(100):  # the count may show before the rows are redrawn
+        shown = cells.all_text_contents()
+        if shown and all(name in s for s in shown):
+            break
+        page.wait_for_timeout(100)
+    assert name in shown and all(name in s for s in shown), shown
+
+    page.locator(MAP).first.wait_for()  # the map arrives once the server opened the file
+    cell.click()
+    page.locator(".ckptlab-tensor-title", has_text=name).first.wait_for()
+    hexview = page.locator(".ckptlab-tensor-hex pre.ckptlab-hex").first
+    hexview.wait_for()
+    assert hexview.text_content().lstrip().startswith(f"{part.offset:,}")
+    plot = page.locator(MAP).first
+    page.wait_for_function(
+        "([gd, x0]) => (gd.layout.shapes || []).some(s => s.type === 'rect' && s.x0 === x0)",
+        arg=[plot.element_handle(), part.offset])
+    meta = plot.evaluate("gd => gd.layout.meta")
+    assert meta["file_nbytes"] == ck.file(part.file).nbytes  # the map of the tensor's file
+    if len(ck.files) > 1:
+        picker = page.locator(".ckptlab-file-picker select").first
+        assert picker.input_value().startswith(f"{part.file} · ")  # "file · format · size"
+        page.locator(".ckptlab-files .js-plotly-plot .main-svg").first.wait_for(
+            state="attached")
+
+    # no overlaps: page title vs map, map title vs its toolbar, lane labels among themselves
+    title = page.locator(".ckptlab-title h2").first.bounding_box()
+    gtitle = plot.locator(".gtitle").first.bounding_box()
+    assert not _boxes_overlap(title, gtitle)
+    plot.hover()
+    modebar = plot.locator(".modebar").first
+    if modebar.count() and modebar.is_visible():
+        assert not _boxes_overlap(modebar.bounding_box(), gtitle)
+    labels = [t.bounding_box() for t in plot.locator(".ytick text").all()]
+    labels = [b for b in labels if b and b["height"] > 0]
+    for i, a in enumerate(labels):
+        for b in labels[i + 1:]:
+            assert not _boxes_overlap(a, b), (a, b)
+    screenshot(f"app-{ck.format}")
+    page_log.assert_offline()
+    page_log.assert_no_errors()
