@@ -10,12 +10,12 @@ format and planning code, and no verb loads numpy or torch before it needs them.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 from typing import TYPE_CHECKING
 
 from ckptlab import errors
+from ckptlab._lazy import lazy_attributes
 from ckptlab.errors import (
     ArchiveError,
     CkptlabError,
@@ -87,32 +87,20 @@ __all__ = [
 # imported on first use: viz and widgets need the [widgets] extra, gds imports torch (and
 # when the command starts, all of them, format and checkpoint too)
 _LAZY_MODULES = ("checkpoint", "format", "gds", "plan", "samples", "viz", "widgets", "write")
-# name -> (module, attribute), imported on first use
+# name -> "module:attribute", imported on first use
 _LAZY_NAMES = {
-    "inspect": ("ckptlab._inspect", "inspect"),
-    "open": ("ckptlab.checkpoint", "open_checkpoint"),
-    **{name: ("ckptlab.checkpoint", name) for name in ("Checkpoint", "FileEntry", "Part",
+    "inspect": "ckptlab._inspect:inspect",
+    "open": "ckptlab.checkpoint:open_checkpoint",
+    **{name: f"ckptlab.checkpoint:{name}" for name in ("Checkpoint", "FileEntry", "Part",
                                                        "TensorEntry")},
-    **{name: ("ckptlab.format", name) for name in (
+    **{name: f"ckptlab.format:{name}" for name in (
         "AlignmentCost", "ArchiveLayout", "Record", "Segment", "SegmentKind", "StorageInfo",
         "StorageOffsets", "TensorInfo", "alignment_costs", "archive_name_for",
         "predict_layout", "realign", "storage_offsets")},
 }
 
-
-def __getattr__(name: str) -> object:
-    if name in _LAZY_MODULES:
-        return importlib.import_module(f"ckptlab.{name}")
-    target = _LAZY_NAMES.get(name)
-    if target is None:
-        raise AttributeError(f"module 'ckptlab' has no attribute {name!r}")
-    value = getattr(importlib.import_module(target[0]), target[1])
-    globals()[name] = value  # the next access is a plain attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_attributes(
+    __name__, globals(), {**{m: f"ckptlab.{m}" for m in _LAZY_MODULES}, **_LAZY_NAMES})
 
 
 def _starting_the_command() -> bool:

@@ -2,8 +2,9 @@
 
 Verbs (``ckptlab VERB --help`` tells each one's arguments):
 
-- ``inspect [PATH] [--json]``: layout of a torch.save archive, ``.safetensors`` file or DCP
-  checkpoint directory (PATH defaults to the embedded sample).
+- ``inspect [PATH] [--json] [--filter GLOB] [--sort size] [--records]``: the tensors of any
+  checkpoint file, directory or fsspec URL (PATH defaults to the embedded sample): a summary
+  and the tensor table; ``--records`` shows its bytes instead.
 - ``offsets PATH [--json] [--scan]``: where each tensor's bytes start: a torch.save file's
   storage data offsets, computed without random reads; for a safetensors file, a Hugging Face,
   DCP or plain directory, every tensor part's file, offset and bytes, from headers only.
@@ -14,7 +15,10 @@ Verbs (``ckptlab VERB --help`` tells each one's arguments):
 - ``readiness PATH [--json]``: is a checkpoint ready for GPUDirect Storage / O_DIRECT reads?
   What is 4 KiB aligned and what would align the rest, in the format's own terms.
 - ``serve [PATH] [--port N] [--address A] [--show]``: the interactive workbench (panel), for
-  one torch.save file; other checkpoints are refused with a line saying what works.
+  any checkpoint file or directory on this machine.
+
+Every verb but ``sample`` and ``serve`` also takes an fsspec URL (``https://``, ``s3://``,
+``hf://``; the ``remote`` extra), read with ranged requests only.
 
 ``ckptlab --version`` prints ``ckptlab <version>``; ``ckptlab`` alone lists the verbs.
 
@@ -40,6 +44,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ckptlab import __version__
+from ckptlab._lazy import lazy_attributes
 from ckptlab.errors import CkptlabError, InvalidArgumentError
 
 if TYPE_CHECKING:  # imported where used: --version and argument errors need none of them
@@ -47,12 +52,9 @@ if TYPE_CHECKING:  # imported where used: --version and argument errors need non
     from ckptlab.plan.metadata import DcpLayout
 
 
-def __getattr__(name: str) -> Any:  # names of this module imported on first use
-    if name == "storage_offsets":
-        from ckptlab.format import storage_offsets
-
-        return storage_offsets
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# names of this module imported on first use
+__getattr__, __dir__ = lazy_attributes(__name__, globals(),
+                                       {"storage_offsets": "ckptlab.format:storage_offsets"})
 
 __all__ = ["MAX_STORAGE_ALIGNMENT", "VERBS", "main"]
 
@@ -206,9 +208,9 @@ def _short_value(value: Any, limit: int = 80) -> str:
 
 
 def checkpoint_json(ck: Any, tensors: list[Any]) -> dict[str, Any]:
-    """DESIGN's ``inspect --json`` object for any checkpoint: the layout's byte-level keys
-    where the format has them, and ``files``, ``tensors`` (name, kind, nbytes, parts, ...)
-    and ``objects`` from the checkpoint model."""
+    """The ``inspect --json`` object (README, *The command line*) for any checkpoint: the
+    layout's byte-level keys where the format has them, and ``files``, ``tensors`` (name,
+    kind, nbytes, parts, ...) and ``objects`` from the checkpoint model."""
     from ckptlab._inspect import inspect
     from ckptlab.format.archive import largest_alignment
 

@@ -18,6 +18,7 @@ __all__ = [
     "InvalidArgumentError",
     "PlanError",
     "StorageIOError",
+    "TorchInternalsError",
     "TruncatedArchiveError",
     "UnsupportedFormatError",
     "WriterError",
@@ -136,3 +137,46 @@ class StorageIOError(CkptlabError, OSError):
 
 class InvalidArgumentError(CkptlabError, ValueError):
     """A ckptlab function was called with an argument it cannot honour (e.g. alignment 0)."""
+
+
+# -- internal signals: raised and caught inside ckptlab, never seen by a caller -------------
+class PickleDataError(Exception):
+    """The pickle is malformed or does something ckptlab never allows (no position yet).
+
+    Raised inside ckptlab's bounded pickle interpreter (:mod:`ckptlab.format._unpickle`); the
+    reader that called it turns it into a :class:`CorruptArchiveError` naming file, record and
+    offset. Not a :class:`CkptlabError` on purpose: it carries no file or offset.
+    """
+
+
+class PickleBudgetError(PickleDataError):
+    """The pickle would make ckptlab use more memory than its budget allows."""
+
+
+class TorchInternalsError(CkptlabError, RuntimeError):
+    """A private torch (or CPython) symbol ckptlab relies on is missing or has changed.
+
+    ckptlab reaches every such symbol through :mod:`ckptlab._torch_compat`, which names the
+    torch versions each was checked on. ``symbol`` is the dotted name, ``torch_version`` the
+    installed torch's version and ``checked_on`` the versions the symbol was verified against.
+    """
+
+    def __init__(self, message: str, *, symbol: str, torch_version: str,
+                 checked_on: tuple[str, ...] = ()) -> None:
+        self.symbol, self.torch_version, self.checked_on = symbol, torch_version, checked_on
+        super().__init__(message)
+
+
+class RankError(CkptlabError, RuntimeError):
+    """One or more torch.distributed ranks failed or died (:func:`ckptlab.plan.run_ranks`).
+
+    ``failures`` maps each failed rank to its error (traceback text), in the order the
+    failures arrived.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str]) -> None:
+        self.failures = dict(failures)
+        super().__init__(message)
+
+
+__all__.append("RankError")

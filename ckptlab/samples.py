@@ -12,6 +12,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from ckptlab.errors import InvalidArgumentError
+
 __all__ = ["sample_path", "tiny_checkpoint", "tiny_gpt", "write_sample"]
 
 SAMPLE_VERSION = 1  # bump when the sample's content changes
@@ -94,20 +96,42 @@ def tiny_checkpoint(*, seed: int = 0, **shape: int) -> dict[str, Any]:
     }
 
 
-def write_sample(path: str | os.PathLike[str], **save_config: Any) -> Path:
+def write_sample(path: str | os.PathLike[str], *, alignment: int | None = None,
+                 **save_config: Any) -> Path:
     """Write :func:`tiny_checkpoint` with torch.save.
 
     Parameters
     ----------
     path
         Destination file.
+    alignment
+        The storage alignment torch.save pads each storage's data to (torch's
+        ``config.save.storage_alignment``; the ``alignment`` of :func:`ckptlab.predict_layout`
+        and ``ckptlab sample --alignment``). Default: torch's, 64.
     **save_config
-        ``torch.utils.serialization.config.save`` options, e.g. ``storage_alignment=4096``
-        or ``compute_crc32=False``.
+        Other ``torch.utils.serialization.config.save`` options, e.g. ``compute_crc32=False``.
+        ``storage_alignment=`` is torch's name for ``alignment`` and is accepted too.
+
+    Returns
+    -------
+    Path
+        ``path``.
+
+    Raises
+    ------
+    InvalidArgumentError
+        ``alignment`` and ``storage_alignment`` both given, with different values.
     """
     import torch
     from torch.utils.serialization import config
 
+    if alignment is not None:
+        given = save_config.setdefault("storage_alignment", alignment)
+        if given != alignment:
+            raise InvalidArgumentError(
+                f"write_sample({str(path)!r}): alignment and storage_alignment name one idea "
+                f"(expected one of them, or equal values; got alignment={alignment}, "
+                f"storage_alignment={given})")
     path = Path(path)
     with config.patch({f"save.{k}": v for k, v in save_config.items()}):
         torch.save(tiny_checkpoint(), path)

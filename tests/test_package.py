@@ -13,10 +13,14 @@ CORE = ("ckptlab", "ckptlab.format", "ckptlab.errors", "ckptlab.samples", "ckptl
         "ckptlab.gds._backends", "ckptlab.plan", "ckptlab.plan.metadata", "ckptlab.plan.ranks",
         "ckptlab.plan.items", "ckptlab.plan.planning", "ckptlab.plan.cache",
         "ckptlab.plan.simulate", "ckptlab.write", "ckptlab.write.buckets",
-        "ckptlab.write.timeline")
+        "ckptlab.write.timeline", "ckptlab._io", "ckptlab._io.durable", "ckptlab.gds.api",
+        "ckptlab._progress", "ckptlab._lazy", "ckptlab._torch_compat",
+        "ckptlab.checkpoint._cache", "ckptlab.format._remote")
 # core modules that need torch at import time: still no UI library
 CORE_WITH_TORCH = ("ckptlab.plan.planner", "ckptlab.plan.torch_plans", "ckptlab.write.writer",
-                   "ckptlab.write._io", "ckptlab.write._blob")
+                   "ckptlab.write._io", "ckptlab.write._blob", "ckptlab.write._staging",
+                   "ckptlab.write._placement", "ckptlab.write._worker", "ckptlab.write._commit",
+                   "ckptlab.write._files", "ckptlab.write._state")
 
 
 def test_core_never_imports_ui_libraries():

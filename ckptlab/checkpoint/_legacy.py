@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pickletools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from ckptlab.checkpoint._tensors import entries_from_logical
@@ -53,18 +53,14 @@ from ckptlab.errors import (
 )
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.format._pickle import (  # the scan's own pieces, shared rather than copied
-    _BUILDABLE,
     PickleScan,
     ScannedTensor,
     StorageRef,
-    _scanned,
-    _walk,
-    torch_handlers,
+    scan_pickle_refs,
 )
 from ckptlab.format._source import ByteSource
 from ckptlab.format._unpickle import (
     Global,
-    PickleBudgetError,
     PickleDataError,
     failure_offset,
     interpret,
@@ -182,49 +178,8 @@ def pickle_end(src: ByteSource, start: int, *, what: str) -> int:
 
 
 # -- a torch pickle with ckptlab's scan, and hooks ---------------------------------------------
-PersistentLoad = Callable[[Any], Any]
-
-
-def scan_torch_pickle(data: bytes, *, path: str, record: str, data_offset: int,
-                      persistent_load: Callable[[Any], PersistentLoad] | None = None,
-                      handlers: dict[tuple[str, str], Any] | None = None
-                      ) -> tuple[PickleScan, tuple[Any, ...]]:
-    """:func:`ckptlab.format._pickle.scan_pickle`, with hooks the other torch formats need.
-
-    ``persistent_load(storages)`` makes the persistent-id reader from the scan's storage table
-    (legacy ids have six fields); ``handlers`` adds or replaces global handlers (TorchScript's
-    ``restore_type_tag``...). Also returns the tensor record behind each ``scan.logical``
-    entry (the objects in ``scan.root``), so a caller that walks the root itself can find the
-    entry of each tensor it meets.
-    """
-    state, table = torch_handlers()
-    if handlers:
-        table.update(handlers)
-    load = state.persistent_load if persistent_load is None else persistent_load(state)
-    try:
-        result = interpret(data, handlers=table, persistent_load=load, buildable=_BUILDABLE)
-        found, values = _walk(result.root)
-    except PickleDataError as exc:
-        kind = "is over ckptlab's budget" if isinstance(exc, PickleBudgetError) \
-            else "cannot be interpreted"
-        raise CorruptArchiveError(f"the pickle {kind}: {exc}", path=path, record=record,
-                                  offset=data_offset + failure_offset(exc)) from None
-    except TypeError as exc:  # a handler called with arguments it does not take
-        raise CorruptArchiveError(f"the pickle calls a torch function with arguments it does "
-                                  f"not take: {str(exc)[:120]}", path=path, record=record,
-                                  offset=data_offset) from None
-    if result.end != len(data):
-        raise CorruptArchiveError("bytes after the pickle's STOP opcode", path=path,
-                                  record=record, offset=data_offset + result.end,
-                                  expected=f"{len(data)} bytes of pickle",
-                                  actual=f"STOP at byte {result.end}")
-    logical = [_scanned(p, ref) for p, ref in found]
-    tensors = tuple(info for t in logical for _, info in t.parts if info.storage_key or
-                    t.kind == "dense")
-    storages = tuple(state.storages[k] for k in state.storage_order)
-    scan = PickleScan(storages, tensors, result.protocol, tuple(result.globals), result.root,
-                      tuple(logical), tuple(values))
-    return scan, tuple(ref for _, ref in found)
+# the shared scan with its hooks (persistent_load=, handlers=); the old name stays
+scan_torch_pickle = scan_pickle_refs
 
 
 def check_parts_inside(logical: Iterable[ScannedTensor], storages: dict[str, StorageInfo],

@@ -14,6 +14,7 @@ from itertools import repeat
 from operator import attrgetter, itemgetter
 from typing import Any
 
+from ckptlab import _torch_compat as tc
 from ckptlab.checkpoint.model import Part, TensorEntry, span_nbytes, tensor_name
 from ckptlab.errors import CorruptArchiveError, UnsupportedFormatError
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
@@ -140,8 +141,8 @@ def tensor_from_bytes(raw: bytes | bytearray, dtype: str, shape: tuple[int, ...]
     storage = torch.frombuffer(bytearray(raw), dtype=torch.uint8).untyped_storage() if raw \
         else torch.UntypedStorage(0)
     if dtype in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4"):
-        tensor = torch._empty_affine_quantized((0,), scale=1.0, zero_point=0,
-                                               dtype=torch_dtype(dtype))
+        tensor = tc.empty_affine_quantized()((0,), scale=1.0, zero_point=0,
+                                             dtype=torch_dtype(dtype))
     else:
         tensor = torch.empty((0,), dtype=torch_dtype(dtype))
     return tensor.set_(storage, 0, shape, stride)
@@ -217,8 +218,8 @@ def build_tensor(entry: TensorEntry, path_of: Any, *, source: str = "") -> Any:
         dtype = torch_dtype(entry.dtype)
         scheme = extra["qscheme"]
         if scheme == "per_tensor_affine":
-            tensor = torch._empty_affine_quantized(data.shape, scale=extra["scale"],
-                                                   zero_point=extra["zero_point"], dtype=dtype)
+            tensor = tc.empty_affine_quantized()(data.shape, scale=extra["scale"],
+                                                 zero_point=extra["zero_point"], dtype=dtype)
         else:
             scales = part("scales") if "scales" in parts else torch.tensor(
                 extra["scales"], dtype=torch.double if scheme == "per_channel_affine"
@@ -226,15 +227,15 @@ def build_tensor(entry: TensorEntry, path_of: Any, *, source: str = "") -> Any:
             zero_points = part("zero_points") if "zero_points" in parts else torch.tensor(
                 extra["zero_points"], dtype=torch.long if scheme == "per_channel_affine"
                 else torch.float)
-            tensor = torch._empty_per_channel_affine_quantized(
+            tensor = tc.empty_per_channel_affine_quantized()(
                 data.shape, scales=scales, zero_points=zero_points, axis=extra["axis"],
                 dtype=dtype)
         tensor.set_(storage, 0, data.shape, data.stride)
     elif entry.kind == "nested" and entry.layout == "strided":
-        tensor = torch._nested_view_from_buffer(part("buffer"), part("nested_sizes"),
-                                                part("nested_strides"), part("storage_offsets"))
+        tensor = tc.nested_view_from_buffer()(part("buffer"), part("nested_sizes"),
+                                              part("nested_strides"), part("storage_offsets"))
     elif entry.kind == "nested" and entry.layout == "jagged" and entry.subclass == NJT:
-        from torch.nested._internal.nested_tensor import NestedTensor
+        NestedTensor = tc.nested_tensor_class()
 
         cache = {k: part(k) for k in ("min_seqlen", "max_seqlen") if k in parts}
         tensor = NestedTensor(values=part("values"), offsets=part("offsets"),

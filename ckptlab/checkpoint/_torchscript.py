@@ -57,19 +57,19 @@ from ckptlab.format.archive import (
     largest_alignment,
     read_central_directory,
     read_record_data,
+    read_small_record,
+    record_segments,
+    records_one_by_one,
 )
 from ckptlab.format.layout import (
     ArchiveLayout,
     Record,
     Segment,
-    SegmentKind,
     StorageInfo,
     TensorInfo,
 )
 
 __all__ = ["ZipScan", "model_torchscript", "model_zip", "scan_zip"]
-
-_MAX_SMALL = 64  # version / archive_format records
 
 
 # -- any zip: records and segments ------------------------------------------------------------
@@ -88,92 +88,22 @@ class ZipScan:
         return self.by_short.get(fold_name(short))
 
     def small(self, src: ByteSource, short: str) -> str | None:
+        """The small ASCII record ``<prefix>/<short>``, or None when there is none."""
         rec = self.record(short)
-        if rec is None:
-            return None
-        raw = read_record_data(src, rec, limit=_MAX_SMALL)
-        try:
-            return raw.decode("ascii")
-        except UnicodeDecodeError:
-            raise CorruptArchiveError("record is not ASCII text", path=src.name,
-                                      record=rec.name, offset=rec.data_offset) from None
+        return None if rec is None else read_small_record(src, rec)
 
 
 def scan_zip(src: ByteSource) -> ZipScan:
     """Records (local headers, extras, descriptors checked against the central directory)."""
     trailer, entries = read_central_directory(src)
-    seen: dict[str, _zip.CentralEntry] = {}
-    for e in entries:
-        key = fold_name(e.name)
-        if key in seen:
-            raise CorruptArchiveError(
-                "duplicate record name" if seen[key].name == e.name else
-                f"record names differ only in case ({seen[key].name!r}): torch's reader "
-                "ignores ASCII case and could read either", path=src.name, record=e.name,
-                offset=e.entry_offset)
-        seen[key] = e
-    records: list[Record] = []
-    headers: dict[str, _zip.LocalHeader] = {}
-    for e in entries:
-        local = _zip.read_local_header(src, e)
-        data_offset = local.data_offset(e.header_offset, e.name_nbytes)
-        if data_offset + e.compressed_nbytes > trailer.cd_offset:
-            raise CorruptArchiveError("record data runs into the central directory",
-                                      path=src.name, record=e.name, offset=data_offset,
-                                      expected=f"end <= {trailer.cd_offset}",
-                                      actual=f"end at {data_offset + e.compressed_nbytes}")
-        desc = _zip.descriptor_nbytes(src, e, data_offset + e.compressed_nbytes,
-                                      local.zip64_extra_nbytes > 0)
-        headers[e.name] = local
-        records.append(Record(e.name, e.header_offset, e.name_nbytes, local.extra_nbytes,
-                              local.zip64_extra_nbytes, local.padding_nbytes, data_offset,
-                              e.compressed_nbytes, desc, e.crc32, e.uncompressed_nbytes,
-                              e.method))
-    segments = _tile(records, headers, trailer, src)
+    records, headers = records_one_by_one(src, trailer, entries)
+    segments = record_segments(records, headers, trailer, src.nbytes, src.name)
     first = entries[0].name if entries else ""
     prefix = first.split("/", 1)[0] if "/" in first else ""
     head = fold_name(prefix + "/") if prefix else ""
     by_short = {fold_name(r.name)[len(head):]: r for r in records
                 if fold_name(r.name).startswith(head)}
     return ZipScan(trailer, tuple(records), segments, prefix, by_short)
-
-
-def _tile(records: list[Record], headers: dict[str, _zip.LocalHeader], trailer: _zip.Trailer,
-          src: ByteSource) -> tuple[Segment, ...]:
-    """Segments of every record and of the trailer, gaps as UNKNOWN; overlaps refused."""
-    segs: list[Segment] = []
-    for r in sorted(records, key=lambda r: r.header_offset):
-        segs.append(Segment(SegmentKind.LOCAL_HEADER, r.header_offset, r.header_nbytes, r.name))
-        segs.append(Segment(SegmentKind.NAME, r.header_offset + r.header_nbytes, r.name_nbytes,
-                            r.name))
-        segs.extend(Segment(SegmentKind(kind), offset, nbytes, r.name)
-                    for kind, offset, nbytes in headers[r.name].fields)
-        segs.append(Segment(SegmentKind.DATA, r.data_offset, r.data_nbytes, r.name))
-        segs.append(Segment(SegmentKind.DESCRIPTOR, r.data_offset + r.data_nbytes,
-                            r.descriptor_nbytes, r.name))
-    segs.append(Segment(SegmentKind.CENTRAL_DIRECTORY, trailer.cd_offset, trailer.cd_nbytes))
-    if trailer.zip64_eocd_offset is not None and trailer.zip64_locator_offset is not None:
-        segs.append(Segment(SegmentKind.ZIP64_EOCD, trailer.zip64_eocd_offset,
-                            trailer.zip64_eocd_nbytes))
-        segs.append(Segment(SegmentKind.ZIP64_LOCATOR, trailer.zip64_locator_offset,
-                            _zip.ZIP64_LOCATOR.size))
-    segs.append(Segment(SegmentKind.EOCD, trailer.eocd_offset, trailer.eocd_nbytes))
-    tiled: list[Segment] = []
-    cursor = 0
-    for seg in (s for s in segs if s.nbytes > 0):
-        if seg.offset < cursor:
-            prev = tiled[-1]
-            raise CorruptArchiveError(
-                f"{seg.kind.value} overlaps the {prev.kind.value} of "
-                f"{prev.record or 'the archive'}", path=src.name, record=seg.record,
-                offset=seg.offset, expected=f">= {cursor}", actual=seg.offset)
-        if seg.offset > cursor:
-            tiled.append(Segment(SegmentKind.UNKNOWN, cursor, seg.offset - cursor))
-        tiled.append(seg)
-        cursor = seg.end_offset
-    if cursor < src.nbytes:
-        tiled.append(Segment(SegmentKind.UNKNOWN, cursor, src.nbytes - cursor))
-    return tuple(tiled)
 
 
 def zip_layout(zs: ZipScan, src: ByteSource, format: str, storages: tuple[StorageInfo, ...],

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import collections
 import reprlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import repeat
 from operator import attrgetter, itemgetter
@@ -765,8 +765,13 @@ def _logical(found: list[tuple[tuple[Any, ...], Any]]
                                  if info.storage_key or not s)
 
 
+PersistentLoad = Callable[[Any], Any]
+
+
 def scan_pickle(data: bytes, *, path: str = "<bytes>", record: str = "data.pkl",
-                data_offset: int = 0) -> PickleScan:
+                data_offset: int = 0,
+                persistent_load: Callable[[Any], PersistentLoad] | None = None,
+                handlers: dict[tuple[str, str], Any] | None = None) -> PickleScan:
     """Interpret a torch pickle without importing or calling anything it names.
 
     Parameters
@@ -775,6 +780,13 @@ def scan_pickle(data: bytes, *, path: str = "<bytes>", record: str = "data.pkl",
         The bytes of ``data.pkl`` (or any torch pickle whose storages are persistent ids).
     path, record, data_offset
         Where the bytes came from, for error messages (offsets are reported in the file).
+    persistent_load
+        Makes the persistent-id reader from the scan's handler state (its storage table):
+        ``persistent_load(state) -> (pid -> object)``. Default: torch.save's
+        ``('storage', cls, key, location, numel)`` ids. Legacy files use six fields.
+    handlers
+        Global handlers ``{(module, name): callable}`` added to (or replacing) torch's, e.g.
+        TorchScript's ``restore_type_tag``.
 
     Returns
     -------
@@ -786,16 +798,40 @@ def scan_pickle(data: bytes, *, path: str = "<bytes>", record: str = "data.pkl",
     CorruptArchiveError
         The pickle is malformed, truncated, over budget, or rebuilds tensors from nonsense.
     """
+    return _scan(data, path, record, data_offset, persistent_load, handlers)[0]
+
+
+def scan_pickle_refs(data: bytes, *, path: str, record: str, data_offset: int,
+                     persistent_load: Callable[[Any], PersistentLoad] | None = None,
+                     handlers: dict[tuple[str, str], Any] | None = None
+                     ) -> tuple[PickleScan, tuple[Any, ...]]:
+    """:func:`scan_pickle`, and the tensor record behind each ``scan.logical`` entry (the
+    objects in ``scan.root``), so a caller that walks the root itself can find the entry of
+    each tensor it meets (legacy, TorchScript and pt2 readers)."""
+    scan, found = _scan(data, path, record, data_offset, persistent_load, handlers)
+    return scan, tuple(ref for _, ref in found)
+
+
+def _scan(data: bytes, path: str, record: str, data_offset: int,
+          persistent_load: Callable[[Any], PersistentLoad] | None,
+          extra_handlers: dict[tuple[str, str], Any] | None
+          ) -> tuple[PickleScan, list[tuple[tuple[Any, ...], Any]]]:
     handlers, table = torch_handlers()
+    if extra_handlers:
+        table.update(extra_handlers)
+    load = handlers.persistent_load if persistent_load is None else persistent_load(handlers)
     try:
-        result = interpret(data, handlers=table, persistent_load=handlers.persistent_load,
-                           buildable=_BUILDABLE)
+        result = interpret(data, handlers=table, persistent_load=load, buildable=_BUILDABLE)
         found, values = _walk(result.root)
     except PickleDataError as exc:
         kind = "is over ckptlab's budget" if isinstance(exc, PickleBudgetError) \
             else "cannot be interpreted"
         raise CorruptArchiveError(f"the pickle {kind}: {exc}", path=path, record=record,
                                   offset=data_offset + failure_offset(exc)) from None
+    except TypeError as exc:  # a persistent-id reader called with arguments it does not take
+        raise CorruptArchiveError(f"the pickle calls a torch function with arguments it does "
+                                  f"not take: {str(exc)[:120]}", path=path, record=record,
+                                  offset=data_offset) from None
     if result.end != len(data):
         raise CorruptArchiveError("bytes after the pickle's STOP opcode", path=path,
                                   record=record, offset=data_offset + result.end,
@@ -804,4 +840,4 @@ def scan_pickle(data: bytes, *, path: str = "<bytes>", record: str = "data.pkl",
     logical, tensors = _logical(found)
     storages = tuple(handlers.storages[k] for k in handlers.storage_order)
     return PickleScan(storages, tensors, result.protocol, tuple(result.globals), result.root,
-                      logical, tuple(values))
+                      logical, tuple(values)), found

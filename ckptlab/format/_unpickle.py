@@ -44,6 +44,8 @@ from collections.abc import Callable
 from itertools import compress
 from typing import Any
 
+from ckptlab.errors import PickleBudgetError, PickleDataError
+
 __all__ = [
     "MAX_INT_NBYTES",
     "MEMORY_PER_BYTE",
@@ -61,14 +63,6 @@ MEMORY_FLOOR = 8 << 20  # a small pickle may always use this much
 MAX_INT_NBYTES = 512  # LONG1/LONG4 payload (about 1,233 decimal digits)
 MAX_KEY_LEAVES = 64  # a tuple dict key with more leaves (or any nesting) is hashed by identity
 _MAX_TEXT_LINE = 4096  # protocol-0 text arguments (INT, FLOAT, GLOBAL, ...)
-
-
-class PickleDataError(Exception):
-    """The pickle is malformed or does something ckptlab never allows (no position yet)."""
-
-
-class PickleBudgetError(PickleDataError):
-    """The pickle would make ckptlab use more memory than its budget allows."""
 
 
 class Global:

@@ -250,8 +250,12 @@ def read_record_data(src: ByteSource, record: Record, limit: int | None = None) 
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def _segments(records: list[Record], headers: dict[str, _zip.LocalHeader],
-              trailer: _zip.Trailer, file_nbytes: int, path: str) -> tuple[Segment, ...]:
+def record_segments(records: list[Record] | tuple[Record, ...],
+                    headers: dict[str, _zip.LocalHeader], trailer: _zip.Trailer,
+                    file_nbytes: int, path: str) -> tuple[Segment, ...]:
+    """Segments of every record (header, name, extra fields, data, descriptor) and of the
+    trailer, tiling a file of ``file_nbytes``: gaps become UNKNOWN, an overlap raises
+    :class:`CorruptArchiveError`. Any zip torch writes (torch.save, TorchScript, pt2)."""
     segs: list[Segment] = []
     for r in sorted(records, key=lambda r: r.header_offset):
         segs.append(Segment(SegmentKind.LOCAL_HEADER, r.header_offset, 30, r.name))
@@ -270,6 +274,22 @@ def _segments(records: list[Record], headers: dict[str, _zip.LocalHeader],
                             _zip.ZIP64_LOCATOR.size))
     segs.append(Segment(SegmentKind.EOCD, trailer.eocd_offset, trailer.eocd_nbytes))
     return _tile([s for s in segs if s.nbytes > 0], file_nbytes, path)
+
+
+_segments = record_segments  # the name format/_remote_zip.py imports
+
+
+def read_small_record(src: ByteSource, record: Record) -> str:
+    """A small text record (``version``, ``byteorder``, ``.storage_alignment``...) as ASCII.
+
+    Reads at most 64 bytes; anything not ASCII is :class:`CorruptArchiveError`.
+    """
+    raw = read_record_data(src, record, limit=_MAX_SMALL_RECORD)
+    try:
+        return raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise CorruptArchiveError("record is not ASCII text", path=src.name,
+                                  record=record.name, offset=record.data_offset) from None
 
 
 def _tile(segs: list[Segment], file_nbytes: int, path: str) -> tuple[Segment, ...]:
@@ -374,15 +394,7 @@ def _records(src: ByteSource, trailer: _zip.Trailer, cdir: _zip.CentralDirectory
         headers = {}
         for i in alone:  # in central directory order: the first one wrong raises
             e = cdir.entry(i)
-            local = _zip.read_local_header(src, e)
-            data_at = local.data_offset(e.header_offset, e.name_nbytes)
-            if data_at + e.compressed_nbytes > trailer.cd_offset:
-                raise CorruptArchiveError("record data runs into the central directory",
-                                          path=src.name, record=e.name, offset=data_at,
-                                          expected=f"end <= {trailer.cd_offset}",
-                                          actual=f"end at {data_at + e.compressed_nbytes}")
-            descriptor[i] = _zip.descriptor_nbytes(src, e, data_at + e.compressed_nbytes,
-                                                   local.zip64_extra_nbytes > 0)
+            local, data_at, descriptor[i] = read_local_record(src, e, trailer.cd_offset)
             extra[i], zip64[i], padding[i] = (local.extra_nbytes, local.zip64_extra_nbytes,
                                               local.padding_nbytes)
             data_offset[i] = data_at
@@ -405,25 +417,38 @@ def _records(src: ByteSource, trailer: _zip.Trailer, cdir: _zip.CentralDirectory
     return records, headers, cols
 
 
-def _records_one_by_one(src: ByteSource, trailer: _zip.Trailer,
-                        entries: list[_zip.CentralEntry]
-                        ) -> tuple[list[Record], dict[str, _zip.LocalHeader]]:
-    """Every record and its local header, one read each (small archives)."""
+def read_local_record(src: ByteSource, e: _zip.CentralEntry, cd_offset: int
+                      ) -> tuple[_zip.LocalHeader, int, int]:
+    """One record's local header, data offset and data descriptor size, read on its own.
+
+    The data must end before the central directory (at ``cd_offset``).
+    """
+    local = _zip.read_local_header(src, e)
+    data_offset = local.data_offset(e.header_offset, e.name_nbytes)
+    end = data_offset + e.compressed_nbytes
+    if end > cd_offset:
+        raise CorruptArchiveError("record data runs into the central directory",
+                                  path=src.name, record=e.name, offset=data_offset,
+                                  expected=f"end <= {cd_offset}", actual=f"end at {end}")
+    return local, data_offset, _zip.descriptor_nbytes(src, e, end, local.zip64_extra_nbytes > 0)
+
+
+def records_one_by_one(src: ByteSource, trailer: _zip.Trailer,
+                       entries: list[_zip.CentralEntry]
+                       ) -> tuple[list[Record], dict[str, _zip.LocalHeader]]:
+    """Every record and its local header, one read each (small archives, and the zips
+    :mod:`ckptlab.checkpoint._torchscript` reads).
+
+    Names equal but for ASCII case are refused first (torch's reader ignores case); each
+    record's data must end before the central directory.
+    """
+    folded = fold_names([e.name for e in entries])
+    if len(set(folded)) != len(folded):
+        _refuse_duplicates(entries, src.name)
     records: list[Record] = []
     headers: dict[str, _zip.LocalHeader] = {}
     for e in entries:
-        if e.name in headers:
-            raise CorruptArchiveError("duplicate record name", path=src.name, record=e.name,
-                                      offset=e.entry_offset)
-        local = _zip.read_local_header(src, e)
-        data_offset = local.data_offset(e.header_offset, e.name_nbytes)
-        if data_offset + e.compressed_nbytes > trailer.cd_offset:
-            raise CorruptArchiveError("record data runs into the central directory",
-                                      path=src.name, record=e.name, offset=data_offset,
-                                      expected=f"end <= {trailer.cd_offset}",
-                                      actual=f"end at {data_offset + e.compressed_nbytes}")
-        desc = _zip.descriptor_nbytes(src, e, data_offset + e.compressed_nbytes,
-                                      local.zip64_extra_nbytes > 0)
+        local, data_offset, desc = read_local_record(src, e, trailer.cd_offset)
         headers[e.name] = local
         records.append(Record(e.name, e.header_offset, e.name_nbytes, local.extra_nbytes,
                               local.zip64_extra_nbytes, local.padding_nbytes, data_offset,
@@ -436,44 +461,60 @@ def _scan_torch_zip(src: ByteSource) -> ArchiveLayout:
     trailer, cdir = read_central_directory_columns(src)
     archive = archive_prefix(cdir, src.name)
     if cdir.header_offset is None:  # a small archive
-        records, headers = _records_one_by_one(src, trailer, cdir.entries)
-        segments = _segments(records, headers, trailer, src.nbytes, src.name)
+        records, headers = records_one_by_one(src, trailer, cdir.entries)
+        segments = record_segments(records, headers, trailer, src.nbytes, src.name)
     else:
         records, maybe_headers, cols = _records(src, trailer, cdir)
         if maybe_headers is None:
             segments = _fast_segments(records, cdir, cols, trailer, src.nbytes, src.name)
         else:
-            segments = _segments(records, maybe_headers, trailer, src.nbytes, src.name)
+            segments = record_segments(records, maybe_headers, trailer, src.nbytes, src.name)
     # looked up as torch does, ignoring ASCII case (archive_prefix refused names that collide)
     by_name = dict(zip(fold_names([r.name for r in records]), records))
     prefix = f"{archive}/" if archive else ""
 
     def small(name: str) -> str | None:
         rec = by_name.get(fold_name(prefix + name))
-        if rec is None:
-            return None
-        raw = read_record_data(src, rec, limit=_MAX_SMALL_RECORD)
-        try:
-            return raw.decode("ascii")
-        except UnicodeDecodeError:
-            raise CorruptArchiveError("record is not ASCII text", path=src.name,
-                                      record=rec.name, offset=rec.data_offset) from None
+        return None if rec is None else read_small_record(src, rec)
 
     format_version, alignment_text, byteorder = (small(n) for n in _SMALL_RECORDS)
     storage_alignment = None
     if alignment_text is not None:
-        if not (alignment_text.isdigit() and len(alignment_text) <= 10 and
-                0 < int(alignment_text) <= _zip.MAX_RECORDED_ALIGNMENT):
-            rec = by_name[fold_name(prefix + ".storage_alignment")]
-            raise CorruptArchiveError("bad .storage_alignment", path=src.name, record=rec.name,
-                                      offset=rec.data_offset,
-                                      expected=f"1..{_zip.MAX_RECORDED_ALIGNMENT}",
-                                      actual=repr(alignment_text))
-        storage_alignment = int(alignment_text)
+        rec = by_name[fold_name(prefix + ".storage_alignment")]
+        storage_alignment = storage_alignment_value(alignment_text, path=src.name,
+                                                    record=rec.name, offset=rec.data_offset)
     pkl = by_name[fold_name(prefix + "data.pkl")]
     scan = scan_pickle(read_record_data(src, pkl), path=src.name, record=pkl.name,
                        data_offset=pkl.data_offset)
     storages = storage_infos(scan, by_name, prefix, src.name, pkl, fold=True)
+    return torch_zip_layout(src, archive, records, segments, trailer, scan, storages,
+                            storage_alignment=storage_alignment,
+                            format_version=format_version, byteorder=byteorder)
+
+
+def storage_alignment_value(text: str | bytes, *, path: str, record: str, offset: int) -> int:
+    """The content of a ``.storage_alignment`` record as an int: digits, 1..2**30.
+
+    Raises
+    ------
+    CorruptArchiveError
+        Anything else, naming the record and what it holds.
+    """
+    if not (text.isdigit() and len(text) <= 10 and
+            0 < int(text) <= _zip.MAX_RECORDED_ALIGNMENT):
+        shown = text.decode("ascii", "replace") if isinstance(text, bytes) else text
+        raise CorruptArchiveError("bad .storage_alignment", path=path, record=record,
+                                  offset=offset, expected=f"1..{_zip.MAX_RECORDED_ALIGNMENT}",
+                                  actual=repr(shown[:20]))
+    return int(text)
+
+
+def torch_zip_layout(src: ByteSource, archive: str, records: list[Record] | tuple[Record, ...],
+                     segments: tuple[Segment, ...], trailer: _zip.Trailer, scan: PickleScan,
+                     storages: tuple[StorageInfo, ...], *, storage_alignment: int | None,
+                     format_version: str | None, byteorder: str | None) -> ArchiveLayout:
+    """The :class:`ArchiveLayout` of a torch.save archive from its parts (every reader of a
+    torch.save zip, local or remote, ends here)."""
     return ArchiveLayout(
         format="torch-zip",
         path=src.name,

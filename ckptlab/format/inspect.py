@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import BinaryIO
 
+from ckptlab._io.durable import METADATA
 from ckptlab.errors import (
     ArchiveError,
     InvalidArgumentError,
@@ -81,7 +82,7 @@ def inspect(source: str | os.PathLike[str] | BinaryIO | bytes) -> ArchiveLayout:
     every global to an inert stand-in.
     """
     if isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
-        if os.path.exists(os.path.join(source, ".metadata")):
+        if os.path.exists(os.path.join(source, METADATA)):
             raise UnsupportedFormatError("a torch.distributed.checkpoint directory: use "
                                          "ckptlab.inspect or ckptlab.plan.inspect_dcp",
                                          path=source)

@@ -121,6 +121,18 @@ class ArchiveLayout:
     """Every byte of a checkpoint file, and what the pickle says lives where.
 
     ``segments`` tile the file: sorted, contiguous, no gap, no overlap.
+
+    Two alignments, two ideas. ``alignment`` is *observed*: the largest power of two (at most
+    4096) that divides every non-empty storage's data offset, whatever wrote the file.
+    ``storage_alignment`` is *recorded*: the content of the archive's ``.storage_alignment``
+    record, the alignment torch.save was asked for (``config.save.storage_alignment``), None
+    when the archive has no such record. The ``alignment=`` argument of
+    :func:`~ckptlab.format.predict_layout`, :func:`~ckptlab.format.realign` and
+    :func:`ckptlab.samples.write_sample` is the recorded kind: what torch.save is asked for.
+
+    ``tensors`` are the tensors as the pickle rebuilds them (storage views, one
+    :class:`TensorInfo` each, in pickle order); the tensor-first view, name -> entry, is
+    :attr:`ckptlab.Checkpoint.tensors`.
     """
 
     format: str  # "torch-zip" or "safetensors"
@@ -131,14 +143,14 @@ class ArchiveLayout:
     storages: tuple[StorageInfo, ...]
     tensors: tuple[TensorInfo, ...]
     segments: tuple[Segment, ...]
-    alignment: int  # largest power of two (<= 4096) dividing every non-empty storage's offset
+    alignment: int  # observed: largest power of two (<= 4096) dividing every storage's offset
     zip64: bool  # some record needed a zip64 extra field
     central_directory_offset: int = 0
     central_directory_nbytes: int = 0
     zip64_eocd_offset: int | None = None
     zip64_locator_offset: int | None = None
     eocd_offset: int | None = None
-    storage_alignment: int | None = None  # content of the .storage_alignment record
+    storage_alignment: int | None = None  # recorded: content of the .storage_alignment record
     format_version: str | None = None  # content of the .format_version record
     byteorder: str | None = None  # content of the byteorder record
     pickle_protocol: int | None = None

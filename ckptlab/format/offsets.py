@@ -23,7 +23,11 @@ from ckptlab.errors import ArchiveError, CorruptArchiveError, UnsupportedFormatE
 from ckptlab.format import _zip
 from ckptlab.format._pickle import scan_pickle
 from ckptlab.format._source import ByteSource
-from ckptlab.format.archive import archive_prefix, read_central_directory_columns
+from ckptlab.format.archive import (
+    archive_prefix,
+    read_central_directory_columns,
+    storage_alignment_value,
+)
 from ckptlab.format.inspect import not_a_checkpoint, sniff
 
 __all__ = ["StorageOffsets", "storage_offsets"]
@@ -40,7 +44,7 @@ class StorageOffsets:
     bytes_read: int
     method: str  # "cursor" (arithmetic, verified) or "central_directory" (local headers read)
     archive_name: str
-    alignment: int  # the storage alignment the arithmetic used
+    alignment: int  # recorded: the .storage_alignment record (else torch's 64) the arithmetic used
     reason: str | None = None  # why the cursor method was not usable
 
     def to_dict(self) -> dict[str, object]:
@@ -135,14 +139,8 @@ def storage_offsets(source: str | os.PathLike[str] | BinaryIO | bytes, *,
         alignment = DEFAULT_ALIGNMENT
         rec = find(prefix + ".storage_alignment")
         if rec is not None:
-            text = payload(rec)
-            if not (text.isdigit() and len(text) <= 10 and
-                    0 < int(text) <= _zip.MAX_RECORDED_ALIGNMENT):
-                raise CorruptArchiveError("bad .storage_alignment", path=src.name,
-                                          record=rec.name, offset=rec.header_offset,
-                                          expected=f"1..{_zip.MAX_RECORDED_ALIGNMENT}",
-                                          actual=text[:20])
-            alignment = int(text)
+            alignment = storage_alignment_value(payload(rec), path=src.name, record=rec.name,
+                                                offset=rec.header_offset)
         if scan:
             assert row_of is not None
             pkl = cdir.entry(row_of[prefix + "data.pkl"])

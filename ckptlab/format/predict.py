@@ -13,7 +13,7 @@ from typing import Any
 from ckptlab.errors import InvalidArgumentError, UnsupportedFormatError
 from ckptlab.format import _zip
 from ckptlab.format._pickle import scan_pickle
-from ckptlab.format.archive import _segments, largest_alignment, storage_infos
+from ckptlab.format.archive import largest_alignment, record_segments, storage_infos
 from ckptlab.format.layout import ArchiveLayout, Record, StorageInfo, TensorInfo
 
 __all__ = [
@@ -86,9 +86,12 @@ def torch_records(obj: Any, *, alignment: int = 64, pickle_protocol: int = 2,
     """
     import torch.serialization as ts
 
+    from ckptlab._torch_compat import torch_save_pickle
+
+    save = torch_save_pickle()
     recorder = _Recorder()
     with skeleton_errors("predicting the layout"), ts.skip_data():
-        ts._save(obj, recorder, pickle, pickle_protocol, disable_byteorder_record)
+        save(obj, recorder, pickle, pickle_protocol, disable_byteorder_record)
     records = [(n, len(str(alignment)) if n == ".storage_alignment" else nbytes)
                for n, nbytes in recorder.records]
     records.append(("version", len(VERSION_RECORD)))
@@ -337,7 +340,7 @@ def _assemble(placed: list[Record], cd_offset: int, cd_nbytes: int, *, path: str
     return ArchiveLayout(
         format="torch-zip", path=path, file_nbytes=file_nbytes, archive_name=archive_name,
         records=tuple(placed), storages=storages, tensors=tensors,
-        segments=_segments(placed, headers, trailer, file_nbytes, path),
+        segments=record_segments(placed, headers, trailer, file_nbytes, path),
         alignment=largest_alignment([s.data_offset for s in storages if s.nbytes]),
         zip64=any(r.zip64_extra_nbytes for r in placed), central_directory_offset=cd_offset,
         central_directory_nbytes=cd_nbytes, zip64_eocd_offset=z64_offset,

@@ -2,16 +2,18 @@
 
 ``open(path, flags, backend="auto")`` gives a handle with ``save_storage`` / ``load_storage``
 over torch.cuda.gds (cuFile), kvikio, O_DIRECT or POSIX; the handle says which path ran.
+``save(obj, path)`` and ``load(path)`` (:mod:`ckptlab.gds.api`) run the whole tutorial flow.
 """
 
+from ckptlab.gds.api import LoadResult, TransferReport, load, save, storages_in_save_order
 from ckptlab.gds.handle import BACKENDS, BackendStatus, GdsHandle, backend_status, open
 from ckptlab.gds.readiness import Readiness, readiness
-from ckptlab.gds.tutorial import TransferReport, load, save, storages_in_save_order
 
 __all__ = [
     "BACKENDS",
     "BackendStatus",
     "GdsHandle",
+    "LoadResult",
     "Readiness",
     "TransferReport",
     "backend_status",

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import mmap
 from typing import Any
 
-import numpy as np
-
+from ckptlab._io import address_of, aligned_buffer
+from ckptlab._io import populate as _populate
 from ckptlab.errors import InvalidArgumentError
 
-
-def aligned_buffer(nbytes: int) -> memoryview:
-    """A writable, zero-filled host buffer whose address is page aligned (anonymous mmap).
-
-    ``torch.empty`` buffers are only 64-byte aligned, which O_DIRECT refuses (EINVAL).
-    """
-    if nbytes <= 0:
-        raise InvalidArgumentError(f"buffer size must be positive, got {nbytes}")
-    return memoryview(mmap.mmap(-1, nbytes))
+__all__ = ["ALIGNED_STORAGE_MIN", "address_of", "aligned_buffer", "aligned_storage",
+           "byte_tensor", "populate", "storage_view"]
 
 
 ALIGNED_STORAGE_MIN = 1 << 20  # smaller storages keep torch's allocation (one mmap each costs)
@@ -29,13 +21,6 @@ def aligned_storage(nbytes: int) -> Any:
     import torch
 
     return torch.frombuffer(aligned_buffer(nbytes), dtype=torch.uint8).untyped_storage()
-
-
-def address_of(view: memoryview) -> int:
-    """The address of the first byte of a contiguous memoryview (read-only ones too)."""
-    if view.nbytes == 0:
-        return 0
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 def storage_view(storage: Any) -> memoryview:
@@ -50,7 +35,9 @@ def storage_view(storage: Any) -> memoryview:
 
     if not isinstance(storage, torch.UntypedStorage):
         if isinstance(storage, torch.TypedStorage):
-            storage = storage._untyped_storage  # .untyped() warns that TypedStorage is deprecated
+            from ckptlab._torch_compat import untyped_storage
+
+            storage = untyped_storage(storage)  # .untyped() warns that TypedStorage is deprecated
         else:
             raise InvalidArgumentError(
                 f"expected a torch.UntypedStorage, got {type(storage).__name__}")
@@ -70,30 +57,12 @@ def byte_tensor(storage: Any) -> Any:
         storage, 0, (storage.nbytes(),), (1,))
 
 
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
-
-
 def populate(storage: Any) -> bool:
-    """Fault in a CPU storage's pages ahead of use (``madvise(MADV_POPULATE_WRITE)``).
+    """Fault in a CPU storage's pages ahead of use (see :func:`ckptlab._io.populate`).
 
-    Fresh ``torch.empty`` memory is faulted page by page on first write, which costs as much
-    as the disk read on some machines; doing it on another thread while the disk works takes
-    it off the critical path. Returns False where the kernel cannot (the copy then faults the
-    pages itself, as it would anyway).
+    Returns False for device storages, storages under 1 MiB, or where the kernel cannot.
     """
-    import ctypes
-
     nbytes = storage.nbytes()
     if storage.device.type != "cpu" or nbytes < (1 << 20):
         return False
-    start = -(-storage.data_ptr() // 4096) * 4096
-    end = (storage.data_ptr() + nbytes) // 4096 * 4096
-    if end <= start:
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
-        return False
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
+    return _populate(storage.data_ptr(), nbytes)

@@ -8,6 +8,7 @@ from typing import Any
 
 from ckptlab.errors import BackendUnavailableError, InvalidArgumentError
 from ckptlab.gds._backends import (
+    Backend,
     KvikioBackend,
     ODirectBackend,
     PosixBackend,
@@ -20,7 +21,7 @@ from ckptlab.gds._buffers import aligned_buffer, storage_view
 __all__ = ["BACKENDS", "BackendStatus", "GdsHandle", "backend_status", "open"]
 
 BACKENDS = ("torch", "kvikio", "odirect", "posix")
-_CLASSES = {"torch": TorchGdsBackend, "kvikio": KvikioBackend, "odirect": ODirectBackend,
+_CLASSES: dict[str, type[Backend]] = {"torch": TorchGdsBackend, "kvikio": KvikioBackend, "odirect": ODirectBackend,
             "posix": PosixBackend}
 
 
@@ -74,8 +75,8 @@ class GdsHandle:
     CUDA storages go to the host first on the ``odirect`` and ``posix`` backends.
     """
 
-    def __init__(self, impl: Any) -> None:
-        self._impl = impl
+    def __init__(self, impl: Backend) -> None:
+        self._impl: Backend | None = impl
         self._last = impl  # what a closed handle still reports (path taken, byte counts)
         self.path: str = impl.path
         self.backend: str = impl.name
@@ -83,6 +84,11 @@ class GdsHandle:
     @property
     def closed(self) -> bool:
         return self._impl is None
+
+    @property
+    def moves_host_bytes(self) -> bool:
+        """Whether the backend writes and reads host bytes (``write_bytes``/``read_bytes``)."""
+        return self._last.moves_host_bytes
 
     @property
     def io_path(self) -> str:
@@ -100,7 +106,7 @@ class GdsHandle:
     def buffered_nbytes(self) -> int:
         return self._last.buffered_nbytes
 
-    def _open_impl(self) -> Any:
+    def _open_impl(self) -> Backend:
         if self._impl is None:
             raise InvalidArgumentError(f"{self.path}: the handle is closed")
         return self._impl
@@ -108,8 +114,10 @@ class GdsHandle:
     def _check(self, storage: Any, offset: int) -> Any:
         import torch
 
+        from ckptlab._torch_compat import untyped_storage
+
         if isinstance(storage, torch.TypedStorage):
-            storage = storage._untyped_storage  # .untyped() warns that TypedStorage is deprecated
+            storage = untyped_storage(storage)  # .untyped() warns that TypedStorage is deprecated
         if not isinstance(storage, torch.UntypedStorage):
             raise InvalidArgumentError(
                 f"expected a torch.UntypedStorage (tensor.untyped_storage()), got "
@@ -121,33 +129,35 @@ class GdsHandle:
     def save_storage(self, storage: Any, offset: int) -> None:
         """Write ``storage``'s bytes at ``offset`` (exactly ``storage.nbytes()`` bytes)."""
         storage = self._check(storage, offset)
-        if hasattr(self._impl, "save_storage"):
-            if storage.device.type != "cuda":
-                raise InvalidArgumentError(
-                    f"backend {self.backend!r} writes CUDA storages; got one on {storage.device}")
-            self._impl.save_storage(storage, offset)
+        impl = self._open_impl()
+        if impl.moves_device_storages and storage.device.type != "cpu":
+            impl.save_storage(storage, offset)
             return
+        if not impl.moves_host_bytes:
+            raise InvalidArgumentError(
+                f"backend {self.backend!r} writes CUDA storages; got one on {storage.device}")
         if storage.device.type != "cpu":
             storage = storage.cpu()
-        self._impl.write(storage_view(storage), offset)
+        impl.write(storage_view(storage), offset)
 
     def load_storage(self, storage: Any, offset: int) -> None:
         """Fill ``storage`` with ``storage.nbytes()`` bytes read at ``offset``."""
         storage = self._check(storage, offset)
-        if hasattr(self._impl, "load_storage"):
-            if storage.device.type != "cuda":
-                raise InvalidArgumentError(
-                    f"backend {self.backend!r} reads into CUDA storages; got {storage.device}")
-            self._impl.load_storage(storage, offset)
+        impl = self._open_impl()
+        if impl.moves_device_storages and storage.device.type != "cpu":
+            impl.load_storage(storage, offset)
             return
+        if not impl.moves_host_bytes:
+            raise InvalidArgumentError(
+                f"backend {self.backend!r} reads into CUDA storages; got {storage.device}")
         if storage.device.type == "cpu":
-            self._impl.read_into(storage_view(storage), offset)
+            impl.read_into(storage_view(storage), offset)
             return
         import torch
 
         nbytes = storage.nbytes()
         host = aligned_buffer(max(nbytes, 1))[:nbytes]
-        self._impl.read_into(host, offset)
+        impl.read_into(host, offset)
         staged = torch.frombuffer(host, dtype=torch.uint8) if nbytes else torch.empty(0)
         storage.copy_(staged.untyped_storage())
 
@@ -161,7 +171,7 @@ class GdsHandle:
                 f"data must support the buffer protocol (bytes, bytearray, mmap, numpy, ...), "
                 f"got {type(data).__name__}") from None
         _check_offset(offset)
-        if not hasattr(impl, "write"):
+        if not impl.moves_host_bytes:
             raise InvalidArgumentError(f"backend {self.backend!r} writes storages only")
         impl.write(view, offset)
 
@@ -171,7 +181,7 @@ class GdsHandle:
         _check_offset(offset)
         if type(nbytes) is not int or nbytes < 0:
             raise InvalidArgumentError(f"nbytes must be a non-negative int, got {nbytes!r}")
-        if not hasattr(impl, "read_into"):
+        if not impl.moves_host_bytes:
             raise InvalidArgumentError(f"backend {self.backend!r} reads storages only")
         out = bytearray(nbytes)
         impl.read_into(memoryview(out), offset)

@@ -11,6 +11,7 @@
 - :mod:`~ckptlab.plan.ranks`: run a function on real gloo ranks.
 """
 
+from ckptlab._lazy import lazy_attributes
 from ckptlab.plan.cache import (
     CacheEvent,
     PlanCache,
@@ -49,10 +50,6 @@ __all__ = ["CONFIGS", "CacheEvent", "CachedSavePlanner", "Chunk", "ChunkProblem"
            "sweep_dimension", "validate_chunks", "write_items", "write_metadata"]
 
 
-def __getattr__(name: str) -> object:
-    # CachedSavePlanner subclasses torch's planner: imported (with torch) on first use
-    if name == "CachedSavePlanner":
-        from ckptlab.plan.planner import CachedSavePlanner
-
-        return CachedSavePlanner
-    raise AttributeError(f"module 'ckptlab.plan' has no attribute {name!r}")
+# CachedSavePlanner subclasses torch's planner: imported (with torch) on first use
+__getattr__, __dir__ = lazy_attributes(__name__, globals(), {
+    "CachedSavePlanner": "ckptlab.plan.planner:CachedSavePlanner"})

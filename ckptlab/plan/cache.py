@@ -16,19 +16,15 @@ Every lookup is recorded in :attr:`PlanCache.events` (for the cache timeline vie
 
 from __future__ import annotations
 
-import contextlib
-import errno as errno_
 import hashlib
-import os
-import stat
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from ckptlab.errors import InvalidArgumentError, PlanError, StorageIOError
+from ckptlab._io.durable import fsync_dir, write_metadata  # re-exported: their old home
+from ckptlab.errors import InvalidArgumentError, PlanError
 from ckptlab.plan.items import LocalPlan
 from ckptlab.plan.planning import GlobalPlan, PlanBook, raise_problems
 
@@ -173,86 +169,3 @@ class PlanCache:
         self._results.clear()
         self._books.clear()
         self._metadata.clear()
-
-
-def fsync_dir(directory: str | os.PathLike[str]) -> None:
-    """fsync a directory, so the renames and new names in it are durable."""
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
-                 | getattr(os, "O_CLOEXEC", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _refuse_symlink(path: Path, what: str) -> bool:
-    """Raise if ``path`` is a symbolic link; True if something else is there."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    if stat.S_ISLNK(st.st_mode):
-        try:
-            target = os.readlink(path)
-        except OSError:  # pragma: no cover - raced away
-            target = "?"
-        raise StorageIOError(
-            f"refusing to write the metadata: the {what} is a symbolic link (to {target!r}); "
-            "ckptlab never writes through, replaces or removes a link in a checkpoint "
-            "directory: remove it or save elsewhere", path=str(path), offset=0, nbytes=0,
-            errno=errno_.ELOOP)
-    return True
-
-
-def write_metadata(directory: str | os.PathLike[str], data: bytes,
-                   name: str = ".metadata", *, sync: bool = True,
-                   before_rename: Callable[[], None] | None = None) -> Path:
-    """Write a checkpoint's metadata atomically: a temporary file, fsync, rename, then fsync
-    of the directory, so a reader sees the old metadata or the new one, never a part.
-
-    The temporary (``{name}.tmp``) is created new (``O_EXCL | O_NOFOLLOW``); a regular file
-    left there by a killed writer is removed first. A symbolic link at the temporary's or
-    the final name is refused (:class:`~ckptlab.errors.StorageIOError` naming it, errno
-    ``ELOOP``) and its target is never opened. ``before_rename`` (for tests and tracing)
-    runs once the temporary is complete, just before the rename.
-
-    Without ``sync`` the fsyncs are skipped (the rename stays atomic, not durable). On
-    failure the temporary file is removed and :class:`~ckptlab.errors.StorageIOError` says
-    which file, how many bytes and why.
-    """
-    directory = Path(directory)
-    final = directory / name
-    tmp = directory / f"{name}.tmp"
-    created = False
-    try:
-        _refuse_symlink(final, "final name")
-        if _refuse_symlink(tmp, "temporary"):
-            os.unlink(tmp)  # a stale temporary of a writer that died before its rename
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-                     | getattr(os, "O_CLOEXEC", 0), 0o644)
-        created = True
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            if sync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        if before_rename is not None:
-            before_rename()
-        _refuse_symlink(final, "final name")
-        os.replace(tmp, final)
-        created = False
-        if sync:
-            fsync_dir(directory)
-    except BaseException as e:
-        if created:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        if isinstance(e, OSError) and not isinstance(e, StorageIOError):
-            raise StorageIOError(f"could not write the metadata ({len(data)} bytes): "
-                                 f"{e.strerror or e}", path=str(final), offset=0,
-                                 nbytes=len(data), errno=e.errno) from e
-        raise
-    return final

@@ -203,10 +203,11 @@ def write_items(state_dict: Mapping[str, Any]) -> tuple[WriteItem, ...]:
     and local shards are this rank's).
     """
     import torch
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorProperties
 
-    flat, _ = flatten_state_dict(dict(state_dict))
+    from ckptlab._torch_compat import flatten_state_dict
+
+    flat, _ = flatten_state_dict()(dict(state_dict))
     out: list[WriteItem] = []
     for fqn, obj in flat.items():
         kind = type(obj).__name__

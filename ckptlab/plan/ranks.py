@@ -9,18 +9,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from ckptlab.errors import CkptlabError, InvalidArgumentError
+from ckptlab.errors import InvalidArgumentError, RankError
 
 __all__ = ["RankError", "free_port", "run_ranks"]
-
-
-class RankError(CkptlabError, RuntimeError):
-    """One or more ranks failed or died; ``failures`` maps rank -> its error (traceback text),
-    in the order the failures arrived."""
-
-    def __init__(self, message: str, failures: dict[int, str]) -> None:
-        self.failures = dict(failures)
-        super().__init__(message)
 
 
 def free_port() -> int:

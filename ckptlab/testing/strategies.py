@@ -41,6 +41,7 @@ __all__ = [
     "base_tensors",
     "iter_tensors",
     "make_tensor",
+    "overwritten_bytes",
     "plain_values",
     "save_configs",
     "shapes",
@@ -64,10 +65,9 @@ ALL_DTYPES: tuple[torch.dtype, ...] = _dtypes(
 
 
 def _legacy_storage_dtypes() -> frozenset[torch.dtype]:
-    try:
-        return frozenset(torch.storage._dtype_to_storage_type_map())
-    except AttributeError:  # pragma: no cover - very old torch
-        return frozenset()
+    from ckptlab._torch_compat import dtype_to_storage_type_map
+
+    return frozenset(dtype_to_storage_type_map())
 
 
 # dtypes pickled as ``_rebuild_tensor_v2(torch.XStorage, ...)`` (a legacy typed storage class)
@@ -442,3 +442,23 @@ def local_plan_sets(draw: st.DrawFn, *, max_world: int = 6, max_tensors: int = 4
         perm = draw(st.permutations(items))
         items[:] = perm
     return [local_plan(r, items) for r, items in enumerate(per_rank)]
+
+
+@st.composite
+def overwritten_bytes(draw: st.DrawFn, data: bytes,
+                      ranges: Sequence[tuple[int, int]] | None = None,
+                      max_count: int = 4) -> bytes:
+    """``data`` with 1 to ``max_count`` bytes overwritten by arbitrary values, each at a
+    position inside one of ``ranges`` (``[start, end)`` pairs; default the whole of ``data``).
+
+    The mutation half of a parser's damage tests (:mod:`ckptlab.testing.damage` has the
+    exhaustive bit flips and truncations).
+    """
+    spans = [(0, len(data))] if ranges is None else [(a, b) for a, b in ranges if b > a]
+    if not spans:
+        raise ValueError("overwritten_bytes needs a non-empty range")
+    raw = bytearray(data)
+    for _ in range(draw(st.integers(1, max_count))):
+        start, end = draw(st.sampled_from(spans))
+        raw[draw(st.integers(start, end - 1))] = draw(st.integers(0, 255))
+    return bytes(raw)

@@ -3,6 +3,23 @@
 ``import ckptlab.write`` does not import torch; :class:`AsyncWriter` (a subclass of torch's
 ``StorageWriter``) is loaded on first use.
 
+What a save through :class:`AsyncWriter` does, in order, and the module that does it:
+
+1. ``prepare_local_plan`` / ``prepare_global_plan`` pick the data file names
+   (:mod:`~ckptlab.write._files`: the next *generation* in a directory that holds a
+   checkpoint, so the committed one is never written over);
+2. ``write_data`` assigns the items to buckets (:mod:`~ckptlab.write.buckets`), places each
+   at a 4096-aligned offset of its bucket's file (:mod:`~ckptlab.write._placement`), hands
+   the files to persistent worker threads (:mod:`~ckptlab.write._worker`, which write
+   through :mod:`ckptlab._io`), copies the tensors into reused page-aligned staging memory
+   (:mod:`~ckptlab.write._staging`) and returns;
+3. ``finish`` pickles the metadata and commits in the background
+   (:mod:`~ckptlab.write._commit`): every rank reports through marker files, and the
+   coordinator renames ``.metadata`` in only after every bucket of every rank succeeded,
+   then removes the files it no longer refers to;
+4. :meth:`AsyncWriter.wait` (or the :class:`SaveHandle`, :mod:`~ckptlab.write._state`)
+   returns the :class:`Timeline` or raises :class:`~ckptlab.errors.WriterError`.
+
 Examples
 --------
 >>> import torch.distributed.checkpoint as dcp                      # doctest: +SKIP
@@ -12,8 +29,7 @@ Examples
 >>> writer.wait().nbytes                    # committed, or raises WriterError  # doctest: +SKIP
 """
 
-from typing import Any
-
+from ckptlab._lazy import lazy_attributes
 from ckptlab.write.buckets import (
     Bucket,
     BucketAssignment,
@@ -27,12 +43,7 @@ from ckptlab.write.timeline import PHASES, Timeline, TimelineEvent
 __all__ = ["PHASES", "AsyncWriter", "Bucket", "BucketAssignment", "SaveHandle", "SizedItem",
            "Timeline", "TimelineEvent", "assign_buckets", "item_nbytes", "sized_items"]
 
-_LAZY = {"AsyncWriter", "SaveHandle"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        from ckptlab.write import writer
-
-        return getattr(writer, name)
-    raise AttributeError(f"module 'ckptlab.write' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_attributes(__name__, globals(), {
+    "AsyncWriter": "ckptlab.write.writer:AsyncWriter",
+    "SaveHandle": "ckptlab.write.writer:SaveHandle",
+})

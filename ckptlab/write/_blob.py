@@ -20,9 +20,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from ckptlab._io import BLOCK
 from ckptlab.errors import CkptlabError
 
-ALIGNMENT = 4096  # storage_alignment of every blob, and of every item start in a data file
+ALIGNMENT = BLOCK  # storage_alignment of every blob, and of every item start in a data file
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,14 +100,16 @@ def build_template(dtype: Any, shape: tuple[int, ...]) -> BlobTemplate:
     import torch.serialization as ts
     from torch.utils.serialization import config
 
+    from ckptlab._torch_compat import pytorch_file_writer, torch_save_pickle
+
     # torch.empty does not touch its pages, and skip_data never reads them
     tensor = torch.empty(shape, dtype=dtype)
     nbytes = tensor.untyped_storage().nbytes()
     sink = _Sink()
     with config.patch({"save.storage_alignment": ALIGNMENT}):
-        writer = torch._C.PyTorchFileWriter(sink, False, ALIGNMENT)
+        writer = pytorch_file_writer()(sink, False, ALIGNMENT)
         with ts.skip_data():
-            ts._save(tensor, writer, pickle, 2, False)
+            torch_save_pickle()(tensor, writer, pickle, 2, False)
         writer.write_end_of_file()
     del writer
     # the one hole in the written bytes is the storage's data

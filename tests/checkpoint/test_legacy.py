@@ -27,13 +27,13 @@ import ckptlab as cl
 from ckptlab.checkpoint.model import Checkpoint
 from ckptlab.errors import (
     ArchiveError,
-    CkptlabError,
     CorruptArchiveError,
     TruncatedArchiveError,
     UnsupportedFormatError,
 )
 from ckptlab.format.layout import SegmentKind
 from ckptlab.testing import strategies as cst
+from ckptlab.testing.damage import assert_tiles, bit_flips, open_and_read, truncations
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -60,11 +60,7 @@ def same(want: torch.Tensor, got: torch.Tensor) -> None:
 
 def check_tiling(ck: Checkpoint) -> None:
     for f in ck.files:
-        cursor = 0
-        for s in f.segments:
-            assert s.offset == cursor and s.nbytes > 0, (f.path, s)
-            cursor = s.end_offset
-        assert cursor == f.nbytes
+        assert_tiles(f.segments, f.nbytes, f.path)
 
 
 def check_parts(ck: Checkpoint, path: Path, loaded: Any) -> None:
@@ -276,25 +272,12 @@ def test_storage_views_of_old_files(tmp_path: Path) -> None:
 # -- damage ------------------------------------------------------------------------------------
 def test_every_truncation_is_an_archive_error(small_legacy: bytes) -> None:
     data = small_legacy
-    for n in range(len(data)):
+    for prefix in truncations(data):
         with pytest.raises(ArchiveError):
-            cl.open(data[:n])
+            cl.open(prefix)
     ck = cl.open(data + b"tail")  # bytes after the last storage: kept, and said
     assert ck.files[0].segments[-1].kind is SegmentKind.UNKNOWN and "after the last" in \
         ck.notes[0]
-
-
-def _open_and_read(path: Path, data: bytes) -> None:
-    path.write_bytes(data)
-    try:
-        ck = cl.open(path)
-        for name in ck.tensors:
-            try:
-                ck.read(name)
-            except CkptlabError:
-                pass
-    except CkptlabError:
-        pass
 
 
 def test_every_byte_of_every_pickle_flipped(small_legacy: bytes, tmp_path: Path) -> None:
@@ -302,20 +285,15 @@ def test_every_byte_of_every_pickle_flipped(small_legacy: bytes, tmp_path: Path)
     pickles = [s for s in cl.open(data).files[0].segments
                if s.kind is not SegmentKind.DATA or s.record == "pickle"]
     target = tmp_path / "flipped.pt"
-    for seg in pickles:  # the pickles and the element counts
-        for i in range(seg.offset, seg.end_offset):
-            mutated = bytearray(data)
-            mutated[i] ^= 1 << (i % 8)
-            _open_and_read(target, bytes(mutated))
+    # the pickles and the element counts
+    for _, mutated in bit_flips(data, [(seg.offset, seg.end_offset) for seg in pickles]):
+        open_and_read(mutated, target)
 
 
 @given(data=st.data())
 def test_random_mutations(small_legacy: bytes, tmp_path_factory, data) -> None:
-    raw = bytearray(small_legacy)
-    for _ in range(data.draw(st.integers(1, 4))):
-        at = data.draw(st.integers(0, len(raw) - 1))
-        raw[at] = data.draw(st.integers(0, 255))
-    _open_and_read(tmp_path_factory.mktemp("mut") / "m.pt", bytes(raw))
+    mutated = data.draw(cst.overwritten_bytes(small_legacy))
+    open_and_read(mutated, tmp_path_factory.mktemp("mut") / "m.pt")
 
 
 def test_element_count_must_match_the_pickle(tmp_path: Path) -> None:

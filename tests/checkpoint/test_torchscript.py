@@ -24,7 +24,9 @@ from hypothesis import strategies as st
 
 import ckptlab as cl
 from ckptlab.checkpoint.model import Checkpoint
-from ckptlab.errors import ArchiveError, CkptlabError, UnsupportedFormatError
+from ckptlab.errors import ArchiveError, UnsupportedFormatError
+from ckptlab.testing import strategies as cst
+from ckptlab.testing.damage import assert_tiles, bit_flips, open_and_read, truncations
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning",
                                         "ignore::FutureWarning")
@@ -121,11 +123,7 @@ def attribute(module: Any, name: str) -> Any:
 
 def check_tiling(ck: Checkpoint) -> None:
     for f in ck.files:
-        cursor = 0
-        for s in f.segments:
-            assert s.offset == cursor and s.nbytes > 0, (f.path, s)
-            cursor = s.end_offset
-        assert cursor == f.nbytes
+        assert_tiles(f.segments, f.nbytes, f.path)
 
 
 def check_state_dict(ck: Checkpoint, path: Path) -> torch.jit.ScriptModule:
@@ -246,23 +244,10 @@ def test_hostile_data_pkl_never_runs(tmp_path: Path) -> None:
 
 
 # -- damage ------------------------------------------------------------------------------------
-def _open_and_read(path: Path, data: bytes) -> None:
-    path.write_bytes(data)
-    try:
-        ck = cl.open(path)
-        for name in ck.tensors:
-            try:
-                ck.read(name)
-            except CkptlabError:
-                pass
-    except CkptlabError:
-        pass
-
-
 def test_truncations_are_archive_errors(small: bytes) -> None:
-    for n in range(0, len(small), 7):
+    for prefix in truncations(small, step=7):
         with pytest.raises(ArchiveError):
-            cl.open(small[:n])
+            cl.open(prefix)
 
 
 def _pickle_ranges(data: bytes) -> list[tuple[int, int]]:
@@ -275,18 +260,11 @@ def test_every_byte_of_data_pkl_flipped(small: bytes, tmp_path: Path) -> None:
     ck = cl.open(small)
     pkl = ck.files[0].layout.record("data.pkl")
     target = tmp_path / "flipped.pt"
-    for i in range(pkl.data_offset, pkl.data_offset + pkl.data_nbytes):
-        mutated = bytearray(small)
-        mutated[i] ^= 1 << (i % 8)
-        _open_and_read(target, bytes(mutated))
+    for _, mutated in bit_flips(small, [(pkl.data_offset, pkl.data_offset + pkl.data_nbytes)]):
+        open_and_read(mutated, target)
 
 
 @given(data=st.data())
 def test_random_mutations_of_pickles_and_code(small: bytes, tmp_path_factory, data) -> None:
-    ranges = _pickle_ranges(small)
-    raw = bytearray(small)
-    for _ in range(data.draw(st.integers(1, 4))):
-        start, end = data.draw(st.sampled_from(ranges))
-        at = data.draw(st.integers(start, end - 1))
-        raw[at] = data.draw(st.integers(0, 255))
-    _open_and_read(tmp_path_factory.mktemp("mut") / "m.pt", bytes(raw))
+    mutated = data.draw(cst.overwritten_bytes(small, _pickle_ranges(small)))
+    open_and_read(mutated, tmp_path_factory.mktemp("mut") / "m.pt")

@@ -42,6 +42,7 @@ from ckptlab.errors import (
     UnsupportedFormatError,
 )
 from ckptlab.format._pickle import scan_pickle
+from ckptlab.testing.archives import rewrite_archive
 
 HANG_GUARD_S = 2.0  # one call on a ~3 KiB file takes ~1 ms; this only catches hangs
 MiB = 1 << 20
@@ -305,34 +306,27 @@ def test_every_prefix_raises_archive_error(protocol: int, traced: None) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_truncated_files_name_path_and_offset(tmp_path: Path) -> None:
-    """Path inputs: the error names the file and an offset inside what is left of it."""
+@pytest.mark.parametrize("kind,seed,extra", [("path", 1, 100), ("file object", 2, 40)])
+def test_truncated_files_name_path_and_offset(kind: str, seed: int, extra: int,
+                                              tmp_path: Path) -> None:
+    """Path and binary file object inputs: the error names the file (the file object by its
+    name) and an offset inside what is left of it."""
     data = small_archive()
     path = tmp_path / "truncated.pt"
-    for cut in cut_points(data, random.Random(1), extra=100):
+    for cut in cut_points(data, random.Random(seed), extra=extra):
         path.write_bytes(data[:cut])
         for fn in FUNCTIONS:
-            _result, error = watched(fn, path, cut, f"file cut at {cut}")
-            assert error is not None, f"{fn.__name__} accepted the file cut at {cut}"
-            check_truncation_error(error, cut, str(path), f"{fn.__name__}, cut at {cut}")
-
-
-@pytest.mark.timeout(120)
-def test_truncated_file_objects(tmp_path: Path) -> None:
-    """Binary file objects: same errors, named after the file object's name."""
-    data = small_archive()
-    path = tmp_path / "truncated.pt"
-    for cut in cut_points(data, random.Random(2), extra=40):
-        path.write_bytes(data[:cut])
-        for fn in FUNCTIONS:
-            with open(path, "rb") as fh:
-                _result, error = watched(fn, fh, cut, f"file object cut at {cut}")
-            assert error is not None, f"{fn.__name__} accepted the file object cut at {cut}"
-            check_truncation_error(error, cut, str(path), f"{fn.__name__}, cut at {cut}")
-    with open(path, "wb") as fh:
-        fh.write(data)
+            what = f"{fn.__name__}, {kind} cut at {cut}"
+            if kind == "path":
+                _result, error = watched(fn, path, cut, what)
+            else:
+                with open(path, "rb") as fh:
+                    _result, error = watched(fn, fh, cut, what)
+            assert error is not None, f"{fn.__name__} accepted the {kind} cut at {cut}"
+            check_truncation_error(error, cut, str(path), what)
+    path.write_bytes(data)
     with open(path, "rb") as fh:
-        check_layout(ckptlab.inspect(fh), len(data), "full file object")
+        check_layout(ckptlab.inspect(fh), len(data), f"full {kind}")
 
 
 @pytest.mark.timeout(120)
@@ -474,22 +468,6 @@ def test_hypothesis_mutations(mutated: bytes) -> None:
 # --------------------------------------------------------------------------------------------
 # a valid zip around a broken pickle
 # --------------------------------------------------------------------------------------------
-def rewrite_archive(data: bytes, replace: dict[str, bytes]) -> bytes:
-    """The archive re-written by torch's own zip writer, with some records' payloads replaced."""
-    src = zipfile.ZipFile(io.BytesIO(data))
-    buf = io.BytesIO()
-    writer = torch._C.PyTorchFileWriter(buf)
-    for name in src.namelist():
-        short = name.split("/", 1)[1]
-        if short in ("version", ".data/serialization_id"):
-            continue  # written by write_end_of_file
-        payload = replace.get(short, src.read(name))
-        writer.write_record(short, payload, len(payload))
-    writer.write_end_of_file()
-    del writer
-    return buf.getvalue()
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("protocol", [2, 5])
 def test_truncated_pickle_in_intact_zip(protocol: int, traced: None) -> None:

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import ckptlab
+from ckptlab import _torch_compat as tc
 from ckptlab.errors import ArchiveError
 from ckptlab.format import _unpickle, _zip
 from ckptlab.format._bulk import build, gc_paused
@@ -361,6 +362,6 @@ def test_large_checkpoint_round_trip(tmp_path: Path) -> None:
         assert torch.equal(ck.read(name), sd[name])
     offsets = ckptlab.storage_offsets(path)
     assert offsets.method == "cursor" and offsets.reads <= 3
-    reader = torch._C.PyTorchFileReader(str(path))
+    reader = tc.pytorch_file_reader()(str(path))
     assert offsets.offsets == {n[5:]: reader.get_record_offset(n)
                                for n in reader.get_all_records() if n.startswith("data/")}

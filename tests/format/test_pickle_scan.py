@@ -38,6 +38,7 @@ import pytest
 import torch
 
 import ckptlab
+from ckptlab import _torch_compat as tc
 from ckptlab.errors import ArchiveError, CorruptArchiveError
 from ckptlab.format._pickle import PickleScan, scan_pickle
 
@@ -76,7 +77,7 @@ def with_data_pkl(pkl: bytes, *, torch_writer: bool = True) -> bytes:
     src = zipfile.ZipFile(io.BytesIO(base))
     out = io.BytesIO()
     if torch_writer:
-        writer = torch._C.PyTorchFileWriter(out)
+        writer = tc.pytorch_file_writer()(out)
         for name in src.namelist():
             short = name.split("/", 1)[1]
             if short in ("version", ".data/serialization_id"):

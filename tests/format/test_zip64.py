@@ -24,6 +24,7 @@ import torch
 
 import ckptlab
 from ckptlab import SegmentKind
+from ckptlab import _torch_compat as tc
 
 U32 = 0xFFFFFFFF
 GiB = 1 << 30
@@ -73,7 +74,7 @@ def check_archive(path: Path, obj: Any, alignment: int = 64) -> ckptlab.ArchiveL
     assert layout.archive_name == ckptlab.archive_name_for(path)
 
     # torch's reader: every record's data offset
-    reader = torch._C.PyTorchFileReader(str(path))
+    reader = tc.pytorch_file_reader()(str(path))
     assert sorted(reader.get_all_records()) == sorted(r.short_name for r in layout.records)
     for r in layout.records:
         assert r.data_offset == reader.get_record_offset(r.short_name), r.name
@@ -136,7 +137,7 @@ def check_archive(path: Path, obj: Any, alignment: int = 64) -> ckptlab.ArchiveL
         real = loaded
         for k in t.path:
             real = real[k]
-        assert real.untyped_storage()._checkpoint_offset == expected[t.storage_key], t.path
+        assert tc.checkpoint_offset(real.untyped_storage()) == expected[t.storage_key], t.path
         assert (tuple(real.shape), real.stride(), real.storage_offset()) == (
             t.shape, t.stride, t.storage_offset), t.path
 

@@ -376,3 +376,63 @@ def test_tensors_a_skeleton_cannot_carry_are_ckptlab_errors(tmp_path) -> None:
         assert not (tmp_path / "out.pt").exists()
         with pytest.raises(UnsupportedFormatError, match="torch refuses"):
             cl.predict_layout({"x": value})
+
+
+def test_load_returns_a_result_that_still_unpacks(tmp_path: Path) -> None:
+    """``gds.load`` gives a LoadResult (``.obj``, ``.report``) that unpacks like the tuple it
+    was; ``TransferReport.seconds`` became ``duration_s`` (the old name warns)."""
+    state = {"w": torch.arange(300_000, dtype=torch.float32), "step": 3}
+    saved = gds.save(state, tmp_path / "m.pt", fsync=False)
+    result = gds.load(tmp_path / "m.pt")
+    assert isinstance(result, gds.LoadResult)
+    obj, report = result
+    assert obj is result.obj and report is result.report
+    assert torch.equal(obj["w"], state["w"]) and obj["step"] == 3
+    assert report.duration_s == pytest.approx(sum(report.phases.values()))
+    with pytest.warns(DeprecationWarning, match="duration_s"):
+        assert saved.seconds == saved.duration_s
+
+
+def test_the_tutorial_module_is_an_alias_of_the_api_module() -> None:
+    from ckptlab.gds import api, tutorial
+
+    assert tutorial.save is api.save is gds.save and tutorial.load is api.load
+    assert tutorial.GDS_ALIGNMENT == 4096 and tutorial.TransferReport is api.TransferReport
+
+
+def test_host_saves_write_the_file_front_to_back(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the skeleton, a host-backend save empties the file and writes every byte again
+    in file order (appending writes fill no holes); the file is the skeleton with each
+    storage's bytes at its offset."""
+    torch.manual_seed(0)
+    state = {"a": torch.randn(3000), "b": torch.randn(70_000).half(), "c": torch.arange(5),
+             "tied": None}
+    state["tied"] = state["a"][10:20]
+    (tmp_path / "torch").mkdir()
+    want = tmp_path / "torch" / "m.pt"  # the same file name: it is the archive's name
+    with config.patch({"save.storage_alignment": 4096}), torch.serialization.skip_data():
+        torch.save(state, want)
+    expected = bytearray(want.read_bytes())
+    offsets = cl.storage_offsets(want).offsets
+    for key, storage in zip(sorted(offsets, key=int), gds.storages_in_save_order(state)):
+        data = storage_bytes(storage)
+        expected[offsets[key]:offsets[key] + len(data)] = data
+    writes: list[tuple[int, int]] = []
+    real = os.pwrite
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        n = real(fd, data, offset)
+        writes.append((offset, n))
+        return n
+
+    path = tmp_path / "m.pt"
+    with monkeypatch.context() as m:
+        m.setattr(os, "pwrite", pwrite)
+        report = gds.save(state, path, backend="odirect", fsync=False)
+    assert path.read_bytes() == bytes(expected)
+    end = 0
+    for offset, n in writes:
+        assert offset >= end or offset + n <= end  # never behind what is already written
+        end = max(end, offset + n)
+    assert end == os.path.getsize(path) and report.storages == 3

@@ -10,7 +10,9 @@ def write_items_vs_torch(rank: int, world_size: int) -> tuple[list, list]:
     from torch.distributed._shard import sharded_tensor  # noqa: F401
     from torch.distributed._shard.api import _shard_tensor
     from torch.distributed._shard.sharding_spec import ChunkShardingSpec
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from ckptlab._torch_compat import flatten_state_dict as _flatten
+    flatten_state_dict = _flatten()
     from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor

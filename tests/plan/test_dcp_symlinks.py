@@ -18,6 +18,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import dcp_workers
 import pytest
 import torch.distributed.checkpoint as dcp
 
@@ -25,9 +26,6 @@ import ckptlab as cl
 from ckptlab.cli import main
 from ckptlab.errors import ArchiveError
 from ckptlab.plan import inspect_dcp, load_metadata
-
-sys.path.insert(0, str(Path(__file__).parent))
-import dcp_workers
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "symlink"), reason="no symlinks here")
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import plan_workers
 import pytest
 import torch
 from hypothesis import given
@@ -18,9 +16,6 @@ from ckptlab.plan import run_ranks
 from ckptlab.plan.items import WriteItem, local_plan, parse_placements, shard_chunk, write_items
 from ckptlab.plan.reshard import Chunk
 from ckptlab.plan.torch_plans import from_torch_plan, to_torch_plan
-
-sys.path.insert(0, str(Path(__file__).parent))
-import plan_workers
 
 
 @st.composite
@@ -70,7 +65,8 @@ def test_placement_forms():
 def test_plain_tensors_and_objects_match_torch():
     state = {"w": torch.ones(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16),
              "s": torch.tensor(2.0), "opt": {"lr": 0.1, "m": torch.ones(2)}, "tag": "x"}
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from ckptlab._torch_compat import flatten_state_dict as _flatten
+    flatten_state_dict = _flatten()
 
     flat, _ = flatten_state_dict(state)
     theirs = from_torch_plan(create_default_local_save_plan(flat, True), 0)

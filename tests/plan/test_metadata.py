@@ -7,9 +7,9 @@ import json
 import os
 import pickle
 import shutil
-import sys
 from pathlib import Path
 
+import dcp_workers
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -18,9 +18,6 @@ import ckptlab as cl
 from ckptlab.cli import main
 from ckptlab.errors import ArchiveError, CorruptArchiveError, UnsupportedFormatError
 from ckptlab.plan import RankError, inspect_dcp, load_metadata, run_ranks
-
-sys.path.insert(0, str(Path(__file__).parent))
-import dcp_workers
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,7 @@ and its cache goes miss -> hit -> delta per namespace."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import plan_workers
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -13,9 +11,6 @@ import torch.distributed.checkpoint as dcp
 from ckptlab.errors import PlanError
 from ckptlab.plan import PlanCache, inspect_dcp, run_ranks
 from ckptlab.plan.planner import CachedSavePlanner
-
-sys.path.insert(0, str(Path(__file__).parent))
-import plan_workers
 
 # dcp.load/save without a process group says it assumes a single process: that is the point
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pickle
-import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_cache import statuses
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -31,9 +31,6 @@ from ckptlab.plan import PlanBook, PlanCache, WriteItem, local_plan
 from ckptlab.plan.planner import CachedSavePlanner
 from ckptlab.plan.reshard import Chunk
 from ckptlab.testing.strategies import GRAD_DTYPES, chunk_grids, make_tensor, shapes
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_cache import statuses
 
 # dcp.load/save without a process group says it assumes a single process: that is the point
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

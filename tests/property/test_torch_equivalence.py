@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 import ckptlab
 from ckptlab import SegmentKind
+from ckptlab import _torch_compat as tc
 from ckptlab.testing import strategies as cst
 
 # tests/conftest.py registers and loads the profiles; keep this module usable without it
@@ -94,7 +95,7 @@ def test_records_match_torch_reader_and_zipfile(workdir: Path, obj: Any,
         assert layout.format == "torch-zip"
         assert layout.file_nbytes == path.stat().st_size
 
-        reader = torch._C.PyTorchFileReader(str(path))
+        reader = tc.pytorch_file_reader()(str(path))
         torch_names = reader.get_all_records()
         assert sorted(r.short_name for r in layout.records) == sorted(torch_names)
         for r in layout.records:
@@ -223,12 +224,13 @@ def test_offsets_match_meta_load_checkpoint_offset(workdir: Path, obj: Any,
         tensor = get_path(loaded, t.path)
         assert isinstance(tensor, torch.Tensor) and tensor.device.type == "meta"
         storage = tensor.untyped_storage()
-        assert storage._checkpoint_offset == by_key[t.storage_key].data_offset, t.path
+        assert tc.checkpoint_offset(storage) == by_key[t.storage_key].data_offset, t.path
         assert storage.nbytes() == by_key[t.storage_key].nbytes, t.path
         seen.add(t.storage_key)
     # every storage is viewed by some tensor (state_dicts never saves bare storages)
     assert seen == set(by_key)
-    offsets = {p: tt.untyped_storage()._checkpoint_offset for p, tt in cst.iter_tensors(loaded)}
+    offsets = {p: tc.checkpoint_offset(tt.untyped_storage())
+               for p, tt in cst.iter_tensors(loaded)}
     assert set(offsets.values()) == {s.data_offset for s in layout.storages}
 
 
@@ -247,7 +249,7 @@ def test_offsets_match_fake_tensor_mode_load(workdir: Path, obj: Any,
     for t in layout.tensors:
         tensor = get_path(loaded, t.path)
         assert isinstance(tensor, FakeTensor) or isinstance(tensor, torch.nn.Parameter)
-        assert tensor.untyped_storage()._checkpoint_offset == by_key[t.storage_key].data_offset
+        assert tc.checkpoint_offset(tensor.untyped_storage()) == by_key[t.storage_key].data_offset
         assert tuple(tensor.shape) == t.shape and tensor.stride() == t.stride
 
 
@@ -388,7 +390,7 @@ def test_rebuild_v3_dtypes_are_scanned(tmp_path: Path) -> None:
     torch.save({"x": torch.zeros(2, dtype=torch.uint16)}, path)
     layout = ckptlab.inspect(path)
     assert layout.tensors[0].dtype == "uint16"
-    assert layout.storages[0].data_offset == torch._C.PyTorchFileReader(
+    assert layout.storages[0].data_offset == tc.pytorch_file_reader()(
         str(path)).get_record_offset("data/0")
 
 
@@ -400,7 +402,7 @@ def test_all_dtypes_offsets_and_predictions(workdir: Path, obj: Any,
         path = config.save(obj, d)
         layout = ckptlab.inspect(path)
         loaded = load_meta(path)
-        reader = torch._C.PyTorchFileReader(str(path))
+        reader = tc.pytorch_file_reader()(str(path))
         offsets = ckptlab.storage_offsets(path, scan=True)
     for r in layout.records:
         assert r.data_offset == reader.get_record_offset(r.short_name)
@@ -408,7 +410,7 @@ def test_all_dtypes_offsets_and_predictions(workdir: Path, obj: Any,
     for t in layout.tensors:
         real = get_path(loaded, t.path)
         assert t.dtype == str(real.dtype).removeprefix("torch.")
-        assert real.untyped_storage()._checkpoint_offset == layout.storage(
+        assert tc.checkpoint_offset(real.untyped_storage()) == layout.storage(
             t.storage_key).data_offset
     predicted = ckptlab.predict_layout(obj, alignment=config.alignment,
                                        archive_name=ckptlab.archive_name_for(path),

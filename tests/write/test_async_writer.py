@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import warnings
 from pathlib import Path
 
+import async_workers
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -18,9 +18,6 @@ import torch.distributed.checkpoint as dcp
 from ckptlab.errors import WriterError
 from ckptlab.plan import inspect_dcp, run_ranks
 from ckptlab.write import PHASES, AsyncWriter, Timeline
-
-sys.path.insert(0, str(Path(__file__).parent))
-import async_workers
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -315,3 +312,12 @@ def test_progress_counts_up_to_the_total(tmp_path: Path) -> None:
         written, total = handle.progress()
     assert written == total == timeline.nbytes > 20000
     assert total % 4096 == 0
+
+
+def test_fsync_is_the_switch_and_sync_files_its_earlier_name(tmp_path: Path) -> None:
+    with AsyncWriter(tmp_path / "a", fsync=False) as w:
+        assert w.fsync is False and w.sync_files is False
+        w.sync_files = True
+        assert w.fsync is True
+    with AsyncWriter(tmp_path / "b", sync_files=False) as w:
+        assert w.fsync is False

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import async_workers
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -30,9 +31,6 @@ from ckptlab.errors import StorageIOError, WriterError
 from ckptlab.plan import write_metadata
 from ckptlab.write import AsyncWriter
 from ckptlab.write.writer import DATA_NAME
-
-sys.path.insert(0, str(Path(__file__).parent))
-import async_workers
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -14,6 +14,7 @@ import textwrap
 import warnings
 from pathlib import Path
 
+import async_workers
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -21,9 +22,6 @@ import torch.distributed.checkpoint as dcp
 from ckptlab.errors import StorageIOError, WriterError
 from ckptlab.plan import run_ranks
 from ckptlab.write import AsyncWriter
-
-sys.path.insert(0, str(Path(__file__).parent))
-import async_workers
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

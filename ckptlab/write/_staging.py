@@ -1,0 +1,231 @@
+"""Staging: reusable page-aligned host memory the caller's tensors are copied into, so a save
+is a snapshot the caller may change right after ``write_data`` (or ``stage``) returns."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import mmap
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ckptlab._io import BLOCK, align_up, populate
+from ckptlab.write.timeline import _Recorder
+
+__all__ = ["SLAB_MIN_NBYTES", "StagingArena", "StagingState", "copy_in", "stage_tree",
+           "tree_nbytes"]
+
+SLAB_MIN_NBYTES = 64 << 20  # staging memory grows in slabs at least this big
+
+
+class _Slab:
+    __slots__ = ("base", "nbytes", "tensor", "used", "view")
+
+    def __init__(self, nbytes: int) -> None:
+        import torch
+
+        self.view = memoryview(mmap.mmap(-1, nbytes))  # page aligned, zero filled
+        self.tensor = torch.frombuffer(self.view, dtype=torch.uint8)  # keeps the mapping alive
+        self.base = self.tensor.data_ptr()
+        populate(self.base, nbytes)  # fault the pages in one call, not page by page in the copy
+        self.nbytes = nbytes
+        self.used = 0
+
+
+class StagingArena:
+    """Page-aligned host memory reused from save to save; every slot starts on 4096 bytes.
+
+    Memory is a list of anonymous mappings (slabs). ``begin`` rewinds them for a new save,
+    replacing them with one slab when the save needs more than they hold; ``alloc`` hands out
+    slots and adds a slab when the current ones are full (slots already handed out never
+    move). A slot's tensor keeps its mapping alive, so memory a caller still holds is never
+    unmapped under it.
+    """
+
+    def __init__(self) -> None:
+        self._slabs: list[_Slab] = []
+
+    @property
+    def capacity_nbytes(self) -> int:
+        return sum(s.nbytes for s in self._slabs)
+
+    @property
+    def used_nbytes(self) -> int:
+        return sum(s.used for s in self._slabs)
+
+    def begin(self, need_nbytes: int) -> None:
+        """Rewind for a new save that will stage about ``need_nbytes`` bytes."""
+        if need_nbytes > self.capacity_nbytes:
+            self._slabs = [_Slab(max(align_up(need_nbytes, 2 << 20), SLAB_MIN_NBYTES))]
+        for slab in self._slabs:
+            slab.used = 0
+
+    def release(self) -> None:
+        """Drop every slab (memory returns to the OS once no staged tensor refers to it)."""
+        self._slabs = []
+
+    def alloc(self, nbytes: int) -> tuple[Any, memoryview]:
+        """A 4096-aligned slot: (uint8 tensor, memoryview) over the same ``nbytes`` bytes."""
+        need = align_up(max(nbytes, 1))
+        for slab in self._slabs:
+            if slab.nbytes - slab.used >= need:
+                break
+        else:
+            slab = _Slab(max(align_up(need, 2 << 20), SLAB_MIN_NBYTES))
+            self._slabs.append(slab)
+        start = slab.used
+        slab.used += need
+        return slab.tensor[start:start + nbytes], slab.view[start:start + nbytes]
+
+    def find(self, tensor: Any) -> memoryview | None:
+        """The staging bytes of a contiguous CPU tensor that lives at a 4096-aligned slot."""
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return None
+        ptr = tensor.data_ptr()
+        nbytes = tensor.numel() * tensor.element_size()
+        for slab in self._slabs:
+            if slab.base <= ptr and ptr + nbytes <= slab.base + slab.used \
+                    and (ptr - slab.base) % BLOCK == 0:
+                return slab.view[ptr - slab.base:ptr - slab.base + nbytes]
+        return None
+
+
+class StagingState:
+    """Shared by the caller (copying items in) and the workers (waiting for them)."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self.events: list[threading.Event] = []
+
+    def event(self) -> threading.Event:
+        ev = threading.Event()
+        self.events.append(ev)
+        return ev
+
+    def abort(self, error: BaseException) -> None:
+        """Staging failed: wake every waiting worker, which then gives up."""
+        self.error = error
+        for ev in self.events:
+            ev.set()
+
+
+@dataclass(frozen=True, slots=True)
+class PendingCopy:
+    """One tensor chunk still to be copied into its staging slot."""
+
+    bucket: int
+    file: str
+    slot: Any  # uint8 tensor over the slot
+    tensor: Any  # the caller's tensor (CPU or device)
+    nbytes: int
+    ready: threading.Event
+
+
+def copy_in(recorder: _Recorder, copies: list[list[PendingCopy]],
+            pool: ThreadPoolExecutor | None = None, lanes: int = 1) -> None:
+    """Copy the tensors in, one item per bucket in turn, so every worker starts early.
+
+    With a ``pool`` and ``lanes`` > 1, ``lanes - 1`` of its threads copy beside the caller
+    (items dealt round-robin in that order; torch's copy releases the GIL). Returns once
+    every copy is done; the first error is raised after all of them stopped.
+    """
+    order = [c for batch in itertools.zip_longest(*copies) for c in batch if c is not None]
+    if pool is None or lanes < 2 or len(order) < 2:
+        spans = [_copy_share(recorder, order)]
+    else:
+        shares = [order[i::lanes] for i in range(lanes)]
+        futures = [pool.submit(_copy_share, recorder, share) for share in shares[1:] if share]
+        spans, errors = [], []
+        try:
+            spans.append(_copy_share(recorder, shares[0]))
+        except BaseException as exc:
+            errors.append(exc)
+        for fut in futures:
+            try:
+                spans.append(fut.result())
+            except BaseException as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+    merged: dict[int, list[Any]] = {}
+    for part in spans:
+        for bucket, (start, end, nbytes, file) in part.items():
+            span = merged.setdefault(bucket, [start, end, 0, file])
+            span[0], span[1] = min(span[0], start), max(span[1], end)
+            span[2] += nbytes
+    for bucket, (start, end, nbytes, file) in merged.items():
+        recorder.add_span(bucket, "stage", start, end, nbytes, file)
+
+
+def _copy_share(recorder: _Recorder, share: list[PendingCopy]) -> dict[int, list[Any]]:
+    spans: dict[int, list[Any]] = {}
+    for c in share:
+        t = recorder.now()
+        c.slot.view(c.tensor.dtype).view(c.tensor.shape).copy_(c.tensor)
+        c.ready.set()
+        span = spans.setdefault(c.bucket, [t, 0.0, 0, c.file])
+        span[1] = recorder.now()
+        span[2] += c.nbytes
+    return spans
+
+
+def _is_dtensor(obj: Any) -> bool:
+    return hasattr(obj, "to_local") and hasattr(obj, "device_mesh")
+
+
+def tree_nbytes(obj: Any) -> int:
+    """Staging bytes a state dict needs (each tensor, DTensors by their local shard, rounded
+    up to 4096)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        local = obj.to_local() if _is_dtensor(obj) else obj
+        return align_up(local.numel() * local.element_size())
+    if isinstance(obj, dict):
+        return sum(tree_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tree_nbytes(v) for v in obj)
+    return 0
+
+
+def _stage_tensor(arena: StagingArena, tensor: Any) -> tuple[Any, int]:
+    import torch
+
+    tensor = tensor.detach()
+    nbytes = tensor.numel() * tensor.element_size()
+    if not nbytes:
+        return torch.empty(tensor.shape, dtype=tensor.dtype), 0
+    slot, _ = arena.alloc(nbytes)
+    out = slot.view(tensor.dtype).view(tensor.shape)
+    out.copy_(tensor)
+    return out, nbytes
+
+
+def stage_tree(arena: StagingArena, obj: Any) -> tuple[Any, int]:
+    """``obj`` with every tensor (a DTensor: its local shard) replaced by a copy in staging
+    memory; other values deep-copied. Returns (copy, bytes staged)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        if _is_dtensor(obj):
+            from torch.distributed.tensor import DTensor
+
+            local, n = _stage_tensor(arena, obj.to_local())
+            return DTensor.from_local(local, obj.device_mesh, obj.placements,
+                                      run_check=False, shape=obj.shape,
+                                      stride=obj.stride()), n
+        if type(obj) is torch.Tensor or isinstance(obj, torch.nn.Parameter):
+            return _stage_tensor(arena, obj)
+        return obj.detach().clone(), 0  # other subclasses: a private copy
+    if isinstance(obj, dict):
+        out, total = {}, 0
+        for k, v in obj.items():
+            out[k], n = stage_tree(arena, v)
+            total += n
+        return out, total
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        items = [stage_tree(arena, v) for v in obj]
+        return type(obj)(v for v, _ in items), sum(n for _, n in items)
+    return copy.deepcopy(obj), 0
