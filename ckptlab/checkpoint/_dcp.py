@@ -132,10 +132,23 @@ def _check_tiling(fqn: str, shape: tuple[int, ...], parts: list[Part], path: str
                                   actual=f"{len(parts)} chunks")
 
 
-def open_dcp(root: str) -> Checkpoint:
-    """A DCP directory (any of the variants in the module docstring) as a checkpoint."""
+def open_dcp(root: str, *, fast: bool = True) -> Checkpoint:
+    """A DCP directory (any of the variants in the module docstring) as a checkpoint.
+
+    With ``fast`` (the default) a directory in DCP's default format opens from its
+    ``.metadata`` alone and its tensors are built on first access
+    (:mod:`ckptlab.checkpoint._dcp_fast`); every other one, and ``fast=False``, reads every
+    item at open, which gives an equal checkpoint.
+    """
     from ckptlab.checkpoint.open import _reader
     from ckptlab.plan.metadata import METADATA, inspect_dcp
+
+    if fast:
+        from ckptlab.checkpoint._dcp_fast import open_dcp_fast
+
+        quick = open_dcp_fast(root)
+        if quick is not None:
+            return quick
 
     layout = inspect_dcp(root)
     meta = layout.metadata

@@ -149,7 +149,7 @@ class TensorEntry:
             out["subclass"] = self.subclass
         if self.extra:
             out["extra"] = {k: plain_value(v) for k, v in self.extra}
-        # the torch-zip fields of DESIGN's tensor entries, from the (first) data part
+        # the torch-zip fields of the README's tensor entries, from the (first) data part
         data = self.parts[0] if self.parts else None
         if data is not None:
             out["storage_key"] = data.storage_key
@@ -259,12 +259,17 @@ class Checkpoint:
     def read_part(self, name: str, role: str) -> Any:
         """One part of tensor ``name`` (``"indices"``, ``"scales"``, an inner tensor of a
         subclass...) as a dense tensor with the part's own shape and stride."""
-        from ckptlab.checkpoint._tensors import part_tensor
+        import dataclasses
 
         entry = self.tensors[name]
         for part in entry.parts:
             if part.role == role:
-                return part_tensor(lambda rel: self.file(rel).full_path, part)
+                # read as a dense tensor of that one part, through this checkpoint's own
+                # reader (local files, or ranged requests behind a URL)
+                alone = dataclasses.replace(part, role="data", chunk_offsets=None)
+                return self._reader(self, TensorEntry(
+                    f"{entry.name}:{role}", entry.path, part.dtype, part.shape, part.stride,
+                    "dense", (alone,)))
         raise KeyError(f"{name!r} has no part {role!r} (parts: "
                        f"{', '.join(p.role for p in entry.parts)})")
 

@@ -18,6 +18,7 @@ import re
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
+from ckptlab._lazy import lazy_callable
 from ckptlab._progress import task
 from ckptlab.checkpoint._tensors import (
     build_tensor,
@@ -98,22 +99,14 @@ def _safetensors(src: ByteSource, rel: str) -> FileModel:
     return FileModel(entry, tensors, objects, "safetensors")
 
 
-def _lazy(module: str, name: str) -> Callable[[ByteSource, str], FileModel]:
-    """An adapter from ``module``, imported on first use (the adapters import this module)."""
-    def adapter(src: ByteSource, rel: str) -> FileModel:
-        import importlib
-
-        return getattr(importlib.import_module(module), name)(src, rel)
-    return adapter
-
-
 # detect_format kind -> adapter(source, relative name) -> FileModel
 FILE_ADAPTERS: dict[str, Callable[[ByteSource, str], FileModel]] = {
     # torch.save zips; TorchScript and torch.export (.pt2) zips are told apart by their records
-    "torch-zip": _lazy("ckptlab.checkpoint._torchscript", "model_zip"),
+    # (the adapters import this module: theirs are imported on first use)
+    "torch-zip": lazy_callable("ckptlab.checkpoint._torchscript:model_zip"),
     "safetensors": _safetensors,
-    "legacy-pickle": _lazy("ckptlab.checkpoint._legacy", "model_legacy"),
-    "pickle": _lazy("ckptlab.checkpoint._legacy", "model_pickle"),  # legacy, protocol 3-5
+    "legacy-pickle": lazy_callable("ckptlab.checkpoint._legacy:model_legacy"),
+    "pickle": lazy_callable("ckptlab.checkpoint._legacy:model_pickle"),  # legacy, protocol 3-5
 }
 
 
@@ -502,7 +495,7 @@ def _open_remote_dcp(store: Any, root: str) -> Checkpoint:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with open(target, "wb") as f:
                 store.stream_to(url, f)
-        ck = open_dcp(tmp)
+        ck = open_dcp(tmp, fast=False)  # everything read before the files go
         layout = dataclasses.replace(inspect_dcp(tmp), path=root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ckptlab._torch_compat import memory_format_encoding, storage_info_class
 from ckptlab.format._unpickle import (
     Global,
     OpaqueKey,
@@ -243,7 +244,7 @@ class _Converter:
                 and len(fmt.args) == 1 and type(fmt.args[0]) is int):
             raise self.fail("TensorProperties.memory_format is not a _MEM_FORMAT_ENCODING")
         try:
-            encoding = self.md._MEM_FORMAT_ENCODING(fmt.args[0])
+            encoding = memory_format_encoding()(fmt.args[0])
         except ValueError:
             raise self.fail(f"unknown memory format code {fmt.args[0]}") from None
         if not isinstance(layout, type(self.torch.strided)):
@@ -262,7 +263,7 @@ class _Converter:
             index=self.int_(state.get("index"), "MetadataIndex.index", optional=True))
 
     def storage_info(self, value: Any) -> Any:
-        names = tuple(f.name for f in dataclasses.fields(self.fs._StorageInfo))
+        names = tuple(f.name for f in dataclasses.fields(storage_info_class()))
         state = self.fields(value, f"{_DCP}.filesystem._StorageInfo", names)
         kwargs: dict[str, Any] = {
             "relative_path": self.str_(state.get("relative_path"), "_StorageInfo.relative_path"),
@@ -274,7 +275,7 @@ class _Converter:
                     all(type(d) is str for d in descriptors)):
                 raise self.fail("_StorageInfo.transform_descriptors must be strings")
             kwargs["transform_descriptors"] = list(descriptors)
-        return self.fs._StorageInfo(**kwargs)
+        return storage_info_class()(**kwargs)
 
     def storage_meta(self, value: Any) -> Any:
         state = self.fields(value, f"{_MD}.StorageMeta",

@@ -277,7 +277,7 @@ def test_cli_verbs_take_urls(server, many, mid, hf_dir, capsys):
     assert cli.main(["readiness", server.url(mid), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["o_direct"] is False
     assert cli.main(["serve", server.url(mid)]) == 2
-    assert "serve shows a torch.save file on this machine" in capsys.readouterr().err
+    assert "serve shows a checkpoint on this machine" in capsys.readouterr().err
     assert cli.main(["inspect", server.url("nope.pt")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ckptlab: error:") and err.count("\n") == 1 and "404" in err
@@ -367,3 +367,19 @@ def test_without_the_remote_extra_a_url_says_what_to_install(monkeypatch):
     with pytest.raises(UnsupportedFormatError, match=r"ckptlab\[remote\]"):
         cl.open("https://127.0.0.1:9/model.pt")
     assert cli.main(["inspect", "https://127.0.0.1:9/model.pt"]) == 2
+
+
+def test_read_part_goes_through_the_url_one_request_per_part(server):
+    """``ck.read_part`` reads one part behind a URL as ``read`` does (was a local-path read)."""
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2], [1, 0]]), torch.tensor([3.0, 4.0]),
+                                     (3, 3)).coalesce()
+    torch.save({"s": sparse}, os.path.join(server.root, "sparse.pt"))
+    ck = cl.open(server.url("sparse.pt"))
+    local = cl.open(os.path.join(server.root, "sparse.pt"))
+    for role, want in (("indices", sparse.indices()), ("values", sparse.values())):
+        server.mark()
+        got = ck.read_part("s", role)
+        assert len(_requests(server)) == 1
+        assert torch.equal(got, want) and torch.equal(local.read_part("s", role), want)
+    with pytest.raises(KeyError, match="no part"):
+        ck.read_part("s", "scales")
