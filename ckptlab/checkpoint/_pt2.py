@@ -26,11 +26,18 @@ Names are the FQNs of ``torch.export.load(f).state_dict`` and ``.constants``; an
 several models prefixes each name with its model name (``model`` alone is not prefixed). As
 torch's loader does, each record is viewed with the dtype of the first FQN naming it, and a
 non-parameter is ``requires_grad`` when that first FQN's meta says so.
+
+torch 2.7 and earlier wrote another layout (:func:`model_pt2_legacy`): top-level records
+``serialized_exported_program.json``, ``serialized_state_dict.pt``, ``serialized_constants.pt``,
+``serialized_example_inputs.pt`` (each ``.pt`` the bytes of a whole ``torch.save`` archive) and
+``version``. Each archive of weights is scanned in place through a window onto the file, so its
+tensors' parts, and the segments of its zip structure, are at offsets in the outer file.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 from typing import Any
@@ -43,10 +50,23 @@ from ckptlab.checkpoint.open import FileModel
 from ckptlab.errors import CkptlabError, CorruptArchiveError, UnsupportedFormatError
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.format._source import ByteSource
-from ckptlab.format.archive import read_record_data, scan_torch_zip
-from ckptlab.format.layout import Record, StorageInfo, TensorInfo
+from ckptlab.format._window import FileWindow
+from ckptlab.format.archive import (
+    fold_name,
+    read_record_data,
+    read_small_record,
+    scan_torch_zip,
+)
+from ckptlab.format.layout import (
+    ArchiveLayout,
+    Record,
+    Segment,
+    SegmentKind,
+    StorageInfo,
+    TensorInfo,
+)
 
-__all__ = ["SCALAR_TYPES", "model_pt2"]
+__all__ = ["SCALAR_TYPES", "is_legacy_pt2", "model_pt2", "model_pt2_legacy"]
 
 # torch._export.serde.schema.ScalarType -> torch dtype name
 SCALAR_TYPES: dict[int, str] = {
@@ -283,3 +303,226 @@ def model_pt2(src: ByteSource, rel: str, zs: ZipScan) -> FileModel:
                         metadata={"archive_version": version.strip()} if version else None)
     entry = FileEntry(rel, "pt2", src.nbytes, zs.segments, layout)
     return FileModel(entry, pt2.tensors, pt2.objects, "pt2", tuple(dict.fromkeys(pt2.notes)))
+
+
+# -- torch.export.save of torch 2.7 and earlier: the legacy layout ----------------------------
+LEGACY_PROGRAM = "serialized_exported_program.json"
+LEGACY_STATE_DICT = "serialized_state_dict.pt"
+LEGACY_CONSTANTS = "serialized_constants.pt"
+LEGACY_INPUTS = "serialized_example_inputs.pt"
+# fields of the exported program JSON listed as objects (the graph itself is not)
+_PROGRAM_FIELDS = ("schema_version", "torch_version", "opset_version", "verifiers")
+
+
+def is_legacy_pt2(zs: ZipScan) -> bool:
+    """Whether a zip's records are those of a ``.pt2`` of torch 2.7 or earlier.
+
+    Parameters
+    ----------
+    zs
+        The zip's records (:func:`~ckptlab.checkpoint._torchscript.scan_zip`).
+
+    Returns
+    -------
+    bool
+        True when it has top-level ``serialized_exported_program.json`` and
+        ``serialized_state_dict.pt`` records (names matched exactly, wherever they are in the
+        file, as that torch's loader reads them with :mod:`zipfile`).
+    """
+    names = {r.name for r in zs.records}
+    return LEGACY_PROGRAM in names and LEGACY_STATE_DICT in names
+
+
+class _SourceFile(io.RawIOBase):
+    """A :class:`ByteSource` as a seekable binary file object (so a :class:`FileWindow` can
+    narrow it to one record): every read is one positional read of the source."""
+
+    def __init__(self, src: ByteSource) -> None:
+        self._src, self._pos = src, 0
+        self.name = src.name
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._src.nbytes}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def read(self, n: int | None = -1) -> bytes:
+        end = self._src.nbytes if n is None or n < 0 else min(self._src.nbytes, self._pos + n)
+        data = self._src.read(self._pos, max(0, end - self._pos), what="nested archive")
+        self._pos += len(data)
+        return data
+
+
+def _inner_layout(src: ByteSource, rec: Record) -> ArchiveLayout:
+    """The torch.save archive stored as record ``rec``, scanned in place (offsets relative to
+    the record's first byte; nothing but its zip structure and pickle is read)."""
+    if rec.method != 0:
+        raise UnsupportedFormatError(
+            "the record holding a torch.save archive is compressed (zip method "
+            f"{rec.method}): its tensors' bytes are not in the file as they are stored; "
+            "ckptlab reads stored records only (save the program again, or rezip it without "
+            "compression)", path=src.name, record=rec.name, offset=rec.header_offset,
+            expected="zip method 0 (stored)", actual=f"zip method {rec.method}")
+    window = FileWindow(_SourceFile(src), rec.data_offset, rec.data_nbytes,  # type: ignore[arg-type]
+                        name=f"{src.name}:{rec.name}")
+    try:
+        with ByteSource(window) as inner:
+            return scan_torch_zip(inner)
+    except UnsupportedFormatError as exc:
+        raise UnsupportedFormatError(f"the torch.save archive inside is not one ckptlab "
+                                     f"reads: {exc}", path=src.name, record=rec.name,
+                                     offset=rec.data_offset) from None
+    except CkptlabError as exc:
+        raise CorruptArchiveError(f"record is not a readable torch.save archive: {exc}",
+                                  path=src.name, record=rec.name,
+                                  offset=rec.data_offset) from None
+
+
+def _program_objects(src: ByteSource, rec: Record) -> list[tuple[tuple[Any, ...], Any]]:
+    """The exported program JSON's version fields, as ``("exported_program", field)``."""
+    raw = read_record_data(src, rec)
+    try:
+        program = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CorruptArchiveError(f"exported program is not UTF-8 JSON: {str(exc)[:120]}",
+                                  path=src.name, record=rec.name,
+                                  offset=rec.data_offset) from None
+    if not isinstance(program, dict) or not isinstance(program.get("graph_module"), dict):
+        raise CorruptArchiveError("exported program is not a JSON object with a graph_module",
+                                  path=src.name, record=rec.name, offset=rec.data_offset,
+                                  actual=raw[:40].decode("utf-8", "replace"))
+    out: list[tuple[tuple[Any, ...], Any]] = []
+    for field in _PROGRAM_FIELDS:
+        value = program.get(field)
+        if field == "schema_version" and isinstance(value, dict):
+            major, minor = value.get("major"), value.get("minor")
+            value = f"{major}.{minor}" if type(major) is int and type(minor) is int else None
+        if isinstance(value, str):
+            value = value[:200]
+        elif isinstance(value, dict):
+            value = {str(k)[:200]: v for k, v in value.items() if type(v) is int}
+        elif isinstance(value, list):
+            value = [str(v)[:200] for v in value]
+        else:
+            continue
+        out.append((("exported_program", field), value))
+    return out
+
+
+def model_pt2_legacy(src: ByteSource, rel: str, zs: ZipScan) -> FileModel:
+    """The file model of a ``.pt2`` written by ``torch.export.save`` in torch 2.7 and before.
+
+    Such an archive (written by Python's :mod:`zipfile`, no archive name) holds the records
+    ``serialized_exported_program.json`` (the program: graph, signature, schema version),
+    ``serialized_state_dict.pt``, ``serialized_constants.pt`` and
+    ``serialized_example_inputs.pt`` (each the bytes of a whole ``torch.save`` archive of a
+    dict, a dict and an ``(args, kwargs)`` tuple, empty for None) and ``version`` (the schema
+    version, ``major.minor``), plus ``extra_files/*``.
+
+    Each ``.pt`` record of weights is scanned in place as a torch.save archive (through a
+    window onto this file, its pickle interpreted by ckptlab, nothing unpickled): its tensors
+    are this checkpoint's, named by their keys (``ep.state_dict`` then ``ep.constants``, as
+    torch.export.load gives them), with parts at offsets in this file, and its zip structure
+    replaces the record's one data segment in the byte segments. The example inputs are not
+    read (as the newer layout's ``data/sample_inputs`` are not): an object says where they
+    are. The program's ``schema_version``, ``torch_version``, ``opset_version`` and
+    ``verifiers`` are objects under ``exported_program``.
+
+    Parameters
+    ----------
+    src
+        The archive's bytes.
+    rel
+        The file's path relative to the opened checkpoint (the parts' ``file``).
+    zs
+        Its records and segments (:func:`~ckptlab.checkpoint._torchscript.scan_zip`).
+
+    Returns
+    -------
+    FileModel
+        The file entry (format ``"pt2"``), the tensors, the objects and notes.
+
+    Raises
+    ------
+    UnsupportedFormatError
+        A compressed state-dict or constants record, or one holding an archive ckptlab does
+        not read.
+    CorruptArchiveError
+        Damaged JSON, a missing record, or a record that is not a readable torch.save archive.
+    """
+    # top-level names, whatever directory the first record is in (no archive name here)
+    by_name = {r.name: r for r in zs.records}
+    zs = dataclasses.replace(zs, prefix="", by_short={fold_name(n): r
+                                                      for n, r in by_name.items()})
+    program = by_name.get(LEGACY_PROGRAM)
+    if program is None:  # pragma: no cover - model_zip checked
+        raise UnsupportedFormatError(f"no {LEGACY_PROGRAM} record", path=src.name)
+    objects = _program_objects(src, program)
+    version_rec = by_name.get("version")
+    version = None if version_rec is None else read_small_record(src, version_rec)
+    if version is None:
+        raise CorruptArchiveError("a legacy .pt2 archive without its version record "
+                                  "(torch.export.load refuses it)", path=src.name,
+                                  expected="a record 'version' (e.g. 8.7)",
+                                  actual=", ".join(r.name for r in zs.records)[:200])
+    notes = ["written by torch.export.save of torch 2.7 or earlier (serialized_*.pt records, "
+             "each a torch.save archive read in place)"]
+    tensors: list[TensorEntry] = []
+    storages: dict[str, StorageInfo] = {}
+    inner_segments: dict[str, tuple[Segment, ...]] = {}  # outer record -> its inner segments
+    for short, slot in ((LEGACY_STATE_DICT, "buffer"), (LEGACY_CONSTANTS, "constant")):
+        rec = by_name.get(short)
+        if rec is None:
+            if short == LEGACY_STATE_DICT:  # pragma: no cover - is_legacy_pt2 checked
+                raise CorruptArchiveError(f"no {short} record", path=src.name)
+            notes.append(f"no {short} record (torch.export.load refuses such an archive)")
+            continue
+        if rec.data_nbytes == 0 and rec.uncompressed_nbytes == 0:
+            continue  # torch wrote None as no bytes: an empty dict
+        layout = _inner_layout(src, rec)
+        shifted = {s.key: dataclasses.replace(s, data_offset=s.data_offset + rec.data_offset,
+                                              record=f"{rec.name}:{s.record}")
+                   for s in layout.storages}
+        check_parts_inside(layout.logical, shifted, src.name)
+        for t in entries_from_logical(layout.logical, shifted, rel):
+            parts = tuple(dataclasses.replace(p, storage_key=f"{rec.name}:{p.storage_key}")
+                          for p in t.parts)
+            kind = "parameter" if t.is_parameter else slot
+            tensors.append(dataclasses.replace(t, parts=parts, extra=(*t.extra, ("slot", kind))))
+        for s in shifted.values():
+            storages[f"{rec.name}:{s.key}"] = dataclasses.replace(s, key=f"{rec.name}:{s.key}")
+        # values beside the tensors (an empty dict of constants is no value of its own)
+        objects.extend((p, v) for p, v in layout.objects if p or v not in ({}, ()))
+        inner_segments[rec.name] = tuple(
+            Segment(seg.kind, seg.offset + rec.data_offset, seg.nbytes,
+                    f"{rec.name}:{seg.record}" if seg.record else rec.name)
+            for seg in layout.segments)
+    inputs = by_name.get(LEGACY_INPUTS)
+    if inputs is not None:
+        objects.append((("example_inputs",), {
+            "type": "example inputs: a torch.save archive of (args, kwargs), not read",
+            "record": inputs.name, "nbytes": inputs.uncompressed_nbytes}))
+    check_grad(tensors, src.name)
+    segments: list[Segment] = []
+    for seg in zs.segments:
+        if seg.kind is SegmentKind.DATA and seg.record in inner_segments:
+            segments.extend(inner_segments[seg.record])
+        else:
+            segments.append(seg)
+    zs = dataclasses.replace(zs, segments=tuple(segments))
+    infos = tuple(TensorInfo(t.path, p.storage_key, p.dtype, p.shape, p.stride,
+                             p.storage_offset, t.requires_grad, t.is_parameter)
+                  for t in tensors for p in t.parts)
+    layout = zip_layout(zs, src, "pt2", tuple(storages.values()), infos,
+                        objects=tuple(objects), metadata={"version": version.strip()})
+    entry = FileEntry(rel, "pt2", src.nbytes, zs.segments, layout)
+    return FileModel(entry, tensors, objects, "pt2", tuple(notes))

@@ -130,7 +130,8 @@ def model_zip(src: ByteSource, rel: str) -> FileModel:
     The torch.save scan runs first (it costs nothing more for the common case); a zip it
     refuses as not its own is scanned again and recognised by its records: ``data.pkl`` with
     ``constants.pkl`` or ``code/`` is TorchScript, an ``archive_format`` record saying ``pt2``
-    is torch.export's. Anything else keeps the torch.save refusal.
+    is torch.export's, ``serialized_exported_program.json`` with ``serialized_state_dict.pt``
+    is torch.export's of torch 2.7 and earlier. Anything else keeps the torch.save refusal.
     """
     from ckptlab.checkpoint.open import _torch_zip
 
@@ -146,6 +147,10 @@ def model_zip(src: ByteSource, rel: str) -> FileModel:
             from ckptlab.checkpoint._pt2 import model_pt2
 
             return model_pt2(src, rel, zs)
+        from ckptlab.checkpoint._pt2 import is_legacy_pt2, model_pt2_legacy
+
+        if is_legacy_pt2(zs):  # torch.export.save of torch 2.7 and before
+            return model_pt2_legacy(src, rel, zs)
         if "model.json" in shorts and "attributes.pkl" in shorts:
             raise UnsupportedFormatError("an early TorchScript archive (model.json with "
                                          "attributes.pkl): load it with torch.jit.load and "

@@ -11,6 +11,7 @@ Truncation and damaged JSON give ckptlab errors only.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import warnings
@@ -293,3 +294,178 @@ def test_every_byte_of_the_configs_flipped(small: bytes, tmp_path: Path) -> None
 def test_random_mutations(small: bytes, tmp_path_factory, data) -> None:
     mutated = data.draw(cst.overwritten_bytes(small))
     open_and_read(mutated, tmp_path_factory.mktemp("mut") / "m.pt2")
+
+
+# -- torch 2.7's layout: serialized_*.pt records, each a whole torch.save archive -------------
+DATA = Path(__file__).parent / "data"  # written by make_pt2_27.py with torch 2.7.0
+LEGACY = ("linear", "const", "tied")
+INNER = ("serialized_state_dict.pt", "serialized_constants.pt")
+
+
+def legacy(name: str) -> Path:
+    return DATA / f"pt2_27_{name}.pt2"
+
+
+def expected(name: str) -> dict[str, Any]:
+    """What torch 2.7's torch.export.load gave (our own fixture: weights only)."""
+    return torch.load(DATA / f"pt2_27_{name}.expected.pt", weights_only=True)
+
+
+def rezip(data: bytes, replace: dict[str, bytes | None] | None = None,
+          deflate: tuple[str, ...] = ()) -> bytes:
+    """The archive rewritten by Python's zipfile (as torch 2.7 writes it): records replaced
+    (None drops one), some deflated."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as zin, zipfile.ZipFile(out, "w") as zout:
+        for info in zin.infolist():
+            raw = (replace or {}).get(info.filename, zin.read(info.filename))
+            if raw is not None:
+                zout.writestr(info.filename, raw, zipfile.ZIP_DEFLATED
+                              if info.filename in deflate else zipfile.ZIP_STORED)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("name", LEGACY)
+def test_torch27_archives_by_fqn(name: str) -> None:
+    path, want = legacy(name), expected(name)
+    ck = cl.open(path)
+    assert ck.format == "pt2" and ck.files[0].format == "pt2"
+    assert list(ck.tensors) == [*want["state_dict"], *want["constants"]]
+    data = path.read_bytes()
+    layout = ck.files[0].layout
+    with zipfile.ZipFile(path) as z:  # torch 2.13 reading the inner archives whole
+        inner = {short: torch.load(io.BytesIO(z.read(short)), weights_only=True)
+                 for short in INNER}
+    for source, short, slot in ((want["state_dict"], INNER[0], "buffer"),
+                                (want["constants"], INNER[1], "constant")):
+        record = layout.record(short)
+        assert record.method == 0 and set(inner[short]) == set(source)
+        for fqn, value in source.items():
+            got = ck.read(fqn)
+            same(value, got)
+            same(inner[short][fqn], got)
+            entry = ck.tensors[fqn]
+            assert dict(entry.extra)["slot"] == (
+                "parameter" if isinstance(value, torch.nn.Parameter) else slot)
+            (part,) = entry.parts
+            # inside the outer file, inside the record that holds its archive
+            assert record.data_offset <= part.offset
+            assert part.offset + part.nbytes <= record.data_offset + record.data_nbytes
+            assert part.storage_key.startswith(f"{short}:")
+            if part.contiguous:
+                assert data[part.offset:part.offset + part.nbytes] == raw_bytes(value)
+    objects = ck.objects
+    assert objects["exported_program.schema_version"] == want["schema_version"]
+    assert objects["exported_program.torch_version"] == want["torch_version"]
+    assert objects["example_inputs"]["record"] == "serialized_example_inputs.pt"
+    assert layout.metadata == {"version": want["schema_version"]}
+    check_tiling(ck)
+    # each storage's bytes are one data segment of the inner archive, named after it
+    data_segments = {(s.offset, s.nbytes): s.record for s in ck.files[0].segments
+                     if s.kind.value == "data"}
+    for storage in layout.storages:
+        assert data_segments[(storage.data_offset, storage.nbytes)] == storage.record
+
+
+def test_torch27_tied_weights_and_views() -> None:
+    ck = cl.open(legacy("tied"))
+    assert ck.tensors["a.weight"].parts == ck.tensors["b.weight"].parts
+    base, view = ck.tensors["base"].parts[0], ck.tensors["view"].parts[0]
+    assert view.storage_key == base.storage_key
+    assert view.offset == base.offset + 4 and view.stride == (4, 2)
+
+
+def test_torch27_bytes_and_file_objects() -> None:
+    """The inner archives are scanned through a window onto any source: the same parts."""
+    data = legacy("const").read_bytes()
+    by_path = cl.open(legacy("const"))
+    for source in (data, io.BytesIO(b"x" * 7 + data)):
+        if isinstance(source, io.BytesIO):
+            source.seek(7)  # a checkpoint starts where the file object stands
+        ck = cl.open(source)
+        assert list(ck.tensors) == list(by_path.tensors)
+        for fqn, entry in ck.tensors.items():
+            assert [dataclasses.replace(p, file="") for p in entry.parts] == \
+                [dataclasses.replace(p, file="") for p in by_path.tensors[fqn].parts]
+
+
+def test_torch27_compressed_records(tmp_path: Path) -> None:
+    data = legacy("linear").read_bytes()
+    for short in INNER:
+        with pytest.raises(UnsupportedFormatError, match="compressed") as info:
+            cl.open(rezip(data, deflate=(short,)))
+        assert info.value.record == short
+    # the example inputs and the program are not tensors' bytes: deflated, they still read
+    path = tmp_path / "deflated.pt2"
+    path.write_bytes(rezip(data, deflate=("serialized_example_inputs.pt",
+                                          "serialized_exported_program.json")))
+    ck = cl.open(path)
+    same(expected("linear")["state_dict"]["l.weight"], ck.read("l.weight"))
+
+
+def test_torch27_records_in_any_order(tmp_path: Path) -> None:
+    """torch 2.7 reads its records by top-level name: an extra file first changes nothing."""
+    data = legacy("linear").read_bytes()
+    path = tmp_path / "reordered.pt2"
+    with zipfile.ZipFile(io.BytesIO(data)) as zin, zipfile.ZipFile(path, "w") as zout:
+        zout.writestr("extra_files/notes.txt", b"written first")
+        for info in reversed(zin.infolist()):
+            zout.writestr(info.filename, zin.read(info.filename))
+    ck = cl.open(path)
+    want = expected("linear")["state_dict"]
+    assert list(ck.tensors) == list(want)
+    for fqn, value in want.items():
+        same(value, ck.read(fqn))
+    check_tiling(ck)
+
+
+def test_torch27_empty_constants_and_missing_records() -> None:
+    data = legacy("const").read_bytes()
+    ck = cl.open(rezip(data, {"serialized_constants.pt": b""}))  # torch writes None so
+    assert list(ck.tensors) == ["w", "hp", "steps"]
+    with pytest.raises(CorruptArchiveError, match="version"):
+        cl.open(rezip(data, {"version": None}))
+    with pytest.raises(CorruptArchiveError, match="JSON"):
+        cl.open(rezip(data, {"serialized_exported_program.json": b"{not json"}))
+    with pytest.raises(CorruptArchiveError, match=r"torch\.save archive") as info:
+        cl.open(rezip(data, {"serialized_state_dict.pt": b"PK\x03\x04 not a zip"}))
+    assert info.value.record == "serialized_state_dict.pt"
+
+
+def test_torch27_truncations_are_archive_errors(tmp_path: Path) -> None:
+    data = legacy("linear").read_bytes()
+    for prefix in truncations(data, step=13):
+        with pytest.raises(ArchiveError):
+            cl.open(prefix)
+    # the inner archive cut short, inside a well-formed outer zip
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        inner = z.read(INNER[0])
+    for prefix in truncations(inner, step=17):
+        if prefix:  # no bytes at all is how torch writes None: an empty state dict
+            with pytest.raises(ArchiveError) as info:
+                cl.open(rezip(data, {INNER[0]: prefix}))
+            assert info.value.record == INNER[0]
+
+
+def test_torch27_inner_archive_flipped(tmp_path: Path) -> None:
+    """Bits of the inner archive's zip structure and pickle (every third byte, so every bit
+    position) and of the outer records around it: ckptlab errors, or tensors that read."""
+    data = legacy("linear").read_bytes()
+    ck = cl.open(data)
+    tensor_bytes = {(p.offset, p.offset + p.nbytes) for e in ck.tensors.values()
+                    for p in e.parts}
+    spans = [(s.offset, s.end_offset) for s in ck.files[0].segments
+             if (s.record or "").startswith((INNER[0], "version")) and
+             s.kind.value != "padding" and (s.offset, s.end_offset) not in tensor_bytes]
+    indices = sorted({i for a, b in spans for i in range(a, b)})[::3]
+    assert len(indices) > 400
+    for _, mutated in bit_flips(data, [(i, i + 1) for i in indices]):
+        open_and_read(mutated, tmp_path / "flipped.pt2")
+
+
+@given(data=st.data())
+def test_torch27_random_mutations(tmp_path_factory: pytest.TempPathFactory,
+                                  data: st.DataObject) -> None:
+    original = legacy("tied").read_bytes()
+    mutated = data.draw(cst.overwritten_bytes(original))
+    open_and_read(mutated, tmp_path_factory.mktemp("mut27") / "m.pt2")
