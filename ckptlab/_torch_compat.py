@@ -40,6 +40,7 @@ __all__ = [
     "dtype_to_storage_type_map",
     "empty_affine_quantized",
     "empty_per_channel_affine_quantized",
+    "fake_tensor_mode",
     "flatten_state_dict",
     "gds_file_release_fd",
     "gds_register_handle",
@@ -101,6 +102,10 @@ SYMBOLS: dict[str, PrivateSymbol] = dict([
     _entry("torch._C.PyTorchFileWriter", "torch._C",
            "torch's zip writer: write/_blob.py (PyTorchFileWriter(sink, compute_crc32, "
            "storage_alignment)), tests writing hand-made archives"),
+    _entry("torch._subclasses.fake_tensor.FakeTensorMode", "torch._subclasses.fake_tensor",
+           "a torch.load that reads no storage bytes and records each storage's file offset "
+           "(_checkpoint_offset) on every torch from 2.7: tests check ckptlab's offsets "
+           "against it (a map_location='meta' load records them only from later versions)"),
     _entry("torch._C.PyTorchFileReader", "torch._C",
            "torch's zip reader (get_record_offset): tests and benchmarks/open.py check "
            "ckptlab's offsets against it"),
@@ -227,6 +232,12 @@ def torch_save_pickle() -> Any:
 def pytorch_file_writer() -> Any:
     """``torch._C.PyTorchFileWriter``: the zip writer behind ``torch.save``."""
     return resolve("torch._C.PyTorchFileWriter")
+
+
+def fake_tensor_mode() -> Any:
+    """``torch._subclasses.fake_tensor.FakeTensorMode``: under it ``torch.load`` reads no
+    storage bytes and records each storage's file offset (see :func:`checkpoint_offset`)."""
+    return resolve("torch._subclasses.fake_tensor.FakeTensorMode")
 
 
 def pytorch_file_reader() -> Any:
