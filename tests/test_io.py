@@ -4,15 +4,11 @@ on real files: a ramfs that refuses O_DIRECT, a tiny tmpfs that fills up, RLIMIT
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import os
 import resource
-import shutil
 import signal
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,25 +17,10 @@ import pytest
 from ckptlab import _io
 from ckptlab._io import durable
 from ckptlab.errors import InvalidArgumentError, StorageIOError
+from ckptlab.testing.mounts import mounted
 
 BLOCK = 4096
 _PWRITE, _PREADV = os.pwrite, os.preadv
-
-
-@contextlib.contextmanager
-def mounted(fstype: str, target: Path, options: str | None = None) -> Iterator[Path]:
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip(f"mounting a {fstype} needs root and mount(8)")
-    target.mkdir()
-    cmd = ["mount", "-t", fstype, *(["-o", options] if options else []), fstype, str(target)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a {fstype} here: {done.stderr.strip()}")
-    try:
-        yield target
-    finally:
-        if subprocess.run(["umount", str(target)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(target)], capture_output=True)
 
 
 def is_direct(fd: int) -> bool:

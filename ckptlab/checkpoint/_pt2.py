@@ -37,7 +37,6 @@ tensors' parts, and the segments of its zip structure, are at offsets in the out
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import math
 from typing import Any
@@ -50,7 +49,7 @@ from ckptlab.checkpoint.open import FileModel
 from ckptlab.errors import CkptlabError, CorruptArchiveError, UnsupportedFormatError
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.format._source import ByteSource
-from ckptlab.format._window import FileWindow
+from ckptlab.format._window import FileWindow, PositionalFile
 from ckptlab.format.archive import (
     fold_name,
     read_record_data,
@@ -333,35 +332,6 @@ def is_legacy_pt2(zs: ZipScan) -> bool:
     return LEGACY_PROGRAM in names and LEGACY_STATE_DICT in names
 
 
-class _SourceFile(io.RawIOBase):
-    """A :class:`ByteSource` as a seekable binary file object (so a :class:`FileWindow` can
-    narrow it to one record): every read is one positional read of the source."""
-
-    def __init__(self, src: ByteSource) -> None:
-        self._src, self._pos = src, 0
-        self.name = src.name
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._src.nbytes}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def read(self, n: int | None = -1) -> bytes:
-        end = self._src.nbytes if n is None or n < 0 else min(self._src.nbytes, self._pos + n)
-        data = self._src.read(self._pos, max(0, end - self._pos), what="nested archive")
-        self._pos += len(data)
-        return data
-
-
 def _inner_layout(src: ByteSource, rec: Record) -> ArchiveLayout:
     """The torch.save archive stored as record ``rec``, scanned in place (offsets relative to
     the record's first byte; nothing but its zip structure and pickle is read)."""
@@ -372,7 +342,8 @@ def _inner_layout(src: ByteSource, rec: Record) -> ArchiveLayout:
             "ckptlab reads stored records only (save the program again, or rezip it without "
             "compression)", path=src.name, record=rec.name, offset=rec.header_offset,
             expected="zip method 0 (stored)", actual=f"zip method {rec.method}")
-    window = FileWindow(_SourceFile(src), rec.data_offset, rec.data_nbytes,  # type: ignore[arg-type]
+    window = FileWindow(PositionalFile(src, what="nested archive"),  # type: ignore[arg-type]
+                        rec.data_offset, rec.data_nbytes,
                         name=f"{src.name}:{rec.name}")
     try:
         with ByteSource(window) as inner:

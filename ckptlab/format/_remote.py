@@ -26,7 +26,6 @@ fsspec (and aiohttp for HTTP) is imported on first use: installing the ``remote`
 from __future__ import annotations
 
 import bisect
-import io
 import posixpath
 import re
 import threading
@@ -36,6 +35,7 @@ from urllib.parse import urlsplit
 
 from ckptlab.errors import ArchiveError, TruncatedArchiveError, UnsupportedFormatError
 from ckptlab.format._source import ByteSource
+from ckptlab.format._window import PositionalFile
 
 __all__ = [
     "DEFAULT_HEAD_NBYTES",
@@ -399,40 +399,7 @@ def _missing(kept: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, i
     return out
 
 
-class RemoteFileObject(io.RawIOBase):
-    """A seekable binary file object over a :class:`RemoteSource` (for APIs that take one,
-    such as :func:`ckptlab.format.storage_offsets`): each ``read`` is served from kept bytes
-    or by one exact ranged request; nothing is read ahead."""
-
-    def __init__(self, src: RemoteSource) -> None:
-        self._src = src
-        self._pos = 0
-        self.name = src.name
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._src.nbytes}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def read(self, n: int | None = -1) -> bytes:
-        left = self._src.nbytes - self._pos
-        n = left if n is None or n < 0 else min(n, left)
-        if n <= 0:
-            return b""
-        data = self._src.read(self._pos, n)
-        self._pos += len(data)
-        return data
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
-        buffer[:len(data)] = data
-        return len(data)
+#: a seekable file object over a :class:`RemoteSource` (for APIs that take one, such as
+#: :func:`ckptlab.format.storage_offsets`): each ``read`` is served from kept bytes or by one
+#: exact ranged request; nothing is read ahead
+RemoteFileObject = PositionalFile

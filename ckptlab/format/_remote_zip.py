@@ -33,17 +33,17 @@ from ckptlab.format._bulk import gc_paused
 from ckptlab.format._pickle import scan_pickle
 from ckptlab.format._remote import RemoteSource
 from ckptlab.format.archive import (
-    _MAX_SMALL_RECORD,
     _SMALL_RECORDS,
-    _ZIP64_EXTRA,
-    _segments,
     archive_prefix,
     fold_name,
     fold_names,
-    largest_alignment,
     read_central_directory_columns,
     read_record_data,
+    read_small_record,
+    record_segments,
+    storage_alignment_value,
     storage_infos,
+    torch_zip_layout,
 )
 from ckptlab.format.layout import ArchiveLayout, Record
 
@@ -131,25 +131,14 @@ def _scan(src: RemoteSource) -> ArchiveLayout:
         if e is None or e.name not in real:
             return None
         local, _ = real[e.name]
-        rec = _record(e, local, real[e.name][1])
-        raw = read_record_data(src, rec, limit=_MAX_SMALL_RECORD)
-        try:
-            return raw.decode("ascii")
-        except UnicodeDecodeError:
-            raise CorruptArchiveError("record is not ASCII text", path=src.name,
-                                      record=rec.name, offset=rec.data_offset) from None
+        return read_small_record(src, _record(e, local, real[e.name][1]))
 
     format_version, alignment_text, byteorder = (small_text(n) for n in _SMALL_RECORDS)
     storage_alignment = None
     if alignment_text is not None:
-        if not (alignment_text.isdigit() and len(alignment_text) <= 10 and
-                0 < int(alignment_text) <= _zip.MAX_RECORDED_ALIGNMENT):
-            e = by_folded[fold_name(prefix + ".storage_alignment")]
-            raise CorruptArchiveError("bad .storage_alignment", path=src.name, record=e.name,
-                                      offset=e.header_offset,
-                                      expected=f"1..{_zip.MAX_RECORDED_ALIGNMENT}",
-                                      actual=repr(alignment_text))
-        storage_alignment = int(alignment_text)
+        e = by_folded[fold_name(prefix + ".storage_alignment")]
+        storage_alignment = storage_alignment_value(alignment_text, path=src.name,
+                                                    record=e.name, offset=e.header_offset)
     alignment = storage_alignment or _DEFAULT_ALIGNMENT
 
     records: list[Record] = []
@@ -161,7 +150,7 @@ def _scan(src: RemoteSource) -> ArchiveLayout:
             local, desc = _placed(e, end, alignment, src.name)
         headers[e.name] = local
         records.append(_record(e, local, desc))
-    segments = _segments(records, headers, trailer, src.nbytes, src.name)
+    segments = record_segments(records, headers, trailer, src.nbytes, src.name)
     by_name = dict(zip(fold_names([r.name for r in records]), records))
     pkl = by_name.get(fold_name(prefix + "data.pkl"))
     if pkl is None or pkl.name not in real:  # archive_prefix found it: it must be a record
@@ -171,29 +160,9 @@ def _scan(src: RemoteSource) -> ArchiveLayout:
     storages = storage_infos(scan, by_name, prefix, src.name, pkl, fold=True)
     order = {r.name: i for i, r in enumerate(records)}
     records_cd = [records[order[e.name]] for e in cdir.entries]  # central directory order
-    return ArchiveLayout(
-        format="torch-zip",
-        path=src.name,
-        file_nbytes=src.nbytes,
-        archive_name=archive,
-        records=tuple(records_cd),
-        storages=storages,
-        tensors=scan.tensors,
-        segments=segments,
-        alignment=largest_alignment([s.data_offset for s in storages if s.nbytes]),
-        zip64=any(map(_ZIP64_EXTRA, records_cd)),
-        central_directory_offset=trailer.cd_offset,
-        central_directory_nbytes=trailer.cd_nbytes,
-        zip64_eocd_offset=trailer.zip64_eocd_offset,
-        zip64_locator_offset=trailer.zip64_locator_offset,
-        eocd_offset=trailer.eocd_offset,
-        storage_alignment=storage_alignment,
-        format_version=format_version,
-        byteorder=byteorder,
-        pickle_protocol=scan.protocol,
-        logical=scan.logical,
-        objects=scan.objects,
-    )
+    return torch_zip_layout(src, archive, records_cd, segments, trailer, scan, storages,
+                            storage_alignment=storage_alignment, format_version=format_version,
+                            byteorder=byteorder)
 
 
 def _record(e: _zip.CentralEntry, local: _zip.LocalHeader, descriptor: int) -> Record:

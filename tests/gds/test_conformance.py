@@ -31,7 +31,6 @@ import random
 import re
 import resource
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ from ckptlab import gds
 from ckptlab.errors import CkptlabError, InvalidArgumentError, StorageIOError
 from ckptlab.gds import _backends
 from ckptlab.gds._buffers import aligned_buffer
+from ckptlab.testing.mounts import mounted
 
 GPU_BACKENDS = ("torch", "kvikio")
 HOST_BACKENDS = ("odirect", "posix")
@@ -236,24 +236,6 @@ def fail_on_direct(monkeypatch: pytest.MonkeyPatch, name: str, code: int) -> lis
 
     monkeypatch.setattr(os, name, wrapper)
     return failures
-
-
-@contextlib.contextmanager
-def mounted(fstype: str, target: Path, options: str | None = None) -> Iterator[Path]:
-    """``mount -t fstype`` on ``target`` for the block; skips where mounting is not allowed."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip(f"mounting a {fstype} needs root and mount(8)")
-    target.mkdir()
-    cmd = ["mount", "-t", fstype, *(["-o", options] if options else []), fstype, str(target)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a {fstype} here: {done.stderr.strip()}")
-    try:
-        yield target
-    finally:
-        if subprocess.run(["umount", str(target)], capture_output=True,
-                          check=False).returncode != 0:
-            subprocess.run(["umount", "-l", str(target)], capture_output=True, check=False)
 
 
 @pytest.fixture

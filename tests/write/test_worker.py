@@ -4,15 +4,11 @@ write), and real errors (a full disk, a name that exists or is a link) reported 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import mmap
 import os
-import shutil
-import subprocess
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,28 +17,13 @@ import pytest
 
 from ckptlab._io import aligned_buffer
 from ckptlab.errors import StorageIOError
+from ckptlab.testing.mounts import mounted
 from ckptlab.write._placement import Extent, FileJob
 from ckptlab.write._staging import StagingState
 from ckptlab.write._worker import DIRECT_MIN_NBYTES, FileWriter, WorkerPool
 from ckptlab.write.timeline import _Recorder
 
 _PWRITE = os.pwrite
-
-
-@contextlib.contextmanager
-def mounted(fstype: str, target: Path, options: str | None = None) -> Iterator[Path]:
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip(f"mounting a {fstype} needs root and mount(8)")
-    target.mkdir()
-    cmd = ["mount", "-t", fstype, *(["-o", options] if options else []), fstype, str(target)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a {fstype} here: {done.stderr.strip()}")
-    try:
-        yield target
-    finally:
-        if subprocess.run(["umount", str(target)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(target)], capture_output=True)
 
 
 def job_in(directory: Path, *, big: int = 2 * DIRECT_MIN_NBYTES + 100,
