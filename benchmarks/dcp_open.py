@@ -20,6 +20,13 @@ For each size, interleaved round by round (medians printed, wall and CPU seconds
 - with ``--general``, ckptlab's general path (``open_dcp(dir, fast=False)``: every item read
   at open), one round, up to 5,000 items.
 
+With ``--inspect``, for each size instead: ``ckptlab.inspect(dir)`` (``inspect_dcp``: the
+``DcpLayout`` with every item's layout, through the columns and template items), the
+commands ``ckptlab inspect DIR --json`` and ``ckptlab inspect DIR --records --json`` (each a
+fresh process: wall time and the child's CPU time, interpreter start and imports included),
+and with ``--general`` ``inspect_dcp(dir, fast=False)`` (the path all three took before: the
+bounded interpreter and every item's zip scanned), one round, up to 100,000 items.
+
 Peak memory is measured in fresh processes per size and reader: the Python heap's peak
 (``tracemalloc``, which numpy's buffers report to) during the call, and, in another process
 without tracemalloc, the peak resident set growth over the RSS after imports (``ru_maxrss``:
@@ -28,7 +35,7 @@ the imports reached, it shows that peak's excess instead). The load
 average is printed: on a busy machine wall time exceeds CPU time; compare ratios of one run.
 
     .venv/bin/python benchmarks/dcp_open.py [--items 268 5000 100000 1000000] [--rounds 3]
-        [--dir DIR] [--general] [--memory-only] [--json out.json]
+        [--dir DIR] [--general] [--memory-only] [--inspect] [--json out.json]
 """
 
 from __future__ import annotations
@@ -94,8 +101,64 @@ def _general(root: Path) -> Any:
     return open_dcp(str(root), fast=False)
 
 
+def _inspect(root: Path) -> Any:
+    import ckptlab
+
+    return ckptlab.inspect(root)
+
+
+def _inspect_general(root: Path) -> Any:
+    from ckptlab.plan.metadata import inspect_dcp
+
+    return inspect_dcp(root, fast=False)
+
+
 READERS = {"ckptlab.open": _ckptlab_open, "ckptlab.open+to_dict": _ckptlab_all,
-           "torch read_metadata": _torch_metadata, "ckptlab general path": _general}
+           "torch read_metadata": _torch_metadata, "ckptlab general path": _general,
+           "cl.inspect": _inspect, "inspect_dcp general path": _inspect_general}
+
+
+def _command(*argv: str) -> tuple[float, float]:
+    """Wall and CPU seconds of ``python -m ckptlab ARGV`` (output discarded)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "ckptlab", *argv], check=True, cwd=ROOT,
+                   stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def _inspect_rows(args: argparse.Namespace, base: Path) -> list[dict[str, Any]]:
+    """``--inspect``: cl.inspect and the two inspect commands, per size."""
+    results = []
+    for items in args.items:
+        root = _directory(base, items)
+        jobs: dict[str, Any] = {
+            "cl.inspect": lambda root=root: _time(_inspect, root),
+            "ckptlab inspect DIR --json": lambda root=root: _command(
+                "inspect", str(root), "--json"),
+            "ckptlab inspect DIR --records --json": lambda root=root: _command(
+                "inspect", str(root), "--records", "--json"),
+        }
+        _inspect(root)  # warm the page cache
+        times: dict[str, list[tuple[float, float]]] = {n: [] for n in jobs}
+        names = list(jobs)
+        for r in range(args.rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                times[name].append(jobs[name]())
+        if args.general and items <= 100_000:
+            times["inspect_dcp general path"] = [_time(_inspect_general, root)]
+        row = {"items": items, "times": {n: {"wall_s": statistics.median(t[0] for t in ts),
+                                              "cpu_s": statistics.median(t[1] for t in ts)}
+                                          for n, ts in times.items()}}
+        results.append(row)
+        print(f"\n{items:,} items (inspect)", flush=True)
+        for name, t in row["times"].items():
+            print(f"  {name:<38} wall {t['wall_s']:8.3f} s   cpu {t['cpu_s']:8.3f} s")
+    return results
 
 
 def _time(fn: Any, root: Path) -> tuple[float, float]:
@@ -157,6 +220,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--memory-only", action="store_true",
                         help="only the memory figures (no timings)")
+    parser.add_argument("--inspect", action="store_true",
+                        help="time cl.inspect and `ckptlab inspect DIR --json/--records` "
+                             "instead of the open (with --general: the general inspect_dcp)")
     parser.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
@@ -166,6 +232,12 @@ def main() -> None:
 
     print(f"ckptlab DCP open benchmark; torch {torch.__version__}; load {_load()}", flush=True)
     base = args.dir or Path(tempfile.mkdtemp(prefix="ckptlab-dcp-open-"))
+    if args.inspect:
+        rows = _inspect_rows(args, base)
+        print(f"\nload at the end {_load()}")
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return
     results = []
     for items in args.items:
         root = _directory(base, items)

@@ -219,7 +219,9 @@ def checkpoint_json(ck: Any, tensors: list[Any]) -> dict[str, Any]:
     if ck.format in ("torch-zip", "safetensors") and layout is not None:
         base = layout.to_dict()
     elif ck.format == "dcp":
-        dcp_layout = _dcp_layout(ck)  # kept for a URL, which inspect() cannot list
+        # the fast open's own layout (its columns and the item layouts the tensors read), or
+        # the one kept for a URL (which inspect() cannot list), else inspect_dcp's
+        dcp_layout = _dcp_layout(ck)
         base = (dcp_layout if dcp_layout is not None else inspect(ck.path)).to_dict()
     else:
         offsets = [p.offset for t in ck.tensors.values() for p in t.parts if p.nbytes]
@@ -921,10 +923,15 @@ def _open(path: str) -> tuple[Any, Any]:
 
 
 def _dcp_layout(ck: Any) -> Any:
-    """The DcpLayout of a DCP checkpoint opened from a URL (kept on its .metadata file)."""
+    """The DcpLayout of a DCP checkpoint when it has one at hand: kept on its .metadata file
+    (opened from a URL), or built from the fast open's columns (equal to ``inspect_dcp``'s);
+    None otherwise."""
     from ckptlab.plan.metadata import DcpLayout
 
-    return next((f.layout for f in ck.files if isinstance(f.layout, DcpLayout)), None)
+    kept = next((f.layout for f in ck.files if isinstance(f.layout, DcpLayout)), None)
+    if kept is None and callable(getattr(ck, "dcp_layout", None)):
+        kept = ck.dcp_layout()
+    return kept
 
 
 def _url_records_layout(ck: Any) -> Any:

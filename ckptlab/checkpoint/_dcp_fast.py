@@ -14,8 +14,12 @@ default (torch.save items back to back in each data file, no transforms):
   each of its items is read up to its data (one ``pread``), and when those bytes equal the
   ones of an item already scanned (same length, dtype and chunk shape: the *template*) except
   for the data record's CRC, the template's layout is the item's; otherwise the item is
-  scanned in full, as before. Chunk tiling is then checked exactly, as before.
-- a data file's segments are built when they are first used, from the same item layouts.
+  scanned in full, as before. Chunk tiling is then checked exactly, as before. (The
+  templates are :class:`ckptlab.plan.metadata._ItemLayouts`, which ``inspect_dcp`` uses too.)
+- a data file's segments are built when they are first used, from the same item layouts;
+- :meth:`DcpCheckpoint.dcp_layout` gives the directory's ``DcpLayout`` (what
+  ``ckptlab inspect DIR --json`` prints) from the same columns and item layouts, equal to
+  :func:`ckptlab.plan.inspect_dcp`'s.
 
 Anything else (SAFETENSORS serialization, zstd transforms, a ``.metadata`` the columnar
 decoder does not read) returns None and takes the general path, which is unchanged. The two
@@ -42,89 +46,13 @@ from ckptlab.checkpoint.model import (
 from ckptlab.errors import ArchiveError, CorruptArchiveError
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.format.layout import ArchiveLayout, Segment, SegmentKind
+from ckptlab.plan._metadata_columns import chunk_rows, duplicate_keys
+from ckptlab.plan.metadata import _MAX_HANDLES, _ItemLayouts, _read_columns
 
 __all__ = ["open_dcp_fast"]
 
-_MAX_HANDLES = 32
+_Items = _ItemLayouts  # item layouts through templates: shared with ``inspect_dcp``
 _SLICE = 1 << 16  # entries per slice of the open-time checks
-
-
-class _Items:
-    """Per-item layouts, read on demand, shared through templates (see the module
-    docstring). Each data file is opened once, inside the directory."""
-
-    def __init__(self, root: str) -> None:
-        self.root = root
-        self.handles: dict[str, Any] = {}
-        # (length, dtype, chunk sizes) -> [(layout, header bytes, crc position), ...]
-        self.templates: dict[tuple[Any, ...], list[tuple[ArchiveLayout, bytes, int]]] = {}
-        self.cache: dict[tuple[str, int], ArchiveLayout] = {}
-
-    def handle(self, file: str) -> Any:
-        f = self.handles.get(file)
-        if f is None:
-            from ckptlab.format._paths import open_inside
-
-            if len(self.handles) >= _MAX_HANDLES:  # the oldest goes: never 1,024 open files
-                self.handles.pop(next(iter(self.handles))).close()
-            f = self.handles[file] = open_inside(self.root, file)
-        return f
-
-    def close(self) -> None:
-        for f in self.handles.values():
-            f.close()
-        self.handles.clear()
-
-    def scan(self, file: str, fqn: str, offset: int, length: int) -> ArchiveLayout:
-        """The item's own layout, read in full (the general path's way)."""
-        from ckptlab.plan.metadata import _item_layout
-
-        try:
-            return _item_layout(self.handle(file), file, offset, length)
-        except ArchiveError as exc:
-            raise CorruptArchiveError(f"item is not a torch.save archive: {exc}",
-                                      path=os.path.join(self.root, file), record=fqn,
-                                      offset=offset) from None
-
-    def layout(self, file: str, fqn: str, offset: int, length: int, key: Any) -> ArchiveLayout:
-        """The layout of the tensor item at ``offset``: a template's when the item's bytes up
-        to its data are the template's (but for the data record's CRC), else its own."""
-        hit = self.cache.get((file, offset))
-        if hit is not None:
-            return hit
-        candidates = self.templates.setdefault(key, [])
-        layout = None
-        if candidates:
-            n = len(candidates[0][1])
-            head = os.pread(self.handle(file).fileno(), n, offset)
-            for template, expected, crc in candidates:
-                if len(expected) == len(head) and (
-                        head[:crc] == expected[:crc] and head[crc + 4:] == expected[crc + 4:]):
-                    layout = template
-                    break
-        if layout is None:
-            layout = self.scan(file, fqn, offset, length)
-            template = _template(self, file, offset, layout)
-            if template is not None and len(candidates) < 8:
-                candidates.append(template)
-        self.cache[(file, offset)] = layout
-        return layout
-
-
-def _template(items: _Items, file: str, offset: int, layout: ArchiveLayout
-              ) -> tuple[ArchiveLayout, bytes, int] | None:
-    """A scanned tensor item as a template: its bytes up to the data and where the data
-    record's CRC-32 sits in them (the only header field that depends on the data)."""
-    if len(layout.storages) != 1 or len(layout.tensors) != 1:
-        return None
-    storage = layout.storages[0]
-    record = next((r for r in layout.records if r.data_offset == storage.data_offset), None)
-    if record is None or storage.data_offset > (1 << 20):
-        return None
-    head = os.pread(items.handle(file).fileno(), storage.data_offset, offset)
-    if len(head) != storage.data_offset:
-        return None
-    return layout, head, record.header_offset + 14
 
 
 class _Tensors(Mapping[str, TensorEntry]):
@@ -201,6 +129,12 @@ class DcpCheckpoint(Checkpoint):
         self.tensors = _Tensors(dcp)  # type: ignore[assignment]
         self._dcp = dcp
 
+    def dcp_layout(self) -> Any:
+        """The :class:`~ckptlab.plan.DcpLayout` of the directory, equal to
+        :func:`ckptlab.plan.inspect_dcp`'s, from this checkpoint's columns and the item
+        layouts its tensors already read (``ckptlab inspect DIR --json`` uses it)."""
+        return self._dcp.layout()
+
 
 class _Dcp:
     """The columns of one directory and what is derived from them on demand."""
@@ -216,6 +150,19 @@ class _Dcp:
         self.file_of: np.ndarray = np.empty(0, np.int32)  # entry -> file id
         self.fqn_ids = {name: i for i, name in enumerate(cols.fqns)}
         self.object_layouts: dict[int, ArchiveLayout] = {}  # entry -> its zip's layout
+        self.metadata_nbytes = 0
+        self.identity: tuple[int, ...] = ()  # .metadata's (device, inode, size, mtime)
+        self._layout: Any = None
+
+    def layout(self) -> Any:
+        """The directory's DcpLayout (:func:`ckptlab.plan.metadata._columns_layout`)."""
+        if self._layout is None:
+            from ckptlab.plan.metadata import _columns_layout
+
+            self._layout = _columns_layout(self.root, self.cols, self.metadata_nbytes,
+                                           self.identity, self.files, self.items, self.rows,
+                                           object_layouts=self.object_layouts)
+        return self._layout
 
     # -- one tensor ------------------------------------------------------------------------
     def chunk_of(self, e: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -292,30 +239,6 @@ class _Dcp:
         return tuple(out)
 
 
-def _decode_metadata_file(root: str) -> tuple[Any, int] | None:
-    """``.metadata`` (a regular file inside ``root``, at most 1 GiB) decoded into columns,
-    with its size; None where the general path should decide (and say what is wrong).
-
-    The file is mapped, not copied: the decoder reads the pages straight from the page cache,
-    so a 127 MB ``.metadata`` does not become 127 MB of process memory."""
-    import mmap
-
-    from ckptlab.format._paths import open_inside
-    from ckptlab.plan._metadata_columns import decode_columns
-    from ckptlab.plan.metadata import MAX_METADATA_NBYTES, METADATA
-
-    try:
-        with open_inside(root, METADATA) as f:
-            nbytes = os.fstat(f.fileno()).st_size
-            if not 0 < nbytes <= MAX_METADATA_NBYTES:
-                return None
-            with mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_READ) as data:
-                cols = decode_columns(data)
-    except (OSError, ValueError, ArchiveError):
-        return None
-    return (cols, nbytes) if cols is not None else None
-
-
 def _volumes(values: np.ndarray, start: np.ndarray, ndim: np.ndarray) -> np.ndarray:
     """Per chunk row: the product of its sizes (``ndim[i]`` values after its offsets), as
     int64; -1 where the product would not fit (the caller checks those exactly)."""
@@ -344,10 +267,10 @@ def open_dcp_fast(root: str) -> Checkpoint | None:
     from ckptlab.checkpoint.open import _reader
     from ckptlab.plan.metadata import METADATA, _data_files
 
-    read = _decode_metadata_file(root)
+    read = _read_columns(root)
     if read is None:
         return None
-    cols, metadata_nbytes = read
+    cols, metadata_nbytes, identity = read
     if cols.transforms or not cols.has_storage_data:
         return None
     files = _data_files(root, [n for n in sorted(os.listdir(root)) if n != METADATA],
@@ -381,15 +304,19 @@ def open_dcp_fast(root: str) -> Checkpoint | None:
         same = file_of[order][1:] == file_of[order][:-1]
         if (same & (offset[order][1:] < (offset + length)[order][:-1])).any():
             return None
-    if _duplicate_keys(cols, n):
+    if duplicate_keys(cols, n):
         return None  # a dict keeps one of them: the general path reads it as Python does
     dcp = _Dcp(root, cols, files)
+    dcp.metadata_nbytes = metadata_nbytes
+    dcp.identity = identity
     dcp.order = order
     dcp.file_of = file_of
     is_tensor = np.array([f in cols.tensors for f in cols.fqns], dtype=bool)
     fqn_of = np.frombuffer(cols.entry_fqn, dtype=np.int32) if n else np.empty(0, np.int32)
     tensor_item = is_tensor[fqn_of] if n else np.zeros(0, bool)
-    dcp.rows = _chunk_rows(cols, fqn_of, tensor_item)
+    if _blob_first(root, cols, file_of, offset, tensor_item):
+        return None
+    dcp.rows = chunk_rows(cols, fqn_of, tensor_item)
     _check_volumes(root, cols, dcp.rows, fqn_of, tensor_item)
     tensor_entries = np.nonzero(tensor_item)[0]
     if len(tensor_entries):
@@ -433,57 +360,30 @@ def open_dcp_fast(root: str) -> Checkpoint | None:
     return DcpCheckpoint(dcp, tuple(entries), objects, _reader(root))
 
 
-def _duplicate_keys(cols: Any, n: int) -> bool:
-    """Whether two storage entries have equal ``MetadataIndex`` keys (fqn and offsets; the
-    chunk index does not take part in equality): a 64-bit hash of each key, sorted; equal
-    hashes (a real duplicate, or a collision) send the file to the general path."""
-    if n < 2:
+
+def _blob_first(root: str, cols: Any, file_of: np.ndarray, offset: np.ndarray,
+                tensor_item: np.ndarray) -> bool:
+    """Whether some data file's first tensor item is not a torch.save zip: a SAFETENSORS
+    blob holding a single tensor item (several overlap, which sends the file to the general
+    path already). One 4-byte read per data file; a file that cannot be read is left to the
+    checks that say why."""
+    from ckptlab.format._paths import open_inside
+    from ckptlab.plan.metadata import ZIP_MAGIC
+
+    idx = np.nonzero(tensor_item)[0]
+    if not len(idx):
         return False
-    fqn = np.frombuffer(cols.entry_fqn, dtype=np.int32).astype(np.uint64)
-    ndim = np.frombuffer(cols.entry_ndim, dtype=np.int8)
-    where = np.frombuffer(cols.entry_offsets, dtype=np.int64)
-    values = np.frombuffer(cols.index_values, dtype=np.int64).view(np.uint64) if len(
-        cols.index_values) else np.empty(0, np.uint64)
-    with np.errstate(over="ignore"):
-        h = (fqn + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
-        h ^= np.where(where < 0, np.uint64(0xFFFF), ndim.astype(np.uint64))
-        for d in np.unique(ndim[where >= 0]):
-            d = int(d)
-            sel = np.nonzero((ndim == d) & (where >= 0))[0]
-            for j in range(d):
-                h[sel] = (h[sel] ^ values[where[sel] + j]) * np.uint64(0xBF58476D1CE4E5B9)
-                h[sel] ^= h[sel] >> np.uint64(31)
-    h.sort()
-    return bool((h[1:] == h[:-1]).any())
-
-
-def _chunk_rows(cols: Any, fqn_of: np.ndarray, tensor_item: np.ndarray) -> np.ndarray:
-    """Entry -> its chunk's row, as the general path finds it: ``index`` when it is in range,
-    else the chunk whose offsets are the entry's; -1 for none (and for object items)."""
-    n = cols.entries
-    rows = np.full(n, -1, dtype=np.int64)
-    if not n:
-        return rows
-    first = np.zeros(len(cols.fqns), dtype=np.int64)
-    count = np.zeros(len(cols.fqns), dtype=np.int64)
-    for i, name in enumerate(cols.fqns):
-        t = cols.tensors.get(name)
-        if t is not None:
-            first[i], count[i] = t[3], t[4]
-    index = np.frombuffer(cols.entry_index, dtype=np.int64)
-    ok = tensor_item & (index >= 0) & (index < count[fqn_of])
-    rows[ok] = first[fqn_of[ok]] + index[ok]
-    for e in np.nonzero(tensor_item & ~ok)[0]:  # rare: search by offsets
-        e = int(e)
-        want = cols.entry_chunk_offsets(e)
-        if want is None:
-            continue
-        f = int(fqn_of[e])
-        for r in range(int(first[f]), int(first[f] + count[f])):
-            if cols.chunk(r)[0] == want:
-                rows[e] = r
-                break
-    return rows
+    order = idx[np.lexsort((offset[idx], file_of[idx]))]
+    first = order[np.r_[True, file_of[order][1:] != file_of[order][:-1]]]
+    for e in first:
+        try:
+            with open_inside(root, cols.files[file_of[e]]) as f:
+                head = os.pread(f.fileno(), 4, int(offset[e]))
+        except (OSError, ArchiveError):
+            return False
+        if head != ZIP_MAGIC:
+            return True
+    return False
 
 
 def _check_volumes(root: str, cols: Any, rows: np.ndarray, fqn_of: np.ndarray,

@@ -36,7 +36,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MetadataColumns", "decode_columns"]
+__all__ = ["MetadataColumns", "chunk_rows", "decode_columns", "duplicate_keys"]
 
 _MD = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
@@ -990,3 +990,60 @@ def decode_columns(data: bytes | bytearray | memoryview | Any) -> MetadataColumn
         return None
     except (ValueError, TypeError, IndexError, KeyError, AttributeError, struct.error):
         return None  # a shape no check above foresaw: the interpreter decides
+
+
+# -- what the fast DCP paths (open, inspect) derive from the columns ---------------------------
+def duplicate_keys(cols: Any, n: int) -> bool:
+    """Whether two storage entries have equal ``MetadataIndex`` keys (fqn and offsets; the
+    chunk index does not take part in equality): a 64-bit hash of each key, sorted; equal
+    hashes (a real duplicate, or a collision) send the file to the general path."""
+    import numpy as np
+
+    if n < 2:
+        return False
+    fqn = np.frombuffer(cols.entry_fqn, dtype=np.int32).astype(np.uint64)
+    ndim = np.frombuffer(cols.entry_ndim, dtype=np.int8)
+    where = np.frombuffer(cols.entry_offsets, dtype=np.int64)
+    values = np.frombuffer(cols.index_values, dtype=np.int64).view(np.uint64) if len(
+        cols.index_values) else np.empty(0, np.uint64)
+    with np.errstate(over="ignore"):
+        h = (fqn + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+        h ^= np.where(where < 0, np.uint64(0xFFFF), ndim.astype(np.uint64))
+        for d in np.unique(ndim[where >= 0]):
+            d = int(d)
+            sel = np.nonzero((ndim == d) & (where >= 0))[0]
+            for j in range(d):
+                h[sel] = (h[sel] ^ values[where[sel] + j]) * np.uint64(0xBF58476D1CE4E5B9)
+                h[sel] ^= h[sel] >> np.uint64(31)
+    h.sort()
+    return bool((h[1:] == h[:-1]).any())
+
+def chunk_rows(cols: Any, fqn_of: Any, tensor_item: Any) -> Any:
+    """Entry -> its chunk's row, as the general path finds it: ``index`` when it is in range,
+    else the chunk whose offsets are the entry's; -1 for none (and for object items)."""
+    import numpy as np
+
+    n = cols.entries
+    rows = np.full(n, -1, dtype=np.int64)
+    if not n:
+        return rows
+    first = np.zeros(len(cols.fqns), dtype=np.int64)
+    count = np.zeros(len(cols.fqns), dtype=np.int64)
+    for i, name in enumerate(cols.fqns):
+        t = cols.tensors.get(name)
+        if t is not None:
+            first[i], count[i] = t[3], t[4]
+    index = np.frombuffer(cols.entry_index, dtype=np.int64)
+    ok = tensor_item & (index >= 0) & (index < count[fqn_of])
+    rows[ok] = first[fqn_of[ok]] + index[ok]
+    for e in np.nonzero(tensor_item & ~ok)[0]:  # rare: search by offsets
+        e = int(e)
+        want = cols.entry_chunk_offsets(e)
+        if want is None:
+            continue
+        f = int(fqn_of[e])
+        for r in range(int(first[f]), int(first[f] + count[f])):
+            if cols.chunk(r)[0] == want:
+                rows[e] = r
+                break
+    return rows
