@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import itertools
 import json
+import operator
 import os
 import tempfile
 import time
@@ -234,7 +235,7 @@ class CheckpointIndex:
             value = data.get(key)
             if not isinstance(value, list) or (n is not None and len(value) != n):
                 raise fail(f"column {key!r}: expected a list of {n} items")
-            if not all(type(v) is kind for v in value):
+            if value and set(map(type, value)) != {kind}:  # every item exactly a kind
                 raise fail(f"column {key!r}: expected {kind.__name__} items")
             return tuple(value)
 
@@ -247,11 +248,12 @@ class CheckpointIndex:
             raise fail("files: expected [path, format, nbytes] lists")
         start = column("part_start", int, n + 1)
         nparts = start[-1] if start else 0
-        if start[0] != 0 or any(b < a for a, b in itertools.pairwise(start)):
+        if start[0] != 0 or not all(map(operator.le, start, itertools.islice(start, 1, None))):
             raise fail("part_start: expected ascending offsets from 0")
         file = column("file", int, n)
         part_file = column("part_file", int, nparts)
-        if any(not -1 <= i < len(files) for i in (*file, *part_file)):
+        if any(column and not (-1 <= min(column) and max(column) < len(files))
+               for column in (file, part_file)):
             raise fail("file index out of range")
         objects = data.get("objects")
         notes = column("notes", str, None)

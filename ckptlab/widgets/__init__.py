@@ -1,18 +1,37 @@
 """Views over core objects: notebook widgets (ipywidgets + plotly) and the served panel app.
 
 Nothing here parses, plans or bins: that lives in the core packages and in ``ckptlab.viz``.
+
+Every public name is imported on first use (:func:`ckptlab._lazy.lazy_attributes`): the
+served app (``ckptlab.widgets.app``, panel) then starts without ipywidgets, IPython and the
+notebook explorers, and a notebook that uses one explorer imports only its module.
 """
 
-from ckptlab.widgets.explorer import AlignmentExplorer, LayoutExplorer
+from __future__ import annotations
 
-__all__ = ["AlignmentExplorer", "LayoutExplorer"]
+from typing import TYPE_CHECKING
 
-# async writing views (ckptlab.write)
-from ckptlab.widgets.write import BucketExplorer, TimelineView, save_progress, sized_items
+from ckptlab._lazy import lazy_attributes
 
-__all__ += ["BucketExplorer", "TimelineView", "save_progress", "sized_items"]
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
+    from ckptlab.widgets.explorer import AlignmentExplorer, LayoutExplorer
+    from ckptlab.widgets.plan import PlanExplorer
+    from ckptlab.widgets.write import BucketExplorer, TimelineView, save_progress, sized_items
 
-# distributed planning views (ckptlab.plan)
-from ckptlab.widgets.plan import PlanExplorer  # noqa: E402
+# name -> "module:attribute", imported on first use
+_LAZY_NAMES = {
+    "AlignmentExplorer": "ckptlab.widgets.explorer:AlignmentExplorer",
+    "LayoutExplorer": "ckptlab.widgets.explorer:LayoutExplorer",
+    # async writing views (ckptlab.write)
+    "BucketExplorer": "ckptlab.widgets.write:BucketExplorer",
+    "TimelineView": "ckptlab.widgets.write:TimelineView",
+    "save_progress": "ckptlab.widgets.write:save_progress",
+    "sized_items": "ckptlab.widgets.write:sized_items",
+    # distributed planning views (ckptlab.plan)
+    "PlanExplorer": "ckptlab.widgets.plan:PlanExplorer",
+}
 
-__all__ += ["PlanExplorer"]
+__all__ = ["AlignmentExplorer", "BucketExplorer", "LayoutExplorer", "PlanExplorer",
+           "TimelineView", "save_progress", "sized_items"]
+
+__getattr__, __dir__ = lazy_attributes(__name__, globals(), _LAZY_NAMES)

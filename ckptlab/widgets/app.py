@@ -17,7 +17,13 @@ First paint comes from the index. The table and the totals need only a
 the on-disk :class:`~ckptlab.checkpoint._cache.InspectionCache` when the file was seen before
 (a fraction of a second at 100,000 tensors, where opening the file takes seconds); the full
 :class:`~ckptlab.checkpoint.Checkpoint`, which the byte map needs, is then opened on a thread
-once the first page has loaded, and every session draws its map when it is there.
+once the first page has been drawn, and every session draws its map when it is there.
+Such a page comes without plotly.js (4.8 MB of its 8 MB of JavaScript): :class:`PlotlyLoader`
+adds it after the table is drawn, and only then does the session add its plotly panes. The
+imports behind the served app are the app's own (``ckptlab.widgets`` imports its notebook
+explorers, and ipywidgets with them, only on first use); panel's plotly pane imports its
+figure widget module (nbformat, jsonschema: seconds) on the loading thread, not before the
+port opens.
 
 Many sessions, one server. Panel runs every session's callbacks on one thread, so what a
 session costs is what the next visitor waits for. Work that depends only on the file and an
@@ -41,10 +47,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import panel as pn
+import param
 
 from ckptlab.checkpoint._cache import CheckpointIndex, InspectionCache
 from ckptlab.errors import CkptlabError, InvalidArgumentError
@@ -77,8 +84,8 @@ from ckptlab.widgets._tensor_table import (
     tensor_frame,
 )
 
-__all__ = ["CheckpointApp", "LayoutApp", "LayoutCache", "LayoutView", "ServedCheckpoint",
-           "serve"]
+__all__ = ["CheckpointApp", "LayoutApp", "LayoutCache", "LayoutView", "PlotlyLoader",
+           "ServedCheckpoint", "serve"]
 
 PROMPT = "<i>Click the byte map or pick an item.</i>"
 TENSOR_PROMPT = "<i>Pick a tensor in the table to see its parts, its bytes on the map and hex.</i>"
@@ -96,6 +103,87 @@ LOAD_FALLBACK_S = 30.0
 # it the table paints first and the byte map follows
 EAGER_TENSORS = 20_000
 MAX_FILES_LISTED = 1000  # file picker entries (the largest files, and the one shown)
+
+
+class PlotlyLoader(pn.reactive.ReactiveHTML):
+    """Loads plotly.js into the page once the page is up, and says so (``loaded``).
+
+    plotly.js is 4.8 MB of the first page's 8 MB of JavaScript; the tensor table does not
+    need it. A served page is sent without it (see :func:`_page_without_plotly`); this
+    invisible element, placed where the byte map will go, adds plotly.js's ``<script>`` (from
+    the local server, as panel itself would) after the table has rendered and sets ``loaded``
+    when ``window.Plotly`` is there: only then does the session add its plotly panes, whose
+    views need ``window.Plotly`` when they render.
+
+    (Its name has no leading underscore because bokehJS cannot resolve a component class
+    whose name starts with one.)
+    """
+
+    rendered = param.Boolean(default=False, doc="the page has drawn this element")
+    loaded = param.Boolean(default=False, doc="plotly.js has run in the page")
+    failed = param.Boolean(default=False, doc="plotly.js could not be loaded")
+    src = param.String(default="", doc="plotly.js's URL, relative to the page")
+
+    _template = '<div id="ckptlab_plotly_loader" class="ckptlab-plotly-loader"></div>'
+    _scripts: ClassVar[dict[str, str]] = {"render": """
+      data.rendered = true
+      if (window.Plotly) { data.loaded = true; return }
+      const id = 'ckptlab-plotly-js'
+      let tag = document.getElementById(id)
+      if (tag == null) {
+        tag = document.createElement('script')
+        tag.id = id
+        tag.src = new URL(data.src, document.baseURI).href
+        document.head.appendChild(tag)
+      }
+      tag.addEventListener('load', () => { data.loaded = true })
+      tag.addEventListener('error', () => { data.failed = true })
+    """}
+
+
+def _warm_plotly() -> None:
+    """Import what the first ``pn.pane.Plotly`` of a process imports (``go.FigureWidget``)."""
+    import plotly.graph_objs as go
+
+    try:
+        go.FigureWidget  # noqa: B018 - the attribute access is the import
+    except ImportError:  # the pane does without the figure widget (no anywidget)
+        pass
+
+
+def _plotly_src() -> str:
+    """The URL (relative to the page) of the plotly.js that panel serves."""
+    from panel.models.plotly import PlotlyPlot
+
+    return str(PlotlyPlot.__javascript__[0])
+
+
+def _page_without_plotly(doc: Any) -> bool:
+    """Send session ``doc``'s page without plotly.js (and its stylesheet); True if done.
+
+    Panel puts on a page the JavaScript of every extension model imported in the server
+    process (once one session drew a byte map, every later page would carry plotly.js)
+    unless the document has its own list of extensions: give it one without plotly. It is
+    panel's private ``state._extensions_`` (panel 1.x); where that is missing the page simply
+    carries plotly.js, as before.
+    """
+    table = getattr(pn.state, "_extensions_", None)
+    if doc is None or table is None:
+        return False
+    try:
+        table[doc] = [name for name in table.get(doc, ["tabulator"]) if name != "plotly"] or (
+            ["tabulator"])
+    except TypeError:
+        return False
+    return True
+
+
+def _plotly_now_loaded(doc: Any) -> None:
+    """Tell panel that ``doc``'s page has plotly.js now (so a new Plotly pane does not warn
+    that its extension is missing)."""
+    table = getattr(pn.state, "_extensions_", None)
+    if doc is not None and table is not None and doc in table and "plotly" not in table[doc]:
+        table[doc].append("plotly")
 
 
 def _alignment_options(layout: ArchiveLayout) -> list[int]:
@@ -450,19 +538,27 @@ class ServedCheckpoint:
         return self.path
 
     def start_loading(self) -> None:
-        """Run :meth:`load` on a thread (once; later calls do nothing)."""
+        """Run :meth:`load` on a thread, then import what panel's plotly pane imports on
+        first use (once; later calls do nothing).
+
+        That import (plotly's figure widget module, with nbformat and jsonschema) takes
+        1.8 s of CPU; done here, after the first page, neither the port nor the table waits
+        for it, and it is done when a page's plotly.js has arrived.
+        """
         with self._lock:
-            if self._started:
+            if self._started or self.ready.is_set():  # opened before serving: nothing to do
                 return
             self._started = True
-        threading.Thread(target=self.load, name="ckptlab-open", daemon=True).start()
+        threading.Thread(target=self._load_and_warm, name="ckptlab-open", daemon=True).start()
+
+    def _load_and_warm(self) -> None:
+        self.load()
+        _warm_plotly()
 
     def load(self) -> None:
         """Open the checkpoint (when the index came from the cache) and build what the byte
         maps need; sets ``ready``. Errors are kept in ``error`` (shown by the sessions).
         Once ``ready``, later calls do nothing."""
-        with self._lock:
-            self._started = True
         if self.ready.is_set():
             return
         try:
@@ -476,9 +572,11 @@ class ServedCheckpoint:
                 self.layout_cache.costs(layout, _alignment_options(layout))
             else:
                 self.bytemap(self.default_file())
-        except (CkptlabError, OSError) as exc:
+        except Exception as exc:  # any failure (a bug too): every session shows it
             self.error = f"{type(exc).__name__}: {exc}"
         finally:
+            if self.checkpoint is None and self.error is None:
+                self.error = "the checkpoint could not be opened"
             self.ready.set()
 
     def default_file(self) -> str:
@@ -603,6 +701,9 @@ class CheckpointApp:
         self.file_picker: Any = None
         self._callback: Any = None
         self._watchers: list[Any] = []
+        # set while the page is still loading plotly.js (the byte map waits for it)
+        self._plotly_loader: PlotlyLoader | None = None
+        self._doc: Any = None
         name = plain_text(served.path.rstrip("/").rsplit("/", 1)[-1])
         self.title = pn.pane.HTML(
             f"<h2 style='margin:4px 0'>ckptlab · {html.escape(name)}</h2>",
@@ -630,11 +731,41 @@ class CheckpointApp:
             pn.pane.HTML("<h3 style='margin:8px 0 2px'>Values besides tensors</h3>"),
             self.values,
             self.map_section, sizing_mode="stretch_width", css_classes=["ckptlab-app"])
+        doc = pn.state.curdoc
+        if (doc is not None and doc.session_context is not None and not served.ready.is_set()
+                and _page_without_plotly(doc)):
+            # a served page whose map comes later: sent without plotly.js (4.8 MB), which the
+            # loader adds once the page is up (a map drawn now comes with its first page)
+            self._doc = doc
+            self._plotly_loader = PlotlyLoader(src=_plotly_src(), height=0, margin=0)
+            self._watchers += [
+                self._plotly_loader.param.watch(self._on_plotly, ["loaded", "failed"]),
+                # the page is drawn: the full open may start (not when panel's warm-up
+                # session, built before the port opens, runs its onload callbacks)
+                self._plotly_loader.param.watch(lambda _: served.start_loading(), "rendered")]
+            self.map_section.append(self._plotly_loader)
         if not self.refresh():
-            doc = pn.state.curdoc
             if doc is not None and doc.session_context is not None:
                 self._callback = pn.state.add_periodic_callback(self._poll, period=POLL_MS)
-                pn.state.onload(served.start_loading)
+                if self._plotly_loader is None:
+                    pn.state.onload(served.start_loading)
+
+    def _on_plotly(self, event: Any) -> None:
+        if not event.new or self.view is None:
+            return
+        if event.name == "failed":
+            if self._callback is not None:
+                self._callback.stop()
+                self._callback = None
+            self.map_section.objects = [pn.pane.HTML(
+                "<b>The byte map is not available:</b> the page could not load plotly.js "
+                f"({html.escape(_plotly_src())}) from this server.",
+                css_classes=["ckptlab-map-error"])]
+            self.file = ""
+            return
+        _plotly_now_loaded(self._doc)
+        self._plotly_loader = None
+        self.refresh()
 
     # -- the byte map section -----------------------------------------------------------------
     def _poll(self) -> None:
@@ -647,7 +778,7 @@ class CheckpointApp:
         if self.file is not None or self.layout_app is not None:
             return True
         served = self.served
-        if not served.ready.is_set() or self.view is None:
+        if not served.ready.is_set() or self.view is None or self._plotly_loader is not None:
             return False
         if served.error is not None:
             self.map_section.objects = [pn.pane.HTML(
@@ -808,6 +939,7 @@ class CheckpointApp:
         if self.layout_app is not None:
             self.layout_app.close()
         self.view = self.map_section = self.map_pane = self.layout_app = None
+        self._plotly_loader = self._doc = None
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -936,7 +1068,13 @@ def serve(source: LayoutSource | ServedCheckpoint, *, port: int = 5006,
             cache.costs(layout, _alignment_options(layout))
     sessions = _Sessions(layout, served.layout_cache if served is not None else cache,
                          served=served)
-    pn.extension("plotly", "tabulator", inline=True)
+    # a checkpoint's pages come without plotly.js (CheckpointApp loads it after the table);
+    # a layout's page opens on its byte map
+    pn.extension(*(("tabulator",) if served is not None else ("plotly", "tabulator")),
+                 inline=True)
+    # plotly's panel model, so that a page panel cannot send without plotly.js (no
+    # _page_without_plotly) carries it
+    import panel.models.plotly  # noqa: F401
     origins = [f"{address}:{port}", f"localhost:{port}", f"127.0.0.1:{port}"]
     if served is not None and len(served.index) <= EAGER_TENSORS:
         served.load()  # small: every page gets its byte map with its first paint
@@ -968,4 +1106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run as a script, this file is __main__: serve with the module's own classes, as a
+    # server started by ``ckptlab serve`` does (one PlotlyLoader model, not two)
+    from ckptlab.widgets.app import main as _main
+
+    sys.exit(_main())

@@ -237,7 +237,8 @@ def test_serve_wires_the_app(monkeypatch, sample_file, sample_layout, tmp_path):
     monkeypatch.setattr(pn, "extension", lambda *args, **kwargs: calls.append((args, kwargs)))
     app_module.serve(sample_file, port=5123)
     (ext_args, ext_kwargs), ((routes,), kwargs) = calls
-    assert ext_args == ("plotly", "tabulator") and ext_kwargs == {"inline": True}  # no CDN
+    # a checkpoint's page comes without plotly.js (loaded after the table), from no CDN
+    assert ext_args == ("tabulator",) and ext_kwargs == {"inline": True}
     assert kwargs["port"] == 5123 and kwargs["address"] == "127.0.0.1"
     assert kwargs["show"] is False
     assert set(kwargs["websocket_origin"]) == {"127.0.0.1:5123", "localhost:5123"}
@@ -246,3 +247,59 @@ def test_serve_wires_the_app(monkeypatch, sample_file, sample_layout, tmp_path):
     view = routes["/"]()
     assert isinstance(view, pn.Column)
     assert view is not routes["/"]()
+
+
+def test_the_served_app_imports_no_notebook_widgets():
+    """``ckptlab serve`` imports the app module only: ipywidgets, IPython and the notebook
+    explorers come when one is used, and every public name of ``ckptlab.widgets`` still does."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import ckptlab.widgets.app\n"
+        "late = [m for m in ('ipywidgets', 'IPython', 'ckptlab.widgets.explorer', "
+        "'ckptlab.widgets.plan', 'ckptlab.widgets.write') if m in sys.modules]\n"
+        "assert not late, late\n"
+        "import ckptlab.widgets as w\n"
+        "assert set(w.__all__) <= set(dir(w))\n"
+        "for name in w.__all__:\n"
+        "    assert getattr(w, name).__name__ == name, name\n"
+        "from ckptlab.widgets import LayoutExplorer, app\n"
+        "assert 'ipywidgets' in sys.modules and app.serve\n"
+        "try:\n"
+        "    w.NoSuchView\n"
+        "except AttributeError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise AssertionError('an unknown name resolved')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_served_page_comes_without_plotly_until_it_asks():
+    """A session's document gets its own extension list without plotly (panel then leaves
+    plotly.js off the page even after another session imported plotly's model), and plotly
+    is added once the page has loaded it."""
+    # plotly's model imported, as in a server that drew a byte map; tabulator's, the table's
+    import panel.models.plotly
+    import panel.models.tabulator
+    from bokeh.document import Document
+    from panel.io.resources import Resources
+    from panel.io.state import set_curdoc
+
+    doc = Document()
+    assert app_module._page_without_plotly(doc)
+    assert pn.state._extensions_[doc] == ["tabulator"]
+    with set_curdoc(doc):
+        page = Resources(mode="server").js_files
+    assert not any("plotly" in url for url in page)
+    assert any("tabulator" in url for url in page)
+    other = Document()  # a document panel has no list for gets every imported model's JS
+    with set_curdoc(other):
+        assert any("plotly" in url for url in Resources(mode="server").js_files)
+    app_module._plotly_now_loaded(doc)
+    assert pn.state._extensions_[doc] == ["tabulator", "plotly"]
+    assert app_module._plotly_src().endswith(".js")
+    assert app_module._plotly_src() in panel.models.plotly.PlotlyPlot.__javascript__

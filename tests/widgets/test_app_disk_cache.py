@@ -98,8 +98,12 @@ def test_a_rewritten_file_is_another_entry(model_file, tmp_path):
     lambda raw: raw.replace(b'"file":[0,', b'"file":[9,'),
     lambda raw: raw.replace(b'"names":["layer.weight"', b'"names":[17'),
     lambda raw: b"[" * 100_000,
+    lambda raw: raw.replace(b'"nbytes":[24,', b'"nbytes":[true,'),
+    lambda raw: raw.replace(b'"part_start":[0,1,', b'"part_start":[0,9,'),
+    lambda raw: raw.replace(b'"part_file":[0,', b'"part_file":[-2,'),
 ], ids=["garbage", "empty", "truncated", "version", "identity", "columns", "part_start",
-        "file-index", "name-type", "deep"])
+        "file-index", "name-type", "deep", "bool-for-int", "part-start-descends",
+        "part-file-below"])
 def test_a_damaged_entry_is_ignored_and_rebuilt(model_file, tmp_path, damage):
     cache = InspectionCache(tmp_path / "cache")
     good, _ = cache.index_of(model_file)
