@@ -139,10 +139,12 @@ def write_synthetic_dcp(root: str | os.PathLike[str], *, tensors: int, ranks: in
                 offset += length
             f.truncate(offset)
         data_nbytes += offset
+    # .metadata records DCP's version from torch 2.8 on (a field torch 2.7's Metadata lacks)
+    version = getattr(fs, "CURRENT_DCP_VERSION", None)
     meta = md.Metadata(state_dict_metadata=state, planner_data=planner_data,
                        storage_data=storage_data,
                        storage_meta=md.StorageMeta(checkpoint_id=root, save_id="synthetic"),
-                       version=fs.CURRENT_DCP_VERSION)
+                       **({} if version is None else {"version": version}))
     meta_path = os.path.join(root, metadata_file_name())
     with open(meta_path, "wb") as f:
         pickle.dump(meta, f)  # what FileSystemWriter.finish does

@@ -138,7 +138,7 @@ def _metadata_values(meta: Any) -> dict[str, Any]:
                 None if k.offset is None else tuple(k.offset), v.relative_path, v.offset,
                 v.length) for k, v in meta.storage_data.items()]
     return {"tensors": tensors, "objects": objects, "entries": entries,
-            "planner": meta.planner_data, "version": meta.version}
+            "planner": meta.planner_data, "version": getattr(meta, "version", None)}
 
 
 def _column_values(cols: Any) -> dict[str, Any]:
