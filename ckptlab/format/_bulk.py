@@ -2,10 +2,13 @@
 
 A checkpoint of 100,000 tensors has half a million layout segments and a few hundred thousand
 records, tensor infos and parts, each a frozen slotted dataclass. Its generated ``__init__``
-sets every field with ``object.__setattr__`` in a Python frame of its own; :func:`build` does
-the same assignments through the fields' slot descriptors with ``map``, one field at a time
-over all instances, without a Python frame per object (about three times faster). The
-instances are ordinary ones: same class, every field set, equal to what ``cls(...)`` makes.
+sets every field with ``object.__setattr__`` in a Python frame of its own; :func:`build` makes
+each object with a *twin* class's plain ``__init__`` (the same slots in the same order, so one
+frame of fast slot stores) and then gives it its real class (``__class__`` assignment, which
+CPython allows between classes of the same layout): about 1.5x faster than setting the fields
+through their slot descriptors one column at a time (the fallback for a class whose layout a
+twin cannot share), and 4-5x faster than ``cls(...)``. The instances are ordinary ones: same
+class, every field set, equal to what ``cls(...)`` makes, and as frozen.
 
 :func:`gc_paused` holds off Python's cyclic garbage collector while a scan builds them: every
 700 new containers it would walk the young ones, and now and then all of them, which costs a
@@ -21,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
+import keyword
 import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -54,14 +59,51 @@ def build(cls: type[T], count: int, *columns: Iterable[Any]) -> list[T]:
     rest = fields[len(columns):]
     if any(f.default is dataclasses.MISSING for f in rest):
         raise TypeError(f"{cls.__name__}: no column for a field without a plain default")
+    for column in columns:
+        if isinstance(column, (list, tuple)) and len(column) < count:
+            raise ValueError(f"a column of {len(column)} values for {count} {cls.__name__}")
     columns = (*columns, *(repeat(f.default) for f in rest))
+    twin = _twin(cls)
+    if twin is not None:
+        # each object made by the twin's plain __init__ (slot stores in one frame), then
+        # given its real class: two C-level passes instead of one per field
+        objects = list(map(twin, range(count), *columns))
+        if len(objects) != count:
+            raise ValueError(f"a column of fewer than {count} values for {cls.__name__}")
+        deque(map(setattr, objects, repeat("__class__"), repeat(cls)), maxlen=0)
+        return objects
     objects = list(map(object.__new__, repeat(cls, count)))
     for field, column in zip(fields, columns):
         setter = getattr(cls, field.name).__set__
-        if isinstance(column, (list, tuple)) and len(column) < count:
-            raise ValueError(f"a column of {len(column)} values for {count} {cls.__name__}")
         deque(map(setter, objects, column), maxlen=0)
     return objects
+
+
+@functools.cache
+def _twin(cls: type) -> type | None:
+    """A plain class with the slots of ``cls`` in the same order and an ``__init__`` that
+    stores every field (the first argument, a counter, is ignored): its instances can take
+    ``cls`` as their ``__class__`` (same layout), becoming ordinary ``cls`` instances.
+    None when ``cls`` has a layout the twin could not share (a base with slots, a weakref
+    slot, a ``__dict__``)."""
+    slots = cls.__dict__.get("__slots__")
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    if tuple(slots or ()) != tuple(names) or cls.__bases__ != (object,) or \
+            not all(n.isidentifier() and not keyword.iskeyword(n) and n != "self"
+                    and not n.startswith("_") for n in names):
+        return None
+    args = ", ".join(names)
+    body = "".join(f"    self.{n} = {n}\n" for n in names)
+    scope: dict[str, Any] = {}
+    exec(f"def __init__(self, _, {args}):\n{body}", scope)  # field names, checked above
+    twin = type(f"_{cls.__name__}Twin", (), {"__slots__": tuple(names),
+                                               "__init__": scope["__init__"]})
+    probe = twin(0, *([None] * len(names)))
+    try:
+        probe.__class__ = cls  # the layouts must agree, else the plain path
+    except TypeError:
+        return None
+    return twin
 
 
 class _Pause:

@@ -19,6 +19,7 @@ non-tensor values beside them.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import reprlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -56,22 +57,34 @@ class StorageRef:
     nbytes: int
 
 
-_SET_STORAGE_REF = tuple(getattr(StorageRef, f).__set__ for f in (
-    "key", "storage_type", "dtype", "location", "numel", "nbytes"))
+class _StorageRefTwin:
+    """:class:`StorageRef`'s slots in its order, with a plain ``__init__``: an instance made
+    here and given ``StorageRef`` as its class is an ordinary, frozen ``StorageRef`` (the
+    layouts agree; see :mod:`ckptlab.format._bulk`), at a third of the cost of setting six
+    frozen slots through their descriptors."""
+
+    __slots__ = ("key", "storage_type", "dtype", "location", "numel", "nbytes")  # noqa: RUF023
+
+    def __init__(self, key: str, storage_type: str, dtype: str, location: str, numel: int,
+                 nbytes: int) -> None:
+        self.key = key
+        self.storage_type = storage_type
+        self.dtype = dtype
+        self.location = location
+        self.numel = numel
+        self.nbytes = nbytes
+
+
+if tuple(f.name for f in dataclasses.fields(StorageRef)) != _StorageRefTwin.__slots__:
+    raise ImportError("StorageRef's fields and _StorageRefTwin's slots differ")
 
 
 def _storage_ref(key: str, storage_type: str, dtype: str, location: str, numel: int,
                  nbytes: int) -> StorageRef:
-    """``StorageRef(...)`` through its slots (one per new storage: a third of the time)."""
-    ref = object.__new__(StorageRef)
-    set_key, set_type, set_dtype, set_location, set_numel, set_nbytes = _SET_STORAGE_REF
-    set_key(ref, key)
-    set_type(ref, storage_type)
-    set_dtype(ref, dtype)
-    set_location(ref, location)
-    set_numel(ref, numel)
-    set_nbytes(ref, nbytes)
-    return ref
+    """``StorageRef(...)`` through its twin (one per new storage)."""
+    ref: Any = _StorageRefTwin(key, storage_type, dtype, location, numel, nbytes)
+    ref.__class__ = StorageRef
+    return ref  # type: ignore[no-any-return]
 
 
 _repr = reprlib.Repr()
@@ -172,6 +185,7 @@ class _CompositeRef:
 
 
 _TENSOR_REFS = (_TensorRef, _CompositeRef)
+_DTYPE = attrgetter("dtype")
 _BUILDABLE = (*_TENSOR_REFS, StateDict)
 
 
@@ -324,6 +338,69 @@ class _TorchHandlers:
             raise _bad(f"storage {_short(key)} declared twice with different sizes: "
                        f"{ref.storage_type}[{ref.numel}] and {storage_type.name}[{numel}]")
         return ref
+
+    def fused_v2(self, pid: tuple[Any, ...], offset: int, size: tuple[int, ...],
+                 stride: tuple[int, ...], requires_grad: bool
+                 ) -> tuple[StorageRef, _TensorRef] | None:
+        """``persistent_load(pid)`` then ``rebuild_v2(storage, offset, size, stride,
+        requires_grad)`` in one call, for the interpreter's fast path (its
+        ``fused_tensor_v2``): the arguments come well formed from it (sizes and strides
+        non-negative ints of equal length, ``offset >= 0``, a bool), so what is left to check
+        is the persistent id. None, having changed nothing, for anything but a storage class
+        seen before, string key and location, a non-negative numel and a storage of the same
+        size if seen before: the two calls then say what is wrong."""
+        tag, storage_type, key, location, numel = pid
+        known = self.storage_types.get(id(storage_type))
+        if known is None or known[0] is not storage_type or tag != "storage" or \
+                type(key) is not str or type(location) is not str or type(numel) is not int \
+                or numel < 0:
+            return None
+        nbytes = numel * known[2]
+        ref = self.storages.get(key)
+        if ref is None:
+            ref = _storage_ref(key, storage_type.name, known[1], location, numel, nbytes)
+            self.storages[key] = ref
+            self.storage_order.append(key)
+        elif ref.nbytes != nbytes:
+            return None
+        return ref, _TensorRef(ref, offset, size, stride, requires_grad, ref.dtype)
+
+    def fused_v2_batch(self, pids: list[tuple[Any, ...]], offsets: list[int],
+                       sizes: list[tuple[int, ...]], strides: list[tuple[int, ...]],
+                       grads: list[bool]
+                       ) -> tuple[list[StorageRef], list[_TensorRef]] | None:
+        """:meth:`fused_v2` of many tensors (lists in pickle order): all or None, having
+        changed nothing when some one of them would not be taken."""
+        tags, types, keys, locations, numels = zip(*pids)
+        storage_type = types[0]
+        known = self.storage_types.get(id(storage_type))
+        if known is None or known[0] is not storage_type or set(map(type, types)) != {Global} \
+                or len(set(map(id, types))) != 1 or set(tags) != {"storage"} or \
+                set(map(type, keys)) != {str} or set(map(type, locations)) != {str} or \
+                set(map(type, numels)) != {int} or min(numels) < 0:
+            return None
+        itemsize = known[2]
+        storages = self.storages
+        new: dict[str, int] = {}
+        for key, numel in zip(keys, numels):  # every size agrees before anything is stored
+            nbytes = numel * itemsize
+            ref = storages.get(key)
+            if ref is not None:
+                if ref.nbytes != nbytes:
+                    return None
+            elif new.setdefault(key, nbytes) != nbytes:
+                return None
+        if new:
+            name, dtype = storage_type.name, known[1]
+            for key, location, numel in zip(keys, locations, numels):
+                if key in new and key not in storages:
+                    storages[key] = _storage_ref(key, name, dtype, location, numel,
+                                                 numel * itemsize)
+                    self.storage_order.append(key)
+        refs = list(map(storages.__getitem__, keys))
+        tensors = list(map(_TensorRef, refs, offsets, sizes, strides, grads,
+                           map(_DTYPE, refs)))
+        return refs, tensors
 
     # -- dense --------------------------------------------------------------------------
     def rebuild_v1(self, storage: Any = None, offset: Any = None, size: Any = None,
@@ -820,8 +897,13 @@ def _scan(data: bytes, path: str, record: str, data_offset: int,
     if extra_handlers:
         table.update(extra_handlers)
     load = handlers.persistent_load if persistent_load is None else persistent_load(handlers)
+    # torch.save's own persistent ids and tensor rebuild: both in one call on the fast path
+    fused = handlers.fused_v2 if persistent_load is None and table.get(
+        ("torch._utils", "_rebuild_tensor_v2")) == handlers.rebuild_v2 else None
     try:
-        result = interpret(data, handlers=table, persistent_load=load, buildable=_BUILDABLE)
+        result = interpret(data, handlers=table, persistent_load=load, buildable=_BUILDABLE,
+                           fused_tensor_v2=fused,
+                           fused_tensor_v2_batch=handlers.fused_v2_batch if fused else None)
         found, values = _walk(result.root)
     except PickleDataError as exc:
         kind = "is over ckptlab's budget" if isinstance(exc, PickleBudgetError) \

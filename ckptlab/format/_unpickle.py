@@ -28,6 +28,11 @@ unpicklers, so every rule below holds by construction rather than by overriding 
   key with its tensor straight after (:meth:`_Machine.tensor_entries`): the same memo entries,
   charges, handler calls and error offsets as the loop; whatever else the bytes are, the loop
   reads them. ``interpret(..., fast_paths=False)`` turns it off (tests compare the two).
+  With torch's handlers fused (``fused_tensor_v2``: the persistent id and the rebuild in one
+  call), a large pickle's runs of plain state dict entries are taken a batch at a time
+  (:meth:`_Machine.entry_run`): located entry by entry by the same expression, then checked
+  column by column (the same BINGETs in every entry, the BINPUTs' indices in order with
+  numpy, one budget check for the batch) and applied with one handler call, all or nothing.
 
 Why not the standard library: the C unpickler sizes its memo from a ``LONG_BINPUT`` index and
 preallocates ``BINBYTES`` from the declared length (GBs from a 9-byte pickle), resolves EXT
@@ -41,7 +46,7 @@ import codecs
 import re
 import struct
 from collections.abc import Callable
-from itertools import compress
+from itertools import chain, compress, repeat
 from typing import Any
 
 from ckptlab.errors import PickleBudgetError, PickleDataError
@@ -200,6 +205,15 @@ def _put_runs(nbytes: int, code: int) -> dict[int, tuple[int, int]]:
 
 _SHORT_PUTS = _put_runs(2, 0x71)  # BINPUT
 _LONG_PUTS = _put_runs(5, 0x72)  # LONG_BINPUT
+# the state dict entries taken together (_Machine.entry_run): from pickles of this many bytes
+# on (smaller ones are read one tensor at a time), in batches of at most this many entries;
+# after a batch that is not taken, as many entries as it looked at (at least BULK_PAUSE) go
+# one at a time before the next try, so no byte is looked at by more than two tries (and a
+# quarter of BULK_PAUSE go one at a time before the first)
+BULK_MIN_NBYTES = 1 << 18
+BULK_BATCH = 1024
+BULK_PAUSE = 64
+_ENTRY_PUTS = (0, 5, 8, 12, 14, 18, 19, 21)  # the groups of _ENTRY_V2's BINPUTs, in order
 
 
 def _memo_index(op: bytes) -> int:
@@ -217,10 +231,11 @@ def _small_int(op: bytes) -> tuple[int, int]:
     return _unpack_i(op, 1)[0], 48
 
 
-def _int_tuple_op(op: bytes) -> tuple[tuple[int, ...], int]:
-    """A tuple of ints as :data:`_TENSOR_V2` matched it: (value, what the loop charges)."""
+def _int_tuple_op(op: bytes) -> tuple[tuple[int, ...], int, bool]:
+    """A tuple of ints as :data:`_TENSOR_V2` matched it: (value, what the loop charges,
+    whether every int is >= 0 and there are at most 64)."""
     if op == b")":
-        return (), 16
+        return (), 16, True
     values = []
     cost = 0
     i = 1 if op[0] == 0x28 else 0
@@ -230,7 +245,8 @@ def _int_tuple_op(op: bytes) -> tuple[tuple[int, ...], int]:
         values.append(value)
         cost += charge
         i += 2 if op[i] == 0x4B else 3 if op[i] == 0x4D else 5
-    return tuple(values), cost + 72 + 8 * len(values) + (88 if op[0] == 0x28 else 0)
+    return (tuple(values), cost + 72 + 8 * len(values) + (88 if op[0] == 0x28 else 0),
+            len(values) <= 64 and all(v >= 0 for v in values))
 
 
 def _key(value: Any, cache: dict[int, tuple[Any, Any]]) -> Any:
@@ -260,7 +276,9 @@ def interpret(data: bytes | bytearray | memoryview, *,
               persistent_load: Callable[[Any], Any] | None = None,
               buildable: tuple[type, ...] = (),
               memory_per_byte: int = MEMORY_PER_BYTE,
-              fast_paths: bool = True) -> Interpretation:
+              fast_paths: bool = True,
+              fused_tensor_v2: Callable[..., Any] | None = None,
+              fused_tensor_v2_batch: Callable[..., Any] | None = None) -> Interpretation:
     """Interpret one pickle without importing or running anything it names.
 
     Parameters
@@ -284,6 +302,19 @@ def interpret(data: bytes | bytearray | memoryview, *,
         once when their bytes are exactly what torch writes (:meth:`_Machine.tensor_v2`); the
         result, the memo, the budget and any error are the same as one opcode at a time
         (False: always one at a time, for tests that compare the two).
+    fused_tensor_v2
+        ``fused(pid, offset, size, stride, requires_grad) -> (storage, tensor) | None``: what
+        ``persistent_load(pid)`` and the ``_rebuild_tensor_v2`` handler together return for a
+        tensor of the fast path whose arguments are well formed (a 5-tuple ``pid``, sizes and
+        strides of non-negative ints and equal length, a non-negative offset, a bool), done in
+        one call; it must return None, having changed nothing, wherever those two calls would
+        not simply return (an error, a storage class not seen before), and the two calls are
+        made instead. Only used with the fast path.
+    fused_tensor_v2_batch
+        ``batch(pids, offsets, sizes, strides, grads) -> (storages, tensors) | None``: the
+        same for many tensors at once (lists, one item per tensor, in pickle order), all or
+        nothing: the state dict entries of a pickle of :data:`BULK_MIN_NBYTES` or more are
+        taken in batches through it (:meth:`_Machine.entry_run`).
 
     Raises
     ------
@@ -293,6 +324,8 @@ def interpret(data: bytes | bytearray | memoryview, *,
     view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
     machine = _Machine(view, handlers or {}, persistent_load, buildable,
                        max(MEMORY_FLOOR, memory_per_byte * len(view)), fast_paths)
+    machine.fused = fused_tensor_v2 if fast_paths else None
+    machine.fused_batch = fused_tensor_v2_batch if fast_paths and machine.persistent else None
     try:
         return machine.run()
     except _Position as where:
@@ -327,6 +360,9 @@ class _Machine:
         "fast_global",
         "fast_handler",
         "fast_paths",
+        "fused",
+        "fused_batch",
+        "gets",
         "globals",
         "handlers",
         "indices",
@@ -365,7 +401,12 @@ class _Machine:
         self.fast_handler: Handler | None = None
         self.odict_global: Any = _NOTHING
         self.odict_handler: Handler | None = None
-        self.tuples: dict[bytes, tuple[tuple[int, ...], int]] = {}  # tuple opcodes -> value
+        self.fused: Callable[..., Any] | None = None
+        self.fused_batch: Callable[..., Any] | None = None
+        # tuple opcodes -> (value, charge, whether it is a valid size: ints >= 0, <= 64 dims)
+        self.tuples: dict[bytes, tuple[tuple[int, ...], int, bool]] = {}
+        # the four BINGETs of a tensor (their opcodes) -> (indices, the largest)
+        self.gets: dict[tuple[bytes, ...], tuple[tuple[int, ...], int]] = {}
         self.indices: dict[Any, Any] = {}  # BINGET opcodes -> memo indices
 
     # -- helpers ------------------------------------------------------------------------
@@ -786,10 +827,12 @@ class _Machine:
             cost = 0
         # the BINGETs read indices stored before this tensor (else the loop does it)
         gets = (g_storage, g_type, g_location, g_hooks)
-        where = indices.get(gets)  # type: ignore[call-overload]
-        if where is None:
-            where = indices[gets] = tuple(map(_memo_index, gets))  # type: ignore[index]
-        if max(where) >= n:
+        known = self.gets.get(gets)
+        if known is None:
+            where = tuple(map(_memo_index, gets))
+            known = self.gets[gets] = (where, max(where))
+        where, top = known
+        if top >= n:
             return None  # a sparse or missing index: the loop handles (or reports) it
         if key_op[0] == 0x58:
             digits = key_op[5:]
@@ -805,11 +848,11 @@ class _Machine:
             cost += 16
         # the BINPUTs append to the memo in order (else the loop does what they say)
         count = len(puts)
-        if None in puts:
+        try:
+            joined = b"".join(puts)
+        except TypeError:  # some object is not memoized (None: no BINPUT)
             count -= puts.count(None)
             joined = b"".join(filter(None, puts))
-        else:
-            joined = b"".join(puts)
         if len(joined) == 5 * count:
             base, step = _LONG_PUTS[count]
         elif len(joined) == 2 * count and n + count <= 256:
@@ -845,30 +888,41 @@ class _Machine:
         budget -= cost
         hooks_func = memo[where[3]]
         pid = (memo[where[0]], memo[where[1]], key, memo[where[2]], numel)
+        valid = size[2] and stride[2] and len(size[0]) == len(stride[0]) and offset >= 0
         size = (*size[0],)  # a tuple of its own, as the loop would build
         stride = (*stride[0],)
-        stage = 0
-        try:
-            ref = self.persistent(pid)  # type: ignore[misc]
-            stage = 1
-            if hooks_func is self.odict_global:
-                hooks = self.odict_handler()  # type: ignore[misc]
-            else:
-                self.budget = budget + 320  # call() charges its REDUCE again
-                hooks = self.call(hooks_func, ())
-                budget = self.budget
-            args = (ref, offset, size, stride, grad == b"\x88", hooks)
-            stage = 2
-            result = self.fast_handler(*args)  # type: ignore[misc]
-        except TypeError as exc:  # in a handler call() makes: what call() says of it
-            if stage == 0:
-                raise
-            func = hooks_func if stage == 1 else self.fast_global
-            raise _position(m.start(marks[stage]), PickleDataError(
-                f"{func.qualname} called with {0 if stage == 1 else 6} arguments it does not "
-                f"take ({str(exc)[:120]})")) from None
-        except _ERRORS as exc:
-            raise _position(m.start(marks[stage]), exc) from None
+        requires_grad = grad == b"\x88"
+        fused = self.fused
+        both = None
+        if fused is not None and valid and hooks_func is self.odict_global:
+            both = fused(pid, offset, size, stride, requires_grad)
+        if both is not None:  # persistent_load and the handler in one call, as they would
+            ref, result = both
+            hooks = self.odict_handler()  # type: ignore[misc]
+            args = (ref, offset, size, stride, requires_grad, hooks)
+        else:
+            stage = 0
+            try:
+                ref = self.persistent(pid)  # type: ignore[misc]
+                stage = 1
+                if hooks_func is self.odict_global:
+                    hooks = self.odict_handler()  # type: ignore[misc]
+                else:
+                    self.budget = budget + 320  # call() charges its REDUCE again
+                    hooks = self.call(hooks_func, ())
+                    budget = self.budget
+                args = (ref, offset, size, stride, requires_grad, hooks)
+                stage = 2
+                result = self.fast_handler(*args)  # type: ignore[misc]
+            except TypeError as exc:  # in a handler call() makes: what call() says of it
+                if stage == 0:
+                    raise
+                func = hooks_func if stage == 1 else self.fast_global
+                raise _position(m.start(marks[stage]), PickleDataError(
+                    f"{func.qualname} called with {0 if stage == 1 else 6} arguments it does "
+                    f"not take ({str(exc)[:120]})")) from None
+            except _ERRORS as exc:
+                raise _position(m.start(marks[stage]), exc) from None
         if after_key is _NOTHING:
             values: Any = (key, pid, size, stride, hooks, args, result)
         else:
@@ -891,9 +945,20 @@ class _Machine:
         done = self.tensor_v2(pos, budget, key)
         if done is None:
             return None
+        bulk = self.fused_batch is not None and n >= BULK_MIN_NBYTES
+        pause = BULK_PAUSE // 4  # a run of a few entries (between other objects) goes alone
         while True:
             pos, budget, result, last = done
             push(result)
+            if bulk:
+                if pause:
+                    pause -= 1
+                else:
+                    ran = self.entry_run(pos, budget, push.__self__)  # type: ignore[attr-defined]
+                    if type(ran) is int:
+                        pause = max(BULK_PAUSE, ran)
+                    else:
+                        pos, budget, last = ran
             # the next entry's key: a BINUNICODE the loop would take the same way
             if pos + 5 > n or data[pos] != 0x58:
                 return pos, budget, last
@@ -911,6 +976,134 @@ class _Machine:
             done = self.tensor_v2(start + length, budget, key)
             if done is None:
                 return start + length, budget, pos
+
+    def entry_run(self, pos: int, budget: int, stack: list[Any]) -> tuple[int, int, int] | int:
+        """Up to :data:`BULK_BATCH` state dict entries from ``pos`` (a key string, then its
+        tensor as :meth:`tensor_v2` takes it after a key), all at once.
+
+        The batch is taken only when every entry is what :meth:`tensor_v2` would take without
+        a fallback and with the fused handler (:func:`interpret`'s ``fused_tensor_v2``): the
+        same BINGETs of the global, the storage tag and class, the location and the hooks'
+        ``OrderedDict`` in every entry, all of earlier memo indices; the BINPUTs (the same in
+        every entry) appending to the memo in order (checked for the whole batch at once);
+        UTF-8 keys; sizes and strides valid; a budget that covers the whole batch. Then it does
+        what the entries one at a time would: the keys and tensors pushed in order, the same
+        memo entries, the same charges and the same handler results (the fused handler takes
+        the batch in one call, all or nothing), and returns where the loop goes on, the budget
+        left and the offset of the last opcode taken. Anything else: nothing changed, the
+        entries go one at a time, and it returns how many entries it looked at.
+        """
+        data = self.data
+        n = self.n
+        memo = self.memo
+        size0 = len(memo)
+        lengths = []
+        keys = []
+        matches = []
+        entry = _ENTRY_V2
+        while len(matches) < BULK_BATCH:
+            if pos + 5 > n or data[pos] != 0x58:
+                break
+            (length,) = _unpack_I(data, pos + 1)
+            start = pos + 5
+            if start + length > n:
+                break
+            m = entry(data, start + length)
+            if m is None:
+                break
+            try:
+                key = str(data[start:start + length], "utf-8", "surrogatepass")
+            except UnicodeDecodeError:
+                break
+            lengths.append(length)
+            keys.append(key)
+            matches.append(m)
+            pos = m.end()
+        count = len(matches)
+        if count < 2:
+            return count
+        cols = list(zip(*(m.groups() for m in matches)))
+        # the same BINGETs in every entry, of indices stored before the batch
+        shared = [cols[i] for i in (1, 2, 3, 6, 16)]
+        if any(len(set(c)) != 1 for c in shared):
+            return count
+        where = [_memo_index(c[0]) for c in shared]
+        if max(where) >= size0 or memo[where[0]] is not self.fast_global or \
+                memo[where[4]] is not self.odict_global or self.odict_handler is None:
+            return count
+        tag, storage_type, location = memo[where[1]], memo[where[2]], memo[where[3]]
+        # storage keys: written out (X) in every entry, each of its declared length
+        key_ops = cols[4]
+        if b"".join(op[:1] for op in key_ops) != b"X" * count:
+            return count
+        storage_keys = [op[5:] for op in key_ops]
+        if [op[1] for op in key_ops] != list(map(len, storage_keys)) or \
+                any(op[2:5] != b"\x00\x00\x00" for op in key_ops):
+            return count
+        # the BINPUTs: the same ones in every entry, appending to the memo in order
+        present = []
+        for i in _ENTRY_PUTS:
+            column = cols[i]
+            if column[0] is None:
+                if any(column):
+                    return count
+            elif None in column:
+                return count
+            else:
+                present.append(column)
+        puts = len(present) * count
+        joined = b"".join(chain.from_iterable(zip(*present)))
+        if len(joined) != 5 * puts:
+            return count
+        import numpy as np
+
+        ops = np.frombuffer(joined, dtype=np.dtype([("op", "u1"), ("index", "<u4")]))
+        if not ((ops["op"] == 0x72).all() and
+                (ops["index"] == np.arange(size0, size0 + puts, dtype=np.int64)).all()):
+            return count
+        # ints, sizes and strides, and what the loop would charge for them
+        ints: dict[bytes, tuple[int, int]] = {}
+        for op in set(cols[7]) | set(cols[10]):
+            ints[op] = _small_int(op)
+        numels = [ints[op][0] for op in cols[7]]
+        offsets = [ints[op][0] for op in cols[10]]
+        if min(offsets) < 0:
+            return count
+        tuples = self.tuples
+        for op in set(cols[11]) | set(cols[13]):
+            if op not in tuples:
+                tuples[op] = _int_tuple_op(op)
+        size_ops = [tuples[op] for op in cols[11]]
+        stride_ops = [tuples[op] for op in cols[13]]
+        for (size, _, size_ok), (stride, _, stride_ok) in zip(size_ops, stride_ops):
+            if not (size_ok and stride_ok and len(size) == len(stride)):
+                return count
+        cost = (count * (96 + 16 + 1304 + 16 * len(present)) + 4 * sum(lengths)
+                + sum(96 + 4 * len(k) for k in storage_keys)
+                + sum(ints[op][1] for op in cols[7]) + sum(ints[op][1] for op in cols[10])
+                + sum(t[1] for t in size_ops) + sum(t[1] for t in stride_ops))
+        if cost > budget:
+            return count  # one at a time: the loop says where it runs out
+        # the persistent ids and the handler, all at once or not at all
+        names = [k.decode("ascii") for k in storage_keys]
+        pids = list(zip(repeat(tag), repeat(storage_type), names, repeat(location), numels))
+        sizes = [(*t[0],) for t in size_ops]  # tuples of their own, as the loop builds
+        strides = [(*t[0],) for t in stride_ops]
+        grads = [g == b"\x88" for g in cols[15]]
+        both = self.fused_batch(pids, offsets, sizes, strides, grads)  # type: ignore[misc]
+        if both is None:
+            return count
+        refs, results = both
+        odict = self.odict_handler
+        hooks = [odict() for _ in range(count)]
+        args = list(zip(refs, offsets, sizes, strides, grads, hooks))
+        values = (keys, names, pids, sizes, strides, hooks, args, results)
+        memo.extend(chain.from_iterable(zip(*compress(values, [
+            cols[i][0] is not None for i in _ENTRY_PUTS]))))
+        stack.extend(chain.from_iterable(zip(keys, results)))
+        last = matches[-1]
+        return pos, budget - cost, last.start(22) if last.group(22) is not None else \
+            last.start(21)
 
     def rare(self, code: int, stack: list[Any], metastack: list[list[Any]]
              ) -> tuple[list[Any], Any]:

@@ -365,3 +365,190 @@ def test_large_checkpoint_round_trip(tmp_path: Path) -> None:
     reader = tc.pytorch_file_reader()(str(path))
     assert offsets.offsets == {n[5:]: reader.get_record_offset(n)
                                for n in reader.get_all_records() if n.startswith("data/")}
+
+
+# --------------------------------------------------------------------------------------------
+# state dict entries in batches (_Machine.entry_run, with the fused torch handlers)
+# --------------------------------------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def outcome_batched(data: bytes, mode: str, **kw: Any) -> Any:
+    """:func:`outcome` with torch's fused handlers (``"batch"``: in batches too)."""
+    handlers, table = torch_handlers()
+    if mode == "batch":
+        kw.update(fused_tensor_v2=handlers.fused_v2,
+                  fused_tensor_v2_batch=handlers.fused_v2_batch)
+    elif mode == "fused":
+        kw.update(fused_tensor_v2=handlers.fused_v2)
+    try:
+        result = interpret(data, handlers=table, persistent_load=handlers.persistent_load,
+                           buildable=_BUILDABLE, fast_paths=mode != "slow", **kw)
+    except PickleDataError as exc:
+        return ("error", type(exc).__name__, re.sub(" at 0x[0-9a-f]+", "", str(exc)),
+                _unpickle.failure_offset(exc))
+    return (canon(result.root), result.end, result.protocol, result.globals,
+            canon([handlers.storages[k] for k in handlers.storage_order]))
+
+
+class _Batches:
+    """Small batches from the first byte on, counting the batches taken."""
+
+    def __init__(self, monkeypatch: Any, batch: int = 5, pause: int = 4) -> None:
+        monkeypatch.setattr(_unpickle, "BULK_MIN_NBYTES", 0)
+        monkeypatch.setattr(_unpickle, "BULK_BATCH", batch)
+        monkeypatch.setattr(_unpickle, "BULK_PAUSE", pause)
+        self.taken = 0
+        original = _unpickle._Machine.entry_run
+
+        def counted(machine: Any, *args: Any) -> Any:
+            done = original(machine, *args)
+            self.taken += type(done) is tuple
+            return done
+
+        monkeypatch.setattr(_unpickle._Machine, "entry_run", counted)
+
+
+def all_ways(data: bytes, **kw: Any) -> Any:
+    slow = outcome_batched(data, "slow", **kw)
+    assert outcome_batched(data, "fused", **kw) == slow
+    assert outcome_batched(data, "batch", **kw) == slow
+    return slow
+
+
+def plain_run(n: int, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    return {f"model.layers.{i}.weight": torch.zeros(2 + i % 3, dtype=dtype) for i in range(n)}
+
+
+def test_batches_agree_and_are_taken(monkeypatch) -> None:
+    batches = _Batches(monkeypatch)
+    for protocol in (2, 3, 4):
+        for obj in (plain_run(300), state(200), {"a": plain_run(40), "b": plain_run(7)},
+                    plain_run(60, torch.bfloat16)):
+            assert all_ways(data_pkl(save(obj, protocol)))[0] != "error"
+    assert batches.taken > 100
+
+
+def test_the_threshold_keeps_small_pickles_one_at_a_time(monkeypatch) -> None:
+    calls = {"batch": 0}
+    original = _unpickle._Machine.entry_run
+
+    def counted(machine: Any, *args: Any) -> Any:
+        calls["batch"] += 1
+        return original(machine, *args)
+
+    monkeypatch.setattr(_unpickle._Machine, "entry_run", counted)
+    assert all_ways(data_pkl(save(plain_run(300))))[0] != "error"
+    assert calls["batch"] == 0  # under BULK_MIN_NBYTES
+
+
+_dtypes = st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.int64,
+                           torch.uint8, torch.bool, torch.float64])
+_tensor = st.tuples(st.lists(st.integers(0, 3), max_size=3), _dtypes, st.booleans(),
+                    st.integers(0, 2))
+
+
+def _build_state(specs: list[Any]) -> dict[str, Any]:
+    base = torch.zeros(16)
+    out: dict[str, Any] = {}
+    for i, (shape, dtype, grad, kind) in enumerate(specs):
+        if kind == 2:
+            out[f"v.{i}"] = base[i % 5: i % 5 + 3]  # a view of a shared storage
+        else:
+            t = torch.zeros(shape, dtype=dtype)
+            if grad and dtype.is_floating_point:
+                t.requires_grad_(True)
+            out[f"k.{i}.é" if kind == 1 else f"k.{i}"] = t
+    return out
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(specs=st.lists(_tensor, min_size=0, max_size=40), protocol=st.sampled_from([2, 4]),
+       batch=st.integers(2, 9), pause=st.integers(0, 5))
+def test_batches_agree_on_varied_state_dicts(monkeypatch, specs, protocol, batch,
+                                             pause) -> None:
+    with monkeypatch.context() as m:
+        _Batches(m, batch, pause)
+        all_ways(data_pkl(save(_build_state(specs), protocol)))
+
+
+def test_batches_agree_on_mutated_bytes(monkeypatch) -> None:
+    _Batches(monkeypatch, batch=6, pause=1)
+    data = data_pkl(save(plain_run(120)))
+    rng = random.Random(13)
+    puts = [i for i in range(len(data)) if data[i] in (0x72, 0x58, 0x68, 0x6A)]
+    for _ in range(300):
+        mutated = bytearray(data)
+        for _ in range(rng.choice((1, 1, 2))):
+            at = rng.choice(puts) if rng.random() < 0.5 else rng.randrange(len(mutated))
+            if rng.random() < 0.5 and at + 1 < len(mutated):
+                at += 1  # an index or a length rather than the opcode
+            mutated[at] = rng.choice((rng.randrange(256), mutated[at] ^ 1, mutated[at] + 1 & 255,
+                                      0x71, 0x72, 0x68, 0x6A, 0x58, 0x4B, 0x4D, 0x88, 0x89))
+        all_ways(bytes(mutated))
+
+
+def test_batches_agree_on_truncations_and_budgets(monkeypatch) -> None:
+    _Batches(monkeypatch, batch=8, pause=0)
+    data = data_pkl(save(plain_run(150)))
+    for cut in range(0, len(data), max(1, len(data) // 150)):
+        assert all_ways(data[:cut])[0] == "error"
+    errors = set()
+    for budget in range(0, 400_000, 1_997):
+        monkeypatch.setattr(_unpickle, "MEMORY_FLOOR", budget)
+        got = all_ways(data, memory_per_byte=0)
+        if got[0] == "error":
+            assert got[1] == "PickleBudgetError", got
+            errors.add(got[3])
+    assert len(errors) > 100
+
+
+def test_batches_agree_on_storages_redeclared(monkeypatch) -> None:
+    """A storage named again in a batch with another size, or of another class: the batch is
+    not taken and the one-at-a-time path says what is wrong (or takes it, if it is fine)."""
+    _Batches(monkeypatch, batch=50, pause=0)
+    data = bytearray(data_pkl(save(plain_run(40))))
+    # the storage keys are "0".."39": make entry 30 name storage "1" (declared 3 elements)
+    at = data.find(b"X\x02\x00\x00\x0030")
+    assert at > 0
+    for replacement in (b"X\x02\x00\x00\x0001", b"X\x02\x00\x00\x0013", b"X\x02\x00\x00\x0012"):
+        mutated = bytearray(data)
+        mutated[at:at + 7] = replacement
+        all_ways(bytes(mutated))
+
+
+def test_a_large_plain_state_dict_takes_batches_through_scan_pickle(monkeypatch) -> None:
+    from ckptlab.format._pickle import scan_pickle
+
+    batches = _Batches(monkeypatch, batch=_unpickle.BULK_BATCH, pause=_unpickle.BULK_PAUSE)
+    obj = plain_run(3000)
+    data = data_pkl(save(obj))
+    scan = scan_pickle(data)
+    assert batches.taken >= 2
+    assert [t.path for t in scan.tensors] == [(k,) for k in obj]
+    assert [(t.shape, t.stride, t.dtype) for t in scan.tensors] == [
+        (tuple(v.shape), v.stride(), "float32") for v in obj.values()]
+
+
+def _memo_exposed(data: bytes) -> bytes:
+    """The pickle, returning ``(root, [every memo entry])``: BINGETs of every index stored."""
+    import pickletools
+    import struct
+
+    stored = sorted({arg for op, arg, _ in pickletools.genops(data)
+                     if op.name in ("BINPUT", "LONG_BINPUT", "MEMOIZE") and arg is not None})
+    gets = b"".join(b"j" + struct.pack("<I", i) for i in stored)
+    return data[:-1] + b"(" + gets + b"l\x86."
+
+
+def test_batches_leave_the_memo_the_loop_leaves(monkeypatch) -> None:
+    batches = _Batches(monkeypatch, batch=7, pause=1)
+    for obj in (plain_run(80), _build_state([((2, 3), torch.float16, True, i % 3)
+                                             for i in range(50)])):
+        got = all_ways(_memo_exposed(data_pkl(save(obj))))
+        assert got[0] != "error"
+        assert len(got[0][1][1][1]) > 8 * 40  # the memo list: every entry's eight objects
+    assert batches.taken > 5  # (the first 32 entries store short BINPUTs: one at a time)
