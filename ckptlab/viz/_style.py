@@ -206,9 +206,11 @@ def resolve_theme(theme: str | None = None) -> str:
     """``"light"`` or ``"dark"``: ``theme`` when given, else the notebook's.
 
     ``None`` or ``"auto"`` looks at ``$CKPTLAB_THEME`` first, then at the theme JupyterLab
-    saved in its user settings (``~/.jupyter/lab/user-settings/@jupyterlab/
-    apputils-extension/themes.jupyterlab-settings``, or under ``$JUPYTERLAB_SETTINGS_DIR``):
-    a theme whose name says "Dark" is dark. Anything else is light.
+    saved in its user settings (``@jupyterlab/apputils-extension/themes.jupyterlab-settings``
+    in JupyterLab's user-settings directory: ``$JUPYTERLAB_SETTINGS_DIR``, else
+    ``lab/user-settings`` in Jupyter's config directory, ``$JUPYTER_CONFIG_DIR`` or
+    ``~/.jupyter``, as JupyterLab itself looks it up): a theme whose name says "Dark" is
+    dark. Anything else is light.
 
     Raises
     ------
@@ -228,16 +230,33 @@ def resolve_theme(theme: str | None = None) -> str:
     env = os.environ.get("CKPTLAB_THEME", "").strip().lower()
     if env in ("light", "dark"):
         return env
-    base = os.environ.get("JUPYTERLAB_SETTINGS_DIR") or os.path.join(
-        os.path.expanduser("~"), ".jupyter", "lab", "user-settings")
-    path = os.path.join(base, *_JUPYTERLAB_THEME_SETTINGS[2:])
+    path = os.path.join(_jupyterlab_settings_dir(), *_JUPYTERLAB_THEME_SETTINGS[2:])
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read(65536)
     except OSError:
         return "light"
-    match = re.search(r'^\s*"theme"\s*:\s*"([^"]*)"', text, re.MULTILINE)
+    # JSON with // comments (JupyterLab writes the setting's description above it): the key
+    # counts where no comment starts before it on its line; `{"theme": ...}` on one line too
+    match = re.search(r'^[^/\n]*"theme"\s*:\s*"([^"]*)"', text, re.MULTILINE)
     return "dark" if match and "dark" in match.group(1).lower() else "light"
+
+
+def _jupyterlab_settings_dir() -> str:
+    """JupyterLab's user-settings directory, found the way ``jupyterlab`` finds it."""
+    import os
+
+    explicit = os.environ.get("JUPYTERLAB_SETTINGS_DIR")
+    if explicit:
+        return explicit
+    try:
+        from jupyter_core.paths import jupyter_config_dir
+
+        config = jupyter_config_dir()
+    except ImportError:  # no Jupyter installed: its default place
+        config = os.environ.get("JUPYTER_CONFIG_DIR") or os.path.join(
+            os.path.expanduser("~"), ".jupyter")
+    return os.path.join(config, "lab", "user-settings")
 
 
 def theme_colors(theme: str | None = None) -> dict[str, str]:
@@ -248,28 +267,39 @@ def theme_colors(theme: str | None = None) -> dict[str, str]:
 
 TITLE_TOP_PX = 34  # the title starts below the plotly toolbar (about 30 px high)
 MIN_TOP_MARGIN = 76  # room for the toolbar and one line of title above the plot area
+TITLE_LINE_PX = 20  # one line of title (15 px font, plotly's line spacing)
+# plotly draws a title of several lines (``<br>``) about 10 px higher than one of a single
+# line at the same pad (measured in chromium: top at 20 px instead of 30.5 px for pad 34),
+# which put a long two-line title under the toolbar: such a title gets this much more pad
+MULTILINE_TITLE_SHIFT_PX = 12
 
 
 def style_figure(fig: Any, *, theme: str | None = None) -> Any:
     """Give ``fig`` the house look, in place, and return it.
 
     Width follows the container (``autosize``, no fixed width); the title sits at the top
-    left, below the toolbar, so the two never overlap; the top margin leaves room for both;
+    left, below the toolbar, so the two never overlap (a title of several ``<br>`` lines a
+    little lower, see ``MULTILINE_TITLE_SHIFT_PX``); the top margin leaves room for both;
     backgrounds, fonts and grid follow ``theme`` (the notebook's by default).
     """
+    import re
+
     colors = theme_colors(theme)
     margin = fig.layout.margin
     top = margin.t if margin is not None and margin.t is not None else 0
+    text = fig.layout.title.text if fig.layout.title is not None else None
+    lines = len(re.split(r"<br\s*/?>", text, flags=re.IGNORECASE)) if text else 1
+    pad_top = TITLE_TOP_PX + (MULTILINE_TITLE_SHIFT_PX if lines > 1 else 0)
     fig.update_layout(
         template=colors["template"], autosize=True, width=None,
         paper_bgcolor=colors["paper"], plot_bgcolor=colors["plot"],
         font={"color": colors["font"]},
         title={"x": 0, "xref": "container", "xanchor": "left", "y": 1, "yref": "container",
-               "yanchor": "top", "pad": {"t": TITLE_TOP_PX, "l": 12}, "font": {"size": 15},
+               "yanchor": "top", "pad": {"t": pad_top, "l": 12}, "font": {"size": 15},
                "automargin": False},
         modebar={"orientation": "h", "bgcolor": "rgba(0,0,0,0)", "color": colors["muted"],
                  "activecolor": colors["font"]},
-        margin={"t": max(top, MIN_TOP_MARGIN)},
+        margin={"t": max(top, MIN_TOP_MARGIN, pad_top + lines * TITLE_LINE_PX + 6)},
     )
     fig.update_xaxes(gridcolor=colors["grid"], zerolinecolor=colors["grid"])
     fig.update_yaxes(gridcolor=colors["grid"], zerolinecolor=colors["grid"])

@@ -16,6 +16,7 @@ from ckptlab.plan import CONFIGS, GlobalPlan, global_plan, simulate_plans
 from ckptlab.plan.examples import simulated_chunks
 from ckptlab.viz._style import human_nbytes
 from ckptlab.viz.plan import rank_bytes_figure, reshard_figure, shard_map_figure
+from ckptlab.widgets._figure import FigureWidget
 
 __all__ = ["WORLD_SIZES", "PlanExplorer", "PlannedSave"]
 
@@ -137,10 +138,10 @@ class PlanExplorer(w.VBox):
             raise InvalidArgumentError(f"no tensor {tensor!r} in {config}'s state dict")
         self.tensor.options = names
         self.tensor.value = tensor if tensor is not None else names[0]
-        self.shard_figure = go.FigureWidget(shard_map_figure(self.current.plan,
+        self.shard_figure = FigureWidget(shard_map_figure(self.current.plan,
                                                              self.tensor.value))
-        self.bytes_figure = go.FigureWidget(rank_bytes_figure(self.current.plan))
-        self.reshard_figure = go.FigureWidget(self._reshard())
+        self.bytes_figure = FigureWidget(rank_bytes_figure(self.current.plan))
+        self.reshard_figure = FigureWidget(self._reshard())
         self.summary.value = self._summary()
         for control in (self.model, self.sharding, self.ranks):
             control.observe(self._on_save, names="value")

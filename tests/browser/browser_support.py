@@ -205,3 +205,30 @@ class PageLog:
         return (block("blocked URLs", self.blocked_urls)
                 + block("console errors", self.console_errors)
                 + block("page errors", self.page_errors))
+
+
+def open_offline_page(browser, log: PageLog, *, width: int = 1280, height: int = 900,
+                      timeout_ms: int = 30_000):
+    """A page in a fresh context of `browser` that, like conftest's `page` fixture, aborts
+    and records (in `log`) every request to a host but this machine's loopback, and records
+    console errors and page exceptions. For pages that several tests share (a module-scoped
+    fixture); close it with ``page.context.close()``."""
+    context = browser.new_context(viewport={"width": width, "height": height},
+                                  service_workers="block")
+    context.set_default_timeout(timeout_ms)
+
+    def block(route) -> None:
+        log.blocked_urls.append(route.request.url)
+        route.abort("blockedbyclient")
+
+    def block_websocket(ws) -> None:
+        log.blocked_urls.append(ws.url)
+        ws.close()
+
+    context.route(is_external_url, block)
+    context.route_web_socket(is_external_url, block_websocket)
+    page = context.new_page()
+    page.on("console", lambda msg: msg.type == "error" and log.console_errors.append(
+        f"{msg.text} @ {msg.location.get('url', '')}:{msg.location.get('lineNumber', '')}"))
+    page.on("pageerror", lambda exc: log.page_errors.append(str(exc)))
+    return page
