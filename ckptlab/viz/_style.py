@@ -72,23 +72,8 @@ assert set(KIND_ORDER) == set(SegmentKind) == set(KIND_COLORS) == set(KIND_LABEL
 # and the small records beside it, a safetensors JSON header, DCP's .metadata) get their own
 # "metadata" lane instead of sharing the data lane (DATA) or a format-specific one (HEADER).
 METADATA_LANE = "metadata"
-LANE_ORDER: tuple[str, ...] = (
-    SegmentKind.LOCAL_HEADER,
-    SegmentKind.NAME,
-    SegmentKind.ZIP64_EXTRA,
-    SegmentKind.PADDING,
-    SegmentKind.EXTRA,
-    SegmentKind.HEADER_LENGTH,
-    METADATA_LANE,
-    SegmentKind.HEADER_PADDING,
-    SegmentKind.DATA,
-    SegmentKind.DESCRIPTOR,
-    SegmentKind.CENTRAL_DIRECTORY,
-    SegmentKind.ZIP64_EOCD,
-    SegmentKind.ZIP64_LOCATOR,
-    SegmentKind.EOCD,
-    SegmentKind.UNKNOWN,
-)
+LANE_ORDER: tuple[str, ...] = tuple(  # KIND_ORDER, HEADER's place taken by the metadata lane
+    METADATA_LANE if kind is SegmentKind.HEADER else kind for kind in KIND_ORDER)
 LANE_COLORS: dict[str, str] = {
     **{k: c for k, c in KIND_COLORS.items() if k is not SegmentKind.HEADER},
     METADATA_LANE: KIND_COLORS[SegmentKind.HEADER],

@@ -194,6 +194,17 @@ def _own_alignment(layout: ArchiveLayout) -> int:
     return layout.storage_alignment or 64
 
 
+def _relayout_x_range(data: dict[str, Any] | None) -> tuple[bool, tuple[float, float] | None]:
+    """What a plotly ``relayout`` event says of the x axis: ``(True, (lo, hi))`` for a zoom,
+    ``(True, None)`` for autorange (the whole file), ``(False, None)`` for anything else."""
+    data = data or {}
+    if "xaxis.range[0]" in data and "xaxis.range[1]" in data:
+        return True, (data["xaxis.range[0]"], data["xaxis.range[1]"])
+    if "xaxis.range" in data:
+        return True, tuple(data["xaxis.range"])
+    return bool(data.get("xaxis.autorange")), None
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class LayoutView:
     """A checkpoint's layout at one storage alignment, as every session shows it.
@@ -422,14 +433,8 @@ class LayoutApp:
             self.hex.object = ""
 
     def _on_relayout(self, event: Any) -> None:
-        data = event.new or {}
-        if "xaxis.range[0]" in data and "xaxis.range[1]" in data:
-            x_range = (data["xaxis.range[0]"], data["xaxis.range[1]"])
-        elif "xaxis.range" in data:
-            x_range = tuple(data["xaxis.range"])
-        elif data.get("xaxis.autorange"):
-            x_range = None
-        else:
+        zoomed, x_range = _relayout_x_range(event.new)
+        if not zoomed:
             return
         self.zoom(x_range)
 
@@ -863,14 +868,8 @@ class CheckpointApp:
             self.show_file(event.new)
 
     def _on_relayout(self, event: Any) -> None:
-        data = event.new or {}
-        if "xaxis.range[0]" in data and "xaxis.range[1]" in data:
-            x_range = (data["xaxis.range[0]"], data["xaxis.range[1]"])
-        elif "xaxis.range" in data:
-            x_range = tuple(data["xaxis.range"])
-        elif data.get("xaxis.autorange"):
-            x_range = None
-        else:
+        zoomed, x_range = _relayout_x_range(event.new)
+        if not zoomed:
             return
         if self.file:
             self.show_file(self.file, x_range)

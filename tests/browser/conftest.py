@@ -25,7 +25,7 @@ from browser_support import (
     REPO,
     PageLog,
     chromium_executable,
-    is_external_url,
+    open_offline_page,
 )
 
 BROWSER_TIMEOUT_MS = 30_000  # default timeout of every Playwright action and wait
@@ -99,24 +99,7 @@ def page_log() -> PageLog:
 @pytest.fixture
 def page(browser, page_log: PageLog, request: pytest.FixtureRequest, artifacts_dir: Path):
     """A fresh page (own context, 1280x900) that cannot reach anything but this machine."""
-    context = browser.new_context(viewport={"width": 1280, "height": 900},
-                                  service_workers="block")
-    context.set_default_timeout(BROWSER_TIMEOUT_MS)
-
-    def block(route) -> None:
-        page_log.blocked_urls.append(route.request.url)
-        route.abort("blockedbyclient")
-
-    def block_websocket(ws) -> None:
-        page_log.blocked_urls.append(ws.url)
-        ws.close()
-
-    context.route(is_external_url, block)
-    context.route_web_socket(is_external_url, block_websocket)
-    page = context.new_page()
-    page.on("console", lambda msg: msg.type == "error" and page_log.console_errors.append(
-        f"{msg.text} @ {msg.location.get('url', '')}:{msg.location.get('lineNumber', '')}"))
-    page.on("pageerror", lambda exc: page_log.page_errors.append(str(exc)))
+    page = open_offline_page(browser, page_log, timeout_ms=BROWSER_TIMEOUT_MS)
     try:
         yield page
     finally:
@@ -130,7 +113,7 @@ def page(browser, page_log: PageLog, request: pytest.FixtureRequest, artifacts_d
                 except Exception as exc:  # a crashed page must not hide the real failure
                     (out / f"FAILED-{when}.screenshot-error.txt").write_text(repr(exc))
                 (out / f"FAILED-{when}.log").write_text(page_log.summary())
-        context.close()
+        page.context.close()
 
 
 @pytest.fixture
