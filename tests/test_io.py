@@ -17,6 +17,7 @@ import pytest
 from ckptlab import _io
 from ckptlab._io import durable
 from ckptlab.errors import InvalidArgumentError, StorageIOError
+from ckptlab.testing.memory import mapping_flags
 from ckptlab.testing.mounts import mounted
 
 BLOCK = 4096
@@ -51,6 +52,25 @@ def test_aligned_buffer_is_page_aligned_writable_and_zeroed() -> None:
         assert buf[0] == 7
     with pytest.raises(InvalidArgumentError, match="positive"):
         _io.aligned_buffer(0)
+
+
+@pytest.mark.skipif(mapping_flags(id(object())) is None, reason="no /proc/self/smaps here")
+def test_aligned_buffer_is_private_and_huge_pages_only_on_request() -> None:
+    """Private memory (Python's ``mmap(-1, n)`` alone would be shared shmem), advised for
+    transparent huge pages only when asked and only from 2 MiB: read from the kernel's
+    VmFlags of the mapping."""
+    for n, huge, advised in ((4 << 20, True, True), (4 << 20, False, False),
+                             (_io.HUGE_PAGE - 1, True, False)):
+        buf = _io.aligned_buffer(n, huge_pages=huge)
+        flags = mapping_flags(_io.address_of(buf))
+        assert flags is not None and "sh" not in flags, flags
+        assert ("hg" in flags) == advised, (n, huge, flags)
+        buf[n - 1] = 1
+        assert buf[n - 1] == 1 and address_aligned(buf)
+
+
+def address_aligned(buf: memoryview) -> bool:
+    return _io.address_of(buf) % BLOCK == 0
 
 
 def test_address_of_read_only_and_empty_views() -> None:

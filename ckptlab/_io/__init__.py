@@ -7,7 +7,10 @@ bytes through these functions and nothing else does direct I/O. Why each piece e
 - **Alignment.** O_DIRECT needs the buffer address, the file offset and the length aligned to
   the device's logical block (512 or 4096 bytes on ext4/xfs); :data:`BLOCK` (4096) covers both.
   ``torch.empty`` memory is only 64-byte aligned, so :func:`aligned_buffer` maps anonymous
-  memory, which is page aligned.
+  memory, which is page aligned. The mapping is private (Python's ``mmap(-1, n)`` is shared
+  anonymous memory, backed by shmem, whose page faults cost 1.4x more here) and, on request,
+  backed by transparent huge pages: one fault per 2 MiB instead of per 4 KiB, which is what
+  an O_DIRECT load into fresh host memory waits on.
 - **EINVAL.** A filesystem that does not do O_DIRECT (ramfs, some FUSE and network mounts)
   says so with EINVAL, at ``open`` or only at the first transfer. :func:`open_direct` and
   :func:`enable_direct` return False instead of raising, and :func:`refused` recognises the
@@ -54,6 +57,7 @@ __all__ = [
 
 BLOCK = 4096  # the one O_DIRECT / GDS granularity used everywhere in ckptlab
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+HUGE_PAGE = 2 << 20  # buffers from this size on ask for transparent huge pages
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 
 
@@ -67,8 +71,15 @@ def align_down(n: int, alignment: int = BLOCK) -> int:
     return n // alignment * alignment
 
 
-def aligned_buffer(nbytes: int) -> memoryview:
-    """A writable, zero-filled host buffer whose address is page aligned (anonymous mmap).
+def aligned_buffer(nbytes: int, *, huge_pages: bool = False) -> memoryview:
+    """A writable, zero-filled host buffer whose address is page aligned (private anonymous
+    mmap).
+
+    ``huge_pages=True`` asks for transparent huge pages from 2 MiB on: one page fault per
+    2 MiB instead of per 4 KiB, which is what an O_DIRECT read into fresh memory waits on
+    (a 512 MiB load here: 2.6x faster). Leave it off for memory filled through the page cache:
+    there the kernel compacts memory the cache just filled to find huge pages, and reads
+    slow down 2-3x.
 
     Raises
     ------
@@ -77,7 +88,14 @@ def aligned_buffer(nbytes: int) -> memoryview:
     """
     if nbytes <= 0:
         raise InvalidArgumentError(f"buffer size must be positive, got {nbytes}")
-    return memoryview(mmap.mmap(-1, nbytes))
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    buf = mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes)
+    if huge_pages and nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # pragma: no cover - a kernel without transparent huge pages
+            pass
+    return memoryview(buf)
 
 
 def address_of(view: memoryview) -> int:

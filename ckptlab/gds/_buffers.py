@@ -15,12 +15,14 @@ __all__ = ["ALIGNED_STORAGE_MIN", "address_of", "aligned_buffer", "aligned_stora
 ALIGNED_STORAGE_MIN = 1 << 20  # smaller storages keep torch's allocation (one mmap each costs)
 
 
-def aligned_storage(nbytes: int) -> Any:
+def aligned_storage(nbytes: int, *, huge_pages: bool = False) -> Any:
     """A CPU ``torch.UntypedStorage`` of ``nbytes`` over page-aligned memory (an anonymous
-    mmap the storage keeps alive), so O_DIRECT can read into it with no bounce copy."""
+    mmap the storage keeps alive), so O_DIRECT can read into it with no bounce copy;
+    ``huge_pages`` as for :func:`ckptlab._io.aligned_buffer`."""
     import torch
 
-    return torch.frombuffer(aligned_buffer(nbytes), dtype=torch.uint8).untyped_storage()
+    buf = aligned_buffer(nbytes, huge_pages=huge_pages)
+    return torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
 
 
 def storage_view(storage: Any) -> memoryview:

@@ -17,6 +17,7 @@ import struct
 import time
 import warnings
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -27,6 +28,7 @@ from ckptlab.format._source import ByteSource
 from ckptlab.format.archive import archive_prefix, read_central_directory
 from ckptlab.format.offsets import storage_offsets
 from ckptlab.format.predict import skeleton_errors
+from ckptlab.gds._backends import ODIRECT
 from ckptlab.gds._buffers import (
     ALIGNED_STORAGE_MIN,
     aligned_storage,
@@ -286,10 +288,14 @@ def _write_crcs(path: str, pairs: list[tuple[str, Any, int]], entries: dict[str,
         handle.fsync()
 
 
-def _aligned_host(storage: Any, location: str) -> Any:
-    """``map_location`` for host loads: large storages move to page-aligned memory."""
-    n = storage.nbytes()
-    return aligned_storage(n) if n >= ALIGNED_STORAGE_MIN else storage
+def _aligned_host(huge_pages: bool) -> Callable[[Any, str], Any]:
+    """``map_location`` for host loads: large storages move to page-aligned memory (backed
+    by huge pages when O_DIRECT will fill them; see :func:`ckptlab._io.aligned_buffer`)."""
+    def place(storage: Any, location: str) -> Any:
+        n = storage.nbytes()
+        return aligned_storage(n, huge_pages=huge_pages) if n >= ALIGNED_STORAGE_MIN \
+            else storage
+    return place
 
 
 def _refuse_skeleton_unsafe(path: str) -> None:
@@ -339,22 +345,23 @@ def load(path: str | os.PathLike[str], device: Any = "cpu", *, backend: str = "a
     t = time.perf_counter()
     on_host = torch.device(device).type == "cpu"
     _refuse_skeleton_unsafe(path)
-    with skeleton_errors("gds.load builds a skip_data skeleton and", path), \
-            torch.serialization.skip_data():
-        # host storages: page-aligned memory, so O_DIRECT reads land in place (no bounce copy)
-        obj = torch.load(path, map_location=_aligned_host if on_host else device,
-                         weights_only=weights_only)
-    phases["skeleton"] = time.perf_counter() - t
-    t = time.perf_counter()
-    pairs, _, _ = _plan(path, obj)
-    phases["offsets"] = time.perf_counter() - t
-    t = time.perf_counter()
-    # fault in the fresh host storages on another thread, ahead of the reads that fill them
-    with ThreadPoolExecutor(POPULATE_THREADS, thread_name_prefix="ckptlab-populate") as pool, \
-            gds_open(path, os.O_RDONLY, backend=backend) as handle:
-        pool.map(populate, [s for _, s, _ in pairs])
-        for _, storage, offset in pairs:
-            handle.load_storage(storage, offset)
+    # the handle first: whether O_DIRECT fills the host storages decides how they are mapped
+    with gds_open(path, os.O_RDONLY, backend=backend) as handle:
+        with skeleton_errors("gds.load builds a skip_data skeleton and", path), \
+                torch.serialization.skip_data():
+            # host storages: page-aligned memory, so O_DIRECT reads land in place (no bounce)
+            where = _aligned_host(handle.io_path == ODIRECT) if on_host else device
+            obj = torch.load(path, map_location=where, weights_only=weights_only)
+        phases["skeleton"] = time.perf_counter() - t
+        t = time.perf_counter()
+        pairs, _, _ = _plan(path, obj)
+        phases["offsets"] = time.perf_counter() - t
+        t = time.perf_counter()
+        # fault in the fresh host storages on another thread, ahead of the reads that fill them
+        with ThreadPoolExecutor(POPULATE_THREADS, thread_name_prefix="ckptlab-populate") as pool:
+            pool.map(populate, [s for _, s, _ in pairs])
+            for _, storage, offset in pairs:
+                handle.load_storage(storage, offset)
         phases["read"] = time.perf_counter() - t
         report = TransferReport(path, handle.backend, handle.io_path, handle.reason,
                                 len(pairs), sum(s.nbytes() for _, s, _ in pairs),

@@ -259,6 +259,25 @@ def test_host_load_puts_large_storages_in_page_aligned_memory(tmp_path: Path) ->
     assert report.io_path == "O_DIRECT"
 
 
+@pytest.mark.parametrize("backend", ["odirect", "posix"])
+def test_host_load_asks_for_huge_pages_only_where_o_direct_fills_them(
+        tmp_path: Path, backend: str) -> None:
+    """O_DIRECT loads fill storages advised for transparent huge pages (one fault per 2 MiB);
+    page-cache loads do not ask (the kernel would compact the memory the cache just filled).
+    Read from the kernel's own VmFlags of the storage's mapping."""
+    from ckptlab.testing.memory import mapping_flags
+
+    path = tmp_path / "model.pt"
+    gds.save({"w": torch.randn(1 << 20)}, path)  # 4 MiB
+    obj, report = gds.load(path, "cpu", backend=backend)
+    flags = mapping_flags(obj["w"].untyped_storage().data_ptr())
+    if flags is None:
+        pytest.skip("no /proc/self/smaps here")
+    assert "sh" not in flags
+    assert ("hg" in flags) == (report.io_path == "O_DIRECT"), (report.io_path, flags)
+    assert torch.equal(obj["w"], torch.load(path)["w"])
+
+
 def test_load_reads_files_plain_torch_save_wrote(ckpt: dict[str, Any], tmp_path: Path) -> None:
     path = tmp_path / "model.pt"
     torch.save(ckpt, path)  # storage alignment 64: O_DIRECT reads go through the bounce buffer
