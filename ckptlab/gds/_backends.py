@@ -186,7 +186,7 @@ class ODirectBackend(PosixBackend):
 
     def _ring(self) -> ThreadPoolExecutor:
         if self._io is None:
-            self._buffers = [aligned_buffer(CHUNK) for _ in range(DEPTH)]
+            self._buffers = [aligned_buffer(CHUNK, huge_pages=True) for _ in range(DEPTH)]
             self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="ckptlab-odirect")
         return self._io
 
