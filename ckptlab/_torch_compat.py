@@ -51,6 +51,7 @@ __all__ = [
     "pytorch_file_reader",
     "pytorch_file_writer",
     "resolve",
+    "skip_data_inflates_storages",
     "storage_identity",
     "storage_info_class",
     "torch_save_pickle",
@@ -351,3 +352,24 @@ def gds_file_release_fd(file: Any, placeholder_fd: int) -> int:
         raise _missing(SYMBOLS["torch.cuda.gds.GdsFile.fd"],
                        f"{type(file).__name__} has no fd attribute") from None
     return fd
+
+
+@functools.cache
+def skip_data_inflates_storages() -> bool:
+    """Whether ``torch.load`` under ``torch.serialization.skip_data()`` sizes each storage at
+    its byte count times its element size (torch 2.7: ``persistent_load`` passes bytes to
+    ``load_tensor``, which multiplies by the element size again; 2.13 does not).
+
+    Found by a probe (one float32 storage of 2 elements, saved and loaded in memory), not by
+    version, so a torch that fixes or changes it is read as it behaves.
+    """
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(torch.zeros(2, dtype=torch.float32), buf)
+    buf.seek(0)
+    with torch.serialization.skip_data():
+        probe = torch.load(buf, weights_only=True)
+    return probe.untyped_storage().nbytes() != 8

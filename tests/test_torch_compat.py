@@ -197,3 +197,15 @@ def test_import_is_cheap() -> None:
                          check=True, env={"PYTHONPATH": str(ROOT.parent)})
     # importing the compat module alone must not import torch
     assert out.stdout.strip() == "False"
+
+
+def test_skip_data_inflation_is_read_from_torch_itself() -> None:
+    """torch 2.7 sizes skip_data storages at bytes x element size; 2.13 at their bytes. The
+    probe must say so on the versions it was checked on (and be a plain bool elsewhere)."""
+    inflates = tc.skip_data_inflates_storages()
+    assert isinstance(inflates, bool)
+    major_minor = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if major_minor == (2, 7):
+        assert inflates
+    elif major_minor >= (2, 13):
+        assert not inflates

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ckptlab._io import BLOCK
+from ckptlab._torch_compat import skip_data_inflates_storages
 from ckptlab.errors import CorruptArchiveError, UnsupportedFormatError
 from ckptlab.format._source import ByteSource
 from ckptlab.format.archive import archive_prefix, read_central_directory
@@ -288,17 +289,42 @@ def _write_crcs(path: str, pairs: list[tuple[str, Any, int]], entries: dict[str,
         handle.fsync()
 
 
-def _aligned_host(huge_pages: bool) -> Callable[[Any, str], Any]:
-    """``map_location`` for host loads: large storages move to page-aligned memory (backed
-    by huge pages when O_DIRECT will fill them; see :func:`ckptlab._io.aligned_buffer`)."""
+def _placer(sizes: list[int] | None, device: Any, huge_pages: bool, path: str
+            ) -> Callable[[Any, str], Any]:
+    """``map_location`` for the skeleton: host storages from 1 MiB go to page-aligned memory
+    (backed by huge pages when O_DIRECT will fill them; see
+    :func:`ckptlab._io.aligned_buffer`), device storages to ``device``.
+
+    ``sizes`` (the non-empty storages' true byte counts in the pickle's order) is for a
+    torch whose skip_data storages are inflated by their element size
+    (:func:`ckptlab._torch_compat.skip_data_inflates_storages`): torch asks for each new
+    storage in that order, and each is made at its true size. Empty storages stay empty
+    (torch asks for a shared empty one once per tensor).
+    """
+    import torch
+
+    on_host = torch.device(device).type == "cpu"
+    true_sizes = iter(sizes) if sizes is not None else None
+
     def place(storage: Any, location: str) -> Any:
         n = storage.nbytes()
-        return aligned_storage(n, huge_pages=huge_pages) if n >= ALIGNED_STORAGE_MIN \
-            else storage
+        if true_sizes is not None and n:
+            true = next(true_sizes, None)
+            if true is None or not (n % true == 0 and n // true in (1, 2, 4, 8, 16)):
+                raise CorruptArchiveError(
+                    "the skeleton's storages do not follow the pickle's", path=path,
+                    expected="a storage of its declared size" if true is None
+                    else f"{true} bytes (times an element size)", actual=f"{n} bytes")
+            n = true
+        if not on_host:
+            return torch.UntypedStorage(n, device=device)
+        if n >= ALIGNED_STORAGE_MIN:
+            return aligned_storage(n, huge_pages=huge_pages)
+        return storage if n == storage.nbytes() else torch.UntypedStorage(n)
     return place
 
 
-def _refuse_skeleton_unsafe(path: str) -> None:
+def _refuse_skeleton_unsafe(path: str) -> Any:
     """Refuse files whose tensors a skip_data skeleton cannot rebuild, read without pickle.
 
     A strided nested tensor keeps its sizes in storages: under ``skip_data`` torch rebuilds it
@@ -307,7 +333,8 @@ def _refuse_skeleton_unsafe(path: str) -> None:
     """
     from ckptlab.format import inspect
 
-    for t in inspect(path).logical:
+    layout = inspect(path)
+    for t in layout.logical:
         if (t.kind == "nested" and t.layout == "strided") or (
                 t.kind == "subclass" and [r for r, _ in t.parts] != ["data"]):
             name = ".".join(map(str, t.path)) or "<root>"
@@ -316,6 +343,7 @@ def _refuse_skeleton_unsafe(path: str) -> None:
                 "structure lives in its storages; gds.load fills storages after a skip_data "
                 "skeleton and cannot rebuild it: use torch.load (or ckptlab.open(path).read)",
                 path=path, record=name)
+    return layout
 
 
 def load(path: str | os.PathLike[str], device: Any = "cpu", *, backend: str = "auto",
@@ -344,13 +372,16 @@ def load(path: str | os.PathLike[str], device: Any = "cpu", *, backend: str = "a
     phases: dict[str, float] = {}
     t = time.perf_counter()
     on_host = torch.device(device).type == "cpu"
-    _refuse_skeleton_unsafe(path)
+    layout = _refuse_skeleton_unsafe(path)
+    sizes = [s.nbytes for s in layout.storages if s.nbytes] \
+        if skip_data_inflates_storages() else None
     # the handle first: whether O_DIRECT fills the host storages decides how they are mapped
     with gds_open(path, os.O_RDONLY, backend=backend) as handle:
         with skeleton_errors("gds.load builds a skip_data skeleton and", path), \
                 torch.serialization.skip_data():
             # host storages: page-aligned memory, so O_DIRECT reads land in place (no bounce)
-            where = _aligned_host(handle.io_path == ODIRECT) if on_host else device
+            where = device if not on_host and sizes is None else \
+                _placer(sizes, device, handle.io_path == ODIRECT, path)
             obj = torch.load(path, map_location=where, weights_only=weights_only)
         phases["skeleton"] = time.perf_counter() - t
         t = time.perf_counter()

@@ -260,6 +260,38 @@ def test_host_load_puts_large_storages_in_page_aligned_memory(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("backend", ["odirect", "posix"])
+def test_load_sizes_storages_itself_where_torch_inflates_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    """Where skip_data storages come inflated (torch 2.7), gds.load makes each at the size
+    the pickle declares, in the pickle's order; here (a torch that does not inflate) the
+    same path must give the same bit-exact result, shared and empty storages included."""
+    from ckptlab.gds import api
+
+    monkeypatch.setattr(api, "skip_data_inflates_storages", lambda: True)
+    big = torch.randn(300_000)
+    state = {"big": big, "view": big[5:9], "e": torch.empty(0), "e2": torch.empty(0),
+             "h": torch.ones(3, dtype=torch.float16), "c": torch.zeros(2, dtype=torch.complex128)}
+    gds.save(state, tmp_path / "m.pt")
+    obj, _ = gds.load(tmp_path / "m.pt", "cpu", backend=backend)
+    assert_round_trip(obj, state)
+    assert obj["view"].untyped_storage().data_ptr() == obj["big"].untyped_storage().data_ptr()
+
+
+def test_the_skeleton_placer_refuses_storages_out_of_step(tmp_path: Path) -> None:
+    from ckptlab.errors import CorruptArchiveError
+    from ckptlab.gds.api import _placer
+
+    place = _placer([8, 12], "cpu", False, str(tmp_path / "m.pt"))
+    assert place(torch.UntypedStorage(32), "cpu").nbytes() == 8  # 8 bytes x 4
+    assert place(torch.UntypedStorage(0), "cpu").nbytes() == 0  # empty: no size taken
+    with pytest.raises(CorruptArchiveError, match=r"expected 12 bytes \(times an element size\), "
+                       r"got 13 bytes"):
+        place(torch.UntypedStorage(13), "cpu")
+    with pytest.raises(CorruptArchiveError, match="expected a storage of its declared size"):
+        place(torch.UntypedStorage(4), "cpu")
+
+
+@pytest.mark.parametrize("backend", ["odirect", "posix"])
 def test_host_load_asks_for_huge_pages_only_where_o_direct_fills_them(
         tmp_path: Path, backend: str) -> None:
     """O_DIRECT loads fill storages advised for transparent huge pages (one fault per 2 MiB);
