@@ -306,6 +306,54 @@ def test_new_files_and_small_reads(tmp_path: Path) -> None:
     durable.fsync_dir(tmp_path)
 
 
+def test_new_file_reports_its_creation_once(tmp_path: Path) -> None:
+    calls: list[bool] = []
+    path = tmp_path / "f"
+    durable.write_new_file(path, b"abc", sync=False,
+                           on_created=lambda: calls.append(path.exists()))
+    assert calls == [True] and path.read_bytes() == b"abc"
+    with pytest.raises(FileExistsError):  # not created: not reported
+        durable.write_new_file(path, b"x", sync=False, on_created=lambda: calls.append(False))
+    assert calls == [True] and path.read_bytes() == b"abc"
+
+
+def test_write_metadata_failed_write_removes_its_temporary(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_write = os.write
+
+    def short_then_full(fd: int, data: Any) -> int:  # one byte goes in, then the disk is full
+        if os.fstat(fd).st_size:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, bytes(data[:1]))
+
+    durable.write_metadata(tmp_path, b"old")
+    monkeypatch.setattr(os, "write", short_then_full)
+    with pytest.raises(StorageIOError, match="could not write the metadata \\(3 bytes\\): "
+                       "No space left on device") as info:
+        durable.write_metadata(tmp_path, b"new")
+    assert info.value.errno == errno.ENOSPC and info.value.nbytes == 3
+    assert info.value.path == str(tmp_path / durable.METADATA)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".metadata"]
+    assert (tmp_path / ".metadata").read_bytes() == b"old"
+
+
+def test_write_metadata_never_removes_a_temporary_it_did_not_create(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_open = os.open
+    tmp = str(tmp_path / ".metadata.tmp")
+
+    def raced(path: Any, flags: int, *args: Any) -> int:  # another writer got there first
+        if os.fspath(path) == tmp and flags & os.O_EXCL:
+            Path(tmp).write_bytes(b"theirs")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", raced)
+    with pytest.raises(StorageIOError, match="File exists") as info:
+        durable.write_metadata(tmp_path, b"mine")
+    assert info.value.errno == errno.EEXIST
+    assert Path(tmp).read_bytes() == b"theirs" and not (tmp_path / ".metadata").exists()
+
+
 def test_plan_cache_keeps_its_durable_names() -> None:
     from ckptlab.plan import cache, write_metadata
 

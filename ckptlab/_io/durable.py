@@ -34,8 +34,21 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def write_new_file(path: str | os.PathLike[str], data: bytes, *, sync: bool) -> None:
+def write_new_file(path: str | os.PathLike[str], data: bytes, *, sync: bool,
+                   on_created: Callable[[], None] | None = None) -> None:
     """Create ``path`` new (``O_EXCL | O_NOFOLLOW``), write ``data``, optionally fsync.
+
+    Parameters
+    ----------
+    path
+        The file to create; nothing may be at that name (not even a link).
+    data
+        Its bytes.
+    sync
+        fsync the file before closing it.
+    on_created
+        Runs once the file exists, before the first byte is written: a caller that must
+        remove a half-written file on failure learns here that the file is its own.
 
     Raises
     ------
@@ -44,6 +57,8 @@ def write_new_file(path: str | os.PathLike[str], data: bytes, *, sync: bool) -> 
     """
     fd = os.open(path, NEW_FILE_FLAGS, 0o644)
     try:
+        if on_created is not None:
+            on_created()
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
@@ -124,26 +139,17 @@ def write_metadata(directory: str | os.PathLike[str], data: bytes,
     directory = Path(directory)
     final = directory / name
     tmp = directory / f"{name}.tmp"
-    created = False
+    created: list[bool] = []  # non-empty once the temporary is ours: remove it on failure
     try:
         _refuse_symlink(final, "final name")
         if _refuse_symlink(tmp, "temporary"):
             os.unlink(tmp)  # a stale temporary of a writer that died before its rename
-        fd = os.open(tmp, NEW_FILE_FLAGS, 0o644)
-        created = True
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            if sync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_new_file(tmp, data, sync=sync, on_created=lambda: created.append(True))
         if before_rename is not None:
             before_rename()
         _refuse_symlink(final, "final name")
         os.replace(tmp, final)
-        created = False
+        created.clear()
         if sync:
             fsync_dir(directory)
     except BaseException as e:

@@ -8,11 +8,12 @@ What a save through :class:`AsyncWriter` does, in order, and the module that doe
 1. ``prepare_local_plan`` / ``prepare_global_plan`` pick the data file names
    (:mod:`~ckptlab.write._files`: the next *generation* in a directory that holds a
    checkpoint, so the committed one is never written over);
-2. ``write_data`` assigns the items to buckets (:mod:`~ckptlab.write.buckets`), places each
-   at a 4096-aligned offset of its bucket's file (:mod:`~ckptlab.write._placement`), hands
-   the files to persistent worker threads (:mod:`~ckptlab.write._worker`, which write
-   through :mod:`ckptlab._io`), copies the tensors into reused page-aligned staging memory
-   (:mod:`~ckptlab.write._staging`) and returns;
+2. ``write_data`` (its work: :mod:`~ckptlab.write._save`) assigns the items to buckets
+   (:mod:`~ckptlab.write.buckets`), places each at a 4096-aligned offset of its bucket's
+   file (:mod:`~ckptlab.write._placement`), hands the files to persistent worker threads
+   (:mod:`~ckptlab.write._worker`, which open their files at once and write through
+   :mod:`ckptlab._io` once the copy is done), copies the tensors into reused page-aligned,
+   huge-page backed staging memory (:mod:`~ckptlab.write._staging`) and returns;
 3. ``finish`` pickles the metadata and commits in the background
    (:mod:`~ckptlab.write._commit`): every rank reports through marker files, and the
    coordinator renames ``.metadata`` in only after every bucket of every rank succeeded,

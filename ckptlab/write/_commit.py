@@ -18,6 +18,8 @@ Markers of an earlier failed save are removed when the next save prepares its pl
 from __future__ import annotations
 
 import os
+import pickle
+import threading
 import time
 from typing import Any
 
@@ -28,7 +30,7 @@ from ckptlab.write._state import SaveState, deadline_left, describe
 from ckptlab.write.timeline import Timeline
 
 __all__ = ["MARKER", "CommitBoard", "await_verdict", "commit", "report_buckets", "settle",
-           "wait_for"]
+           "start_commit", "wait_for"]
 
 MARKER = ".ckptlab-"  # rank completion markers: .ckptlab-{token}-{rank}.ok / .err, {token}.failed
 POLL_S = 0.01
@@ -203,6 +205,28 @@ def commit(save: SaveState, blob: bytes, keep: frozenset[str | None], *, sync: b
     finally:
         save.freeze()
         save.finished.set()
+
+
+def start_commit(save: SaveState, metadata: Any, results: list[list[Any]], storage_meta: Any,
+                 *, sync: bool, hook: Any, timeout_s: float) -> None:
+    """``finish``'s work: complete DCP's ``metadata`` (version, where each item is, the
+    storage meta), pickle it now (the caller may reuse the object) and start :func:`commit`
+    on its own thread."""
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
+    t = save.recorder.now()
+    metadata.version = CURRENT_DCP_VERSION
+    metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
+    metadata.storage_meta = storage_meta
+    blob = pickle.dumps(metadata)
+    keep = frozenset(getattr(sd, "relative_path", None)
+                     for sd in metadata.storage_data.values())
+    save.recorder.add(None, "metadata", t, len(blob))
+    save.commit_thread = threading.Thread(
+        target=commit, args=(save, blob, keep),
+        kwargs={"sync": sync, "hook": hook, "timeout_s": timeout_s},
+        daemon=True, name="ckptlab-writer-commit")
+    save.commit_thread.start()
 
 
 def await_verdict(save: SaveState, timeout_s: float) -> None:

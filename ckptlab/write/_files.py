@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterable, Mapping
 from ckptlab._io.durable import fsync_dir
 from ckptlab.errors import WriterError
 
-__all__ = ["DATA_NAME", "data_prefix", "remove_files", "remove_stale", "scan_directory"]
+__all__ = ["DATA_NAME", "data_prefix", "prepare_directory", "remove_files", "remove_stale",
+           "scan_directory"]
 
 # the data files this writer (and torch's FileSystemWriter, generation 0) names:
 # [g{generation}]__{rank}_{bucket}.distcp
@@ -69,6 +70,19 @@ def scan_directory(path: str, metadata_name: str, rank: int | None) -> int:
         if m is not None and ours:
             newest = max(newest, int(m.group(1) or 0))
     return newest + 1
+
+
+def prepare_directory(path: str, metadata_name: str, rank: int | None, *,
+                      overwrite: bool) -> int:
+    """Before a save that commits ``metadata_name`` in ``path``: the generation it writes
+    (:func:`scan_directory`); with ``overwrite`` False, a committed checkpoint there is
+    refused (:class:`~ckptlab.errors.WriterError`)."""
+    os.makedirs(path, exist_ok=True)
+    if os.path.lexists(os.path.join(path, metadata_name)) and not overwrite:
+        raise WriterError(
+            f"{path} already holds a checkpoint ({metadata_name} exists) and "
+            "overwrite=False: pick a new directory or pass overwrite=True")
+    return scan_directory(path, metadata_name, rank)
 
 
 def remove_files(directory: str, names: Iterable[str] | Mapping[str, tuple[int, int]],

@@ -1,23 +1,31 @@
 """Staging: reusable page-aligned host memory the caller's tensors are copied into, so a save
-is a snapshot the caller may change right after ``write_data`` (or ``stage``) returns."""
+is a snapshot the caller may change right after ``write_data`` (or ``stage``) returns.
+
+The memory is a private anonymous mapping backed by transparent huge pages, faulted in when
+it is mapped (one fault per 2 MiB, not per 4 KiB) and reused by every later save of the
+writer, so a save's copy touches no fresh page. A slot is only handed out again by the next
+save, which starts once the previous one is written (the writer waits for it).
+"""
 
 from __future__ import annotations
 
 import copy
 import itertools
-import mmap
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from ckptlab._io import BLOCK, align_up, populate
+from ckptlab._io import BLOCK, align_up, aligned_buffer, populate
 from ckptlab.write.timeline import _Recorder
 
-__all__ = ["SLAB_MIN_NBYTES", "StagingArena", "StagingState", "copy_in", "stage_tree",
-           "tree_nbytes"]
+__all__ = ["SLAB_MIN_NBYTES", "StagingArena", "StagingState", "copy_in", "copy_pairs",
+           "in_lanes", "stage_tree", "tree_nbytes"]
 
 SLAB_MIN_NBYTES = 64 << 20  # staging memory grows in slabs at least this big
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class _Slab:
@@ -26,7 +34,7 @@ class _Slab:
     def __init__(self, nbytes: int) -> None:
         import torch
 
-        self.view = memoryview(mmap.mmap(-1, nbytes))  # page aligned, zero filled
+        self.view = aligned_buffer(nbytes, huge_pages=True)  # page aligned, zero filled
         self.tensor = torch.frombuffer(self.view, dtype=torch.uint8)  # keeps the mapping alive
         self.base = self.tensor.data_ptr()
         populate(self.base, nbytes)  # fault the pages in one call, not page by page in the copy
@@ -93,7 +101,13 @@ class StagingArena:
 
 
 class StagingState:
-    """Shared by the caller (copying items in) and the workers (waiting for them)."""
+    """Shared by the caller (copying items in) and the workers (waiting for them).
+
+    Every item's copy has an event (:meth:`event`); a worker writes nothing before
+    :meth:`wait_all`: on this project's VM (2 vCPUs, virtio disk) O_DIRECT writes running
+    beside the copy made it take twice as long (0.25 s instead of 0.13 s for 0.5 GiB), and
+    the copy is what the caller waits for. The workers open their files meanwhile.
+    """
 
     def __init__(self) -> None:
         self.error: BaseException | None = None
@@ -103,6 +117,11 @@ class StagingState:
         ev = threading.Event()
         self.events.append(ev)
         return ev
+
+    def wait_all(self) -> None:
+        """Block until every item is copied in (or staging failed: see ``error``)."""
+        for ev in self.events:
+            ev.wait()
 
     def abort(self, error: BaseException) -> None:
         """Staging failed: wake every waiting worker, which then gives up."""
@@ -123,32 +142,40 @@ class PendingCopy:
     ready: threading.Event
 
 
+def in_lanes(work: Callable[[list[T]], R], items: list[T], pool: ThreadPoolExecutor | None,
+             lanes: int) -> list[R]:
+    """Run ``work`` on ``lanes`` shares of ``items`` (dealt round-robin): the first share on
+    the calling thread, the others on ``pool``. Returns each share's result; once every
+    share stopped, the first error is raised."""
+    if pool is None or lanes < 2 or len(items) < 2:
+        return [work(items)]
+    shares = [items[i::lanes] for i in range(lanes)]
+    futures = [pool.submit(work, share) for share in shares[1:] if share]
+    results, errors = [], []
+    try:
+        results.append(work(shares[0]))
+    except BaseException as exc:
+        errors.append(exc)
+    for fut in futures:
+        try:
+            results.append(fut.result())
+        except BaseException as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+    return results
+
+
 def copy_in(recorder: _Recorder, copies: list[list[PendingCopy]],
             pool: ThreadPoolExecutor | None = None, lanes: int = 1) -> None:
-    """Copy the tensors in, one item per bucket in turn, so every worker starts early.
+    """Copy the tensors in, one item per bucket in turn.
 
     With a ``pool`` and ``lanes`` > 1, ``lanes - 1`` of its threads copy beside the caller
     (items dealt round-robin in that order; torch's copy releases the GIL). Returns once
     every copy is done; the first error is raised after all of them stopped.
     """
     order = [c for batch in itertools.zip_longest(*copies) for c in batch if c is not None]
-    if pool is None or lanes < 2 or len(order) < 2:
-        spans = [_copy_share(recorder, order)]
-    else:
-        shares = [order[i::lanes] for i in range(lanes)]
-        futures = [pool.submit(_copy_share, recorder, share) for share in shares[1:] if share]
-        spans, errors = [], []
-        try:
-            spans.append(_copy_share(recorder, shares[0]))
-        except BaseException as exc:
-            errors.append(exc)
-        for fut in futures:
-            try:
-                spans.append(fut.result())
-            except BaseException as exc:
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+    spans = in_lanes(lambda share: _copy_share(recorder, share), order, pool, lanes)
     merged: dict[int, list[Any]] = {}
     for part in spans:
         for bucket, (start, end, nbytes, file) in part.items():
@@ -190,7 +217,14 @@ def tree_nbytes(obj: Any) -> int:
     return 0
 
 
-def _stage_tensor(arena: StagingArena, tensor: Any) -> tuple[Any, int]:
+def copy_pairs(pairs: list[tuple[Any, Any]]) -> None:
+    """``dst.copy_(src)`` for each (staging tensor, caller's tensor) pair."""
+    for dst, src in pairs:
+        dst.copy_(src)
+
+
+def _stage_tensor(arena: StagingArena, tensor: Any,
+                  defer: list[tuple[Any, Any]] | None) -> tuple[Any, int]:
     import torch
 
     tensor = tensor.detach()
@@ -199,33 +233,41 @@ def _stage_tensor(arena: StagingArena, tensor: Any) -> tuple[Any, int]:
         return torch.empty(tensor.shape, dtype=tensor.dtype), 0
     slot, _ = arena.alloc(nbytes)
     out = slot.view(tensor.dtype).view(tensor.shape)
-    out.copy_(tensor)
+    if defer is None:
+        out.copy_(tensor)
+    else:
+        defer.append((out, tensor))
     return out, nbytes
 
 
-def stage_tree(arena: StagingArena, obj: Any) -> tuple[Any, int]:
+def stage_tree(arena: StagingArena, obj: Any,
+               defer: list[tuple[Any, Any]] | None = None) -> tuple[Any, int]:
     """``obj`` with every tensor (a DTensor: its local shard) replaced by a copy in staging
-    memory; other values deep-copied. Returns (copy, bytes staged)."""
+    memory; other values deep-copied. Returns (copy, bytes staged).
+
+    With ``defer`` (a list), the tensors' bytes are not copied yet: each (staging tensor,
+    caller's tensor) pair is appended to it, for :func:`copy_pairs` on several threads.
+    """
     import torch
 
     if isinstance(obj, torch.Tensor):
         if _is_dtensor(obj):
             from torch.distributed.tensor import DTensor
 
-            local, n = _stage_tensor(arena, obj.to_local())
+            local, n = _stage_tensor(arena, obj.to_local(), defer)
             return DTensor.from_local(local, obj.device_mesh, obj.placements,
                                       run_check=False, shape=obj.shape,
                                       stride=obj.stride()), n
         if type(obj) is torch.Tensor or isinstance(obj, torch.nn.Parameter):
-            return _stage_tensor(arena, obj)
+            return _stage_tensor(arena, obj, defer)
         return obj.detach().clone(), 0  # other subclasses: a private copy
     if isinstance(obj, dict):
         out, total = {}, 0
         for k, v in obj.items():
-            out[k], n = stage_tree(arena, v)
+            out[k], n = stage_tree(arena, v, defer)
             total += n
         return out, total
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        items = [stage_tree(arena, v) for v in obj]
+        items = [stage_tree(arena, v, defer) for v in obj]
         return type(obj)(v for v, _ in items), sum(n for _, n in items)
     return copy.deepcopy(obj), 0

@@ -9,11 +9,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptlab._io.durable import METADATA
-from ckptlab.errors import WriterError
+from ckptlab.errors import InvalidArgumentError, WriterError
 from ckptlab.write.buckets import BucketAssignment
 from ckptlab.write.timeline import Timeline, _Recorder
 
-__all__ = ["SaveHandle", "SavePrefix", "SaveState", "describe"]
+__all__ = ["SaveHandle", "SavePrefix", "SaveState", "check_options", "describe"]
+
+
+def check_options(workers: Any, buckets: Any, on_busy: Any) -> int:
+    """Check an AsyncWriter's options; the bucket count (``workers`` when ``buckets`` is
+    None). Raises :class:`~ckptlab.errors.InvalidArgumentError`."""
+    if type(workers) is not int or workers < 1:
+        raise InvalidArgumentError(f"workers must be an int >= 1, got {workers!r}")
+    buckets = workers if buckets is None else buckets
+    if type(buckets) is not int or buckets < 1:
+        raise InvalidArgumentError(f"buckets must be an int >= 1, got {buckets!r}")
+    if on_busy not in ("wait", "raise"):
+        raise InvalidArgumentError(f"on_busy must be 'wait' or 'raise', got {on_busy!r}")
+    return buckets
 
 
 def describe(exc: BaseException | str) -> str:
@@ -59,6 +72,19 @@ class SaveState:
     def multi_rank(self) -> bool:
         """Ranks report their outcome through marker files (a collective save of > 1 rank)."""
         return self.prefix is not None and self.prefix.world > 1
+
+    @property
+    def adoptable(self) -> bool:
+        """``stage`` copied a state dict that no ``write_data`` has taken yet: the DCP calls
+        that follow adopt this save instead of starting a new one."""
+        return self.staged and not self.submitted.is_set()
+
+    def move(self, *, path: str | None = None, rank: int | None = None) -> None:
+        """Point an adoptable save at the directory and rank DCP set up after ``stage``."""
+        if path is not None:
+            self.path = self.recorder.path = path
+        if rank is not None:
+            self.rank = self.recorder.rank = rank
 
     def pending(self) -> bool:
         if self.staged and not self.submitted.is_set():

@@ -22,7 +22,7 @@ from ckptlab.write._placement import FileJob
 from ckptlab.write.timeline import _Recorder
 
 __all__ = ["BOUNCE_NBYTES", "DIRECT_MIN_NBYTES", "WRITE_NBYTES", "FileWriter", "IoHook",
-           "WorkerPool"]
+           "WorkerPool", "file_task"]
 
 BOUNCE_NBYTES = 8 << 20  # per worker: small items, headers and tails are gathered here
 WRITE_NBYTES = 32 << 20  # largest single write (one timeline event each)
@@ -34,11 +34,12 @@ IoHook = Callable[[int | None, str, str, int, int], None]  # (bucket, phase, fil
 class FileWriter:
     """Writes a FileJob's segments as a stream of aligned writes.
 
-    Small pieces (headers, pickles, bytes items, the last partial block of each tensor) are
-    gathered in a page-aligned bounce buffer; the aligned body of each large tensor goes
-    straight from staging memory. Every write starts at a 4096-aligned file offset and
-    covers a multiple of 4096 bytes, so O_DIRECT accepts it; the file is truncated to its
-    real size at the end.
+    The file is opened at once; nothing is written before the caller's copy into staging
+    memory is done (:meth:`StagingState.wait_all`). Small pieces (headers, pickles, bytes
+    items, the last partial block of each tensor) are gathered in a page-aligned bounce
+    buffer; the aligned body of each large tensor goes straight from staging memory. Every
+    write starts at a 4096-aligned file offset and covers a multiple of 4096 bytes, so
+    O_DIRECT accepts it; the file is truncated to its real size at the end.
     """
 
     def __init__(self, job: FileJob, bounce: memoryview, *, direct: bool, sync: bool,
@@ -171,6 +172,8 @@ class FileWriter:
     def run(self) -> None:
         self.open()
         try:
+            if self.job.staging is not None:  # write once the caller's copy is done
+                self.job.staging.wait_all()
             self._segments()
             end = self.bstart + self.fill
             self._zeros(align_up(end) - end)
@@ -197,6 +200,18 @@ class FileWriter:
                 self.fd = -1
             self.recorder.add(self.job.bucket, "close", t, 0, self.job.name)
         self.recorder.file(self.job.bucket, self.job.name, self.job.nbytes, self.io_path)
+
+
+def file_task(job: FileJob, recorder: _Recorder, created: dict[str, tuple[int, int]], *,
+              direct: bool, sync: bool, hook: IoHook | None) -> Callable[[memoryview], int]:
+    """What a worker runs for one data file (:meth:`WorkerPool.submit`): write ``job`` with
+    its bounce buffer, record what it created in ``created``; returns the bytes written."""
+    def run(bounce: memoryview) -> int:
+        writer = FileWriter(job, bounce, direct=direct, sync=sync, recorder=recorder,
+                            hook=hook, created=created)
+        writer.run()
+        return writer.written
+    return run
 
 
 class WorkerPool:

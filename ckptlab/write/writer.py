@@ -1,13 +1,13 @@
 """``AsyncWriter``: a DCP StorageWriter that returns once the tensors are copied and writes in
 the background with large aligned writes, committing ``.metadata`` last.
 
-This module is the DCP protocol (``StorageWriter`` and ``AsyncStager``); the work is done by
-the modules beside it, in the order a save runs: :mod:`~ckptlab.write._staging` (copy into
-page-aligned memory), :mod:`~ckptlab.write._placement` (items to file offsets),
-:mod:`~ckptlab.write._worker` (aligned writes on persistent threads),
-:mod:`~ckptlab.write._commit` (ranks' markers, then ``.metadata``), with
-:mod:`~ckptlab.write._files` (names, generations, removal) and :mod:`~ckptlab.write._state`
-(one save's state, :class:`SaveHandle`).
+This module is the DCP protocol (``StorageWriter`` and ``AsyncStager``) and the writer's
+public surface; the work is done by the modules beside it, in the order a save runs:
+:mod:`~ckptlab.write._files` (names, generations, removal), :mod:`~ckptlab.write._save`
+(one save's run: :mod:`~ckptlab.write._staging` copies into page-aligned memory,
+:mod:`~ckptlab.write._placement` puts items at file offsets, :mod:`~ckptlab.write._worker`
+writes them on persistent threads), :mod:`~ckptlab.write._commit` (ranks' markers, then
+``.metadata``), with :mod:`~ckptlab.write._state` (one save's state, :class:`SaveHandle`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
-import pickle
 import threading
 import uuid
 import weakref
@@ -24,16 +23,16 @@ from typing import Any, Literal
 
 from ckptlab._io.durable import METADATA as METADATA  # re-exported: its earlier home
 from ckptlab._torch_compat import async_stager_sync_attribute
-from ckptlab.errors import InvalidArgumentError, WriterError
+from ckptlab.errors import WriterError
 from ckptlab.write._blob import BlobTemplates
 from ckptlab.write._commit import MARKER as MARKER  # re-exported: its earlier home
-from ckptlab.write._commit import CommitBoard, commit, report_buckets, settle, wait_for
+from ckptlab.write._commit import CommitBoard, settle, start_commit, wait_for
 from ckptlab.write._files import DATA_NAME as DATA_NAME  # re-exported: its earlier home
-from ckptlab.write._files import data_prefix, scan_directory
-from ckptlab.write._placement import FileJob, place_plan
-from ckptlab.write._staging import StagingArena, copy_in, stage_tree, tree_nbytes
-from ckptlab.write._state import SaveHandle, SavePrefix, SaveState
-from ckptlab.write._worker import FileWriter, IoHook, WorkerPool
+from ckptlab.write._files import data_prefix, prepare_directory, scan_directory
+from ckptlab.write._save import SaveResources, run_save, stage_save
+from ckptlab.write._staging import StagingArena
+from ckptlab.write._state import SaveHandle, SavePrefix, SaveState, check_options
+from ckptlab.write._worker import IoHook, WorkerPool
 from ckptlab.write.timeline import Timeline
 
 try:  # the base classes are torch's; ckptlab.write needs torch anyway
@@ -62,21 +61,15 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
     checkpoint is committed (a failure arrives as DCP's ``CheckpointException`` wrapping the
     :class:`~ckptlab.errors.WriterError`). Reuse one writer for every save: its worker
     threads and staging memory persist (``dcp.save(..., checkpoint_id=...)`` or
-    ``reset(checkpoint_id)`` moves it to a new directory).
-
-    ``write_data`` copies every tensor chunk into page-aligned staging memory, places each
-    item at a 4096-aligned offset as a ``torch.save`` blob with storage alignment 4096 and
-    returns; worker threads write the files (O_DIRECT where the filesystem allows it) and
-    fsync them; ``.metadata`` is renamed into place only after every bucket of every rank
-    succeeded. The files are a standard DCP checkpoint that stock ``dcp.load`` reads.
+    ``reset(checkpoint_id)`` moves it to a new directory). The files are a standard DCP
+    checkpoint that stock ``dcp.load`` reads; how a save runs is in :mod:`ckptlab.write`.
 
     **Overwriting never loses the previous checkpoint.** A save into a directory that holds
-    one writes the next generation's file names (``g{N}__{rank}_{bucket}.distcp``), and the
-    old ``.metadata`` stays until the new one replaces it by rename: a crash, a full disk or
-    a dead rank at any moment leaves the old checkpoint or the new one, never none and never
-    a mix (with ``fsync=False``: against process crashes, not power loss). Files are created
-    new and never through a symbolic link; a link at a name the save would write, replace or
-    remove is refused with a :class:`~ckptlab.errors.WriterError` naming it.
+    one writes new file names, and ``.metadata`` is replaced by rename only after every
+    bucket of every rank succeeded: a crash, a full disk or a dead rank leaves the old
+    checkpoint or the new one, never none and never a mix (with ``fsync=False``: against
+    process crashes, not power loss). A symbolic link at a name the save would write,
+    replace or remove is refused with a :class:`~ckptlab.errors.WriterError` naming it.
 
     Parameters
     ----------
@@ -113,8 +106,7 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
     -----
     Errors are never dropped: a failed save raises from :meth:`wait`, from the
     ``dcp.async_save`` future, or, if nobody asked, from the next save on this writer; at
-    interpreter exit a pending save is waited for. Timings (threads against processes,
-    against ``torch.save`` and ``dcp.async_save``) are in ``benchmarks/README.md``.
+    interpreter exit a pending save is waited for. Timings are in ``benchmarks/README.md``.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, workers: int = 2,
@@ -123,15 +115,9 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
                  on_busy: Literal["wait", "raise"] = "wait", commit_timeout_s: float = 600.0,
                  io_hook: IoHook | None = None, sync_files: bool | None = None) -> None:
         super().__init__()
-        if type(workers) is not int or workers < 1:
-            raise InvalidArgumentError(f"workers must be an int >= 1, got {workers!r}")
-        buckets = workers if buckets is None else buckets
-        if type(buckets) is not int or buckets < 1:
-            raise InvalidArgumentError(f"buckets must be an int >= 1, got {buckets!r}")
-        if on_busy not in ("wait", "raise"):
-            raise InvalidArgumentError(f"on_busy must be 'wait' or 'raise', got {on_busy!r}")
+        self.buckets = check_options(workers, buckets, on_busy)
         self.path = os.fspath(path)
-        self.workers, self.buckets, self.separation_hint = workers, buckets, separation_hint
+        self.workers, self.separation_hint = workers, separation_hint
         self.direct = direct
         self.fsync = fsync if sync_files is None else sync_files
         self.overwrite, self.on_busy = overwrite, on_busy
@@ -142,12 +128,11 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
         self.rank = 0
         self.is_coordinator = True
         self.use_collectives = True
-        self._pool = WorkerPool(workers)
-        # threads that copy into staging beside the caller, so write_data returns sooner
-        self._copiers = ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="ckptlab-copy") \
-            if COPY_THREADS > 1 else None
-        self._arena = StagingArena()
-        self._templates = BlobTemplates()
+        self._res = SaveResources(
+            pool=WorkerPool(workers), lanes=COPY_THREADS, arena=StagingArena(),
+            templates=BlobTemplates(),  # threads copying beside the caller:
+            copiers=ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="ckptlab-copy")
+            if COPY_THREADS > 1 else None)
         self._lock = threading.RLock()
         self._current: SaveState | None = None
         self._closed = False
@@ -176,13 +161,13 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
     @property
     def staging_nbytes(self) -> int:
         """Bytes of staging memory this writer holds (reused by the next save)."""
-        return self._arena.capacity_nbytes
+        return self._res.arena.capacity_nbytes
 
     def reserve(self, nbytes: int) -> None:
         """Allocate and fault in ``nbytes`` of staging memory now, off the critical path."""
         with self._lock:
             self._await_idle()
-            self._arena.begin(nbytes)
+            self._res.arena.begin(nbytes)
 
     def close(self) -> None:
         """Wait for the last save, then stop the workers and free the staging memory.
@@ -196,10 +181,10 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
                 self._await_idle(for_close=True)
         finally:
             self._closed = True
-            self._pool.close()
-            if self._copiers is not None:
-                self._copiers.shutdown(wait=True)
-            self._arena.release()
+            self._res.pool.close()
+            if self._res.copiers is not None:
+                self._res.copiers.shutdown(wait=True)
+            self._res.arena.release()
 
     def __enter__(self) -> AsyncWriter:
         return self
@@ -219,17 +204,8 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
         with self._lock:
             self._check_open()
             self._await_idle()
-            save = SaveState(self.path, self.rank, staged=True)
-            self._current = save
-            t = save.recorder.now()
-            self._arena.begin(tree_nbytes(state_dict))
-            try:
-                staged, nbytes = stage_tree(self._arena, state_dict)
-            except BaseException:
-                save.staged = False  # nothing in flight: the next save may start
-                raise
-            save.recorder.add(None, "stage", t, nbytes)
-            return staged
+            self._current = SaveState(self.path, self.rank, staged=True)
+            return stage_save(self._current, self._res, state_dict)
 
     def synchronize_staging(self) -> None:  # the protocol's hook; stage() is synchronous
         return None
@@ -238,14 +214,13 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         with self._lock:
             self._check_open()
-            current = self._current
-            adopting = current is not None and current.staged and not current.submitted.is_set()
+            adopting = self._current is not None and self._current.adoptable
             if not adopting:
                 self._await_idle()
             if checkpoint_id:
                 self.path = os.fspath(checkpoint_id)
                 if adopting:
-                    current.path = current.recorder.path = self.path  # type: ignore[union-attr]
+                    self._current.move(path=self.path)  # type: ignore[union-attr]
             self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -254,10 +229,8 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
             self.is_coordinator = is_coordinator
             self.rank = int(kwargs.get("rank") or 0)
             self.use_collectives = kwargs.get("use_collectives", True)
-            current = self._current
-            if current is not None and current.staged and not current.submitted.is_set():
-                current.rank = current.recorder.rank = self.rank
-                current.path = current.recorder.path = self.path
+            if self._current is not None and self._current.adoptable:
+                self._current.move(path=self.path, rank=self.rank)
             else:
                 self._await_idle()
                 self._current = SaveState(self.path, self.rank, staged=False)
@@ -265,15 +238,11 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
 
     def prepare_local_plan(self, plan: Any) -> Any:
         os.makedirs(self.path, exist_ok=True)
-        meta = self._metadata_name()
         if self.is_coordinator or not self.use_collectives:
-            if os.path.lexists(os.path.join(self.path, meta)) and not self.overwrite:
-                raise WriterError(
-                    f"{self.path} already holds a checkpoint ({meta} exists) and "
-                    "overwrite=False: pick a new directory or pass overwrite=True")
             # the old checkpoint stays whole: this save writes the next generation's file
             # names and the old files go only after the new .metadata is renamed in
-            self._generation = scan_directory(self.path, meta, self._owner_rank())
+            self._generation = prepare_directory(self.path, self._metadata_name(),
+                                                 self._owner_rank(), overwrite=self.overwrite)
             if self.use_collectives:
                 CommitBoard.clear_stale(self.path)
         if not self.use_collectives:
@@ -310,31 +279,10 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
             save.prefix = prefix
             save.metadata_name = self._metadata_name()
             save.owner_rank = self._owner_rank()
-            t = save.recorder.now()
-            try:
-                placed = place_plan(plan, planner, directory=self.path, prefix=prefix.prefix,
-                                    buckets=self.buckets, separation_hint=self.separation_hint,
-                                    arena=self._arena, templates=self._templates,
-                                    staged=save.staged)
-            except BaseException:
-                save.staged = False
-                raise
-            save.assignment = placed.assignment
-            save.recorder.add(None, "plan", t)
-            save.recorder.total_nbytes = placed.write_nbytes
-            for job in placed.jobs:  # the workers start on what is copied while the rest is
-                fut = self._pool.submit(self._bucket_fn(job, save))
-                save.futures.append((job.bucket, job.name, fut))
-            save.submitted.set()
-            threading.Thread(target=report_buckets, args=(save, self.io_hook), daemon=True,
-                             name="ckptlab-writer-monitor").start()
-            try:
-                copy_in(save.recorder, placed.copies, self._copiers, COPY_THREADS)
-            except BaseException as exc:
-                if placed.jobs and placed.jobs[0].staging is not None:
-                    placed.jobs[0].staging.abort(exc)  # the workers stop; nothing is committed
-                raise
-            save.recorder.returned_s = save.recorder.now()
+            placed = run_save(save, plan, planner, self._res, directory=self.path,
+                              prefix=prefix.prefix, buckets=self.buckets,
+                              separation_hint=self.separation_hint, direct=self.direct,
+                              sync=self.fsync, hook=self.io_hook)
         fut: Future = Future()
         fut.set_result(placed.results)
         return fut
@@ -345,24 +293,11 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
         Inside ``dcp.async_save`` (after :meth:`stage`) this waits for the commit instead,
         so the async_save future reports the real outcome.
         """
-        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-
         save = self._current
         if save is None or not save.submitted.is_set():
             raise WriterError("finish() called before write_data(): nothing to commit")
-        t = save.recorder.now()
-        metadata.version = CURRENT_DCP_VERSION
-        metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
-        metadata.storage_meta = self.storage_meta()
-        blob = pickle.dumps(metadata)  # now: the caller may reuse the metadata object
-        keep = frozenset(getattr(sd, "relative_path", None)
-                         for sd in metadata.storage_data.values())
-        save.recorder.add(None, "metadata", t, len(blob))
-        save.commit_thread = threading.Thread(
-            target=commit, args=(save, blob, keep),
-            kwargs={"sync": self.fsync, "hook": self.io_hook, "timeout_s": self.commit_timeout_s},
-            daemon=True, name="ckptlab-writer-commit")
-        save.commit_thread.start()
+        start_commit(save, metadata, results, self.storage_meta(), sync=self.fsync,
+                     hook=self.io_hook, timeout_s=self.commit_timeout_s)
         if save.staged:
             self._wait_save(save, None)
 
@@ -410,14 +345,6 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
 
     def _wait_save(self, save: SaveState, timeout: float | None) -> Timeline:
         return wait_for(save, timeout, self.commit_timeout_s)
-
-    def _bucket_fn(self, job: FileJob, save: SaveState) -> Any:
-        def run(bounce: memoryview) -> int:
-            writer = FileWriter(job, bounce, direct=self.direct, sync=self.fsync,
-                                recorder=save.recorder, hook=self.io_hook, created=save.created)
-            writer.run()
-            return writer.written
-        return run
 
 
 # stage() is synchronous: DCP has nothing to wait for after it (a private AsyncStager flag)

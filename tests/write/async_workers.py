@@ -195,9 +195,9 @@ def serve_saves(path: str) -> None:
     writer = AsyncWriter(path, workers=2)
     writer.reserve(1 << 20)
     for t in (kill_state(0)[k] for k in ("w", "b", "ids", "scale")):
-        writer._templates.get(t.dtype, tuple(t.shape))
+        writer._res.templates.get(t.dtype, tuple(t.shape))
     m = kill_state(0)["optim"]["m"]
-    writer._templates.get(m.dtype, tuple(m.shape))
+    writer._res.templates.get(m.dtype, tuple(m.shape))
     print("READY", flush=True)
     for line in sys.stdin:
         cmd = line.split()

@@ -129,6 +129,28 @@ def test_one_writer_many_saves_reuses_staging_memory(tmp_path: Path) -> None:
         assert len([f for f in os.listdir(tmp_path / f"step{step}") if f.endswith(".distcp")]) == 3
 
 
+def test_reused_staging_memory_never_leaks_an_earlier_save(tmp_path: Path) -> None:
+    """A second save of other shapes reuses the first one's staging slots: its files hold
+    its own bytes and zeros, never a byte the first save staged there."""
+    mark = 0xAB
+    first = {"a": torch.full((3 << 20 | 5,), mark, dtype=torch.uint8),
+             "b": torch.full((4099,), mark, dtype=torch.uint8)}
+    second = {"x": torch.arange(700_001, dtype=torch.float32),  # ends mid-block
+              "y": torch.arange(33, dtype=torch.int16), "z": torch.zeros(5, 3)}
+    with AsyncWriter(tmp_path / "unused", workers=2) as writer:
+        dcp.save(first, checkpoint_id=str(tmp_path / "one"), storage_writer=writer,
+                 no_dist=True)
+        writer.wait()
+        capacity = writer.staging_nbytes
+        dcp.save(second, checkpoint_id=str(tmp_path / "two"), storage_writer=writer,
+                 no_dist=True)
+        writer.wait()
+        assert writer.staging_nbytes == capacity  # the same memory, reused
+    _assert_equal_state(_load(tmp_path / "two", second), second)
+    for name in os.listdir(tmp_path / "two"):
+        assert bytes([mark]) * 64 not in (tmp_path / "two" / name).read_bytes(), name
+
+
 def test_async_save_future_means_committed(tmp_path: Path) -> None:
     state = async_workers.mixed_state()
     want = _snapshot(state)

@@ -14,6 +14,8 @@ from ckptlab.write._staging import (
     StagingArena,
     StagingState,
     copy_in,
+    copy_pairs,
+    in_lanes,
     stage_tree,
     tree_nbytes,
 )
@@ -37,6 +39,22 @@ def test_slots_are_aligned_reused_and_found() -> None:
     assert arena.used_nbytes == 0 and arena.alloc(1)[0].data_ptr() == base
     arena.release()
     assert arena.capacity_nbytes == 0
+
+
+def test_staging_memory_is_private_and_huge_page_advised() -> None:
+    from ckptlab.testing.memory import mapping_flags
+
+    arena = StagingArena()
+    arena.begin(SLAB_MIN_NBYTES + 1)
+    slot, _ = arena.alloc(4096)
+    flags = mapping_flags(slot.data_ptr())
+    if flags is None:
+        pytest.skip("/proc/self/smaps cannot be read here")
+    assert "sh" not in flags  # private anonymous memory (shmem faults cost more)
+    if hasattr(__import__("mmap"), "MADV_HUGEPAGE"):
+        assert "hg" in flags  # transparent huge pages: one fault per 2 MiB
+    assert arena.capacity_nbytes % (2 << 20) == 0 and arena.capacity_nbytes > SLAB_MIN_NBYTES
+    arena.release()
 
 
 def test_a_full_arena_grows_without_moving_handed_out_slots() -> None:
@@ -94,6 +112,23 @@ def test_stage_tree_copies_tensors_into_staging_and_other_values_deeply() -> Non
     sd["w"].add_(1.0)  # the caller changes its tensors: the staged copy is a snapshot
     sd["cfg"]["names"].append("b")
     assert not torch.equal(staged["w"], sd["w"]) and staged["cfg"]["names"] == ["a"]
+
+
+def test_stage_tree_can_leave_the_copies_to_several_threads() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    arena = StagingArena()
+    sd = {"a": torch.randn(300, 7), "b": [torch.arange(5000), torch.ones(3, dtype=torch.int8)],
+          "step": 4}
+    arena.begin(tree_nbytes(sd))
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    staged, nbytes = stage_tree(arena, sd, pairs)
+    assert len(pairs) == 3 and nbytes == 300 * 7 * 4 + 5000 * 8 + 3
+    assert not torch.equal(staged["a"], sd["a"])  # not copied yet: zero-filled slots
+    with ThreadPoolExecutor(1) as pool:
+        assert len(in_lanes(copy_pairs, pairs, pool, 2)) == 2  # two shares, two results
+    assert torch.equal(staged["a"], sd["a"]) and torch.equal(staged["b"][0], sd["b"][0])
+    assert torch.equal(staged["b"][1], sd["b"][1]) and staged["step"] == 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.uint8, torch.bool, torch.complex64])

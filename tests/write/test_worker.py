@@ -144,6 +144,33 @@ def test_a_failed_staging_stops_the_worker(tmp_path: Path) -> None:
         run(job)
 
 
+def test_a_worker_writes_nothing_before_the_whole_copy_is_done(tmp_path: Path) -> None:
+    """Its own item copied is not enough: the worker opens its file, then waits for every
+    item of the save (O_DIRECT writes beside the copy slow the copy the caller waits on)."""
+    staging = StagingState()
+    own, other = staging.event(), staging.event()
+    job, expected = job_in(tmp_path, ready=own, staging=staging)
+    own.set()
+    opened, phases = threading.Event(), []
+
+    def hook(bucket: int | None, phase: str, file: str, offset: int, nbytes: int) -> None:
+        phases.append(phase)
+        if phase == "open":
+            opened.set()
+
+    done: list[FileWriter] = []
+    worker = threading.Thread(target=lambda: done.append(run(job, hook=hook)))
+    worker.start()
+    try:
+        assert opened.wait(60)
+        worker.join(0.5)  # the failure this detects: writes that do not wait
+        assert worker.is_alive() and phases == ["open"] and not done
+    finally:
+        other.set()
+        worker.join(60)
+    assert done and "write" in phases and Path(job.path).read_bytes() == expected
+
+
 def test_hooks_see_every_step_and_can_fail_it(tmp_path: Path) -> None:
     seen = []
 
