@@ -212,10 +212,12 @@ def start_commit(save: SaveState, metadata: Any, results: list[list[Any]], stora
     """``finish``'s work: complete DCP's ``metadata`` (version, where each item is, the
     storage meta), pickle it now (the caller may reuse the object) and start :func:`commit`
     on its own thread."""
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+    from torch.distributed.checkpoint import filesystem
 
     t = save.recorder.now()
-    metadata.version = CURRENT_DCP_VERSION
+    version = getattr(filesystem, "CURRENT_DCP_VERSION", None)
+    if version is not None:  # torch 2.7's Metadata has no version field
+        metadata.version = version
     metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
     metadata.storage_meta = storage_meta
     blob = pickle.dumps(metadata)

@@ -50,6 +50,9 @@ def test_namespaces_do_not_evict_each_other():
     assert statuses(cache) == ["miss", "miss", "hit", "hit", "hit", "hit"]
 
 
+@pytest.mark.skipif(not hasattr(SavePlanner, "_cached_metadata"),
+                    reason="this torch caches no metadata (SavePlanner._cached_metadata came "
+                    "in 2.8): the thrash below is that cache's")
 def test_torch_cache_thrashes_between_two_planners_of_one_class():
     """The fact the cache's design answers: torch keys its cache by the planner's class
     name, so a model planner and an optimizer planner of the same class share one slot."""

@@ -7,6 +7,19 @@ import errno
 from typing import Any
 
 
+def single_process_async_save(state: Any, writer: Any) -> Any:
+    """``dcp.async_save`` in one process without a process group: ``no_dist=True`` where
+    torch takes it (2.8 on); torch 2.7's async_save has no such argument and runs single
+    process by itself when no group is initialized."""
+    import inspect
+
+    import torch.distributed.checkpoint as dcp
+
+    extra = {"no_dist": True} if "no_dist" in inspect.signature(dcp.async_save).parameters \
+        else {}
+    return dcp.async_save(state, storage_writer=writer, **extra)
+
+
 def mixed_state(seed: int = 0) -> dict[str, Any]:
     """Tensors of several dtypes and shapes (a view, tied weights, 0-d, empty, a Parameter, a
     1 MiB+ tensor that takes the direct-write path) and plain objects."""

@@ -157,7 +157,7 @@ def test_async_save_future_means_committed(tmp_path: Path) -> None:
     with AsyncWriter(tmp_path / "a") as writer:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            fut = dcp.async_save(state, storage_writer=writer, no_dist=True)
+            fut = async_workers.single_process_async_save(state, writer)
         _mutate(state)  # stage() already copied
         fut.result(timeout=60)
         assert (tmp_path / "a" / ".metadata").exists()

@@ -140,8 +140,7 @@ def test_async_save_future_raises_writer_error(tmp_path: Path) -> None:
     with AsyncWriter(tmp_path / "a", io_hook=full) as writer:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            fut = dcp.async_save(async_workers.mixed_state(), storage_writer=writer,
-                                 no_dist=True)
+            fut = async_workers.single_process_async_save(async_workers.mixed_state(), writer)
         # finish() raises inside dcp.save, which wraps it in a CheckpointException
         from torch.distributed.checkpoint.api import CheckpointException
 
