@@ -9,11 +9,16 @@ Keys are the checkpoint's *identity*: for a file, its real path, size, ``mtime_n
 SHA-256 of its first and last 64 KiB; for a directory, the same for each regular file directly
 inside it (the files :func:`ckptlab.open` reads). A rewritten file is another checkpoint.
 
-Entries are JSON, never pickles (a cache directory is as untrusted as the checkpoints are),
-carry :data:`CACHE_VERSION` and their identity, are written atomically (a temporary file in the
-same directory, then ``os.replace``) and are bounded in total size (the least recently used go
-first). An entry that does not parse, is of another version, or describes another identity is
-ignored and rebuilt; a cache directory that cannot be written makes the cache a no-op.
+Entries are never pickles (a cache directory is as untrusted as the checkpoints are). An entry
+is one compact columnar file (:func:`encode_index`): a magic line, a JSON header (the
+:data:`CACHE_VERSION`, the identity, the small fields, the string tables and where each column
+is) and the columns as little-endian int64/int32 arrays and UTF-8 text, read back with
+``numpy.frombuffer`` (a 100,000-tensor index in tens of milliseconds, where the same columns as
+per-entry JSON took 0.3 s). The header carries the SHA-256 of the columns. Entries are written
+atomically (a temporary file in the same directory, then ``os.replace``) and are bounded in
+total size (the least recently used go first). An entry that does not parse, fails its
+checksum or any column check, is of another version, or describes another identity is ignored
+and rebuilt; a cache directory that cannot be written makes the cache a no-op.
 """
 
 from __future__ import annotations
@@ -33,12 +38,24 @@ from typing import Any
 
 from ckptlab.errors import InvalidArgumentError
 
-__all__ = ["CACHE_VERSION", "CheckpointIndex", "InspectionCache", "cache_dir", "identity_of"]
+__all__ = ["CACHE_VERSION", "CheckpointIndex", "InspectionCache", "cache_dir", "decode_index",
+           "encode_index", "identity_of"]
 
-CACHE_VERSION = 1
+# 2: one columnar file per entry (``.ckix``); 1 was one JSON document (``.json``)
+CACHE_VERSION = 2
 EDGE_NBYTES = 64 * 1024  # bytes hashed at each end of a file
 DEFAULT_MAX_NBYTES = 256 * 2**20  # the whole cache directory's entries
-_SUFFIX = ".json"
+_SUFFIX = ".ckix"
+_OLD_SUFFIXES = (".json",)  # earlier versions' entries: never read, pruned like the others
+_MAGIC = b"CKPTLAB-INDEX\n"
+_HEADER_MAX = 64 * 2**20  # a header longer than this is damage, not an index
+# the int64 columns, in the order they are stored; "parts" columns have one item per part
+_INT_COLUMNS = (("nbytes", "tensors"), ("parameters", "tensors"), ("file", "tensors"),
+                ("offset", "tensors"), ("part_start", "tensors+1"), ("part_file", "parts"),
+                ("part_offset", "parts"), ("part_nbytes", "parts"))
+# the string columns kept as a table of distinct values and an int32 code per row
+_CODED_COLUMNS = (("dtypes", "tensors"), ("shapes", "tensors"), ("kinds", "tensors"),
+                  ("part_role", "parts"))
 
 
 def cache_dir() -> Path:
@@ -271,6 +288,175 @@ class CheckpointIndex:
         return index
 
 
+def _text_column(values: tuple[str, ...]) -> tuple[bytes, list[int]]:
+    """``values`` as one UTF-8 text and each value's end, counted in characters."""
+    ends = list(itertools.accumulate(map(len, values)))
+    return "".join(values).encode("utf-8", "surrogatepass"), ends
+
+
+def encode_index(index: CheckpointIndex, identity: dict[str, Any]) -> bytes:
+    """One cache entry: ``index`` of the checkpoint with ``identity``, in the columnar format.
+
+    The layout: :data:`_MAGIC`, the header's length (8 bytes, little-endian), the header (JSON:
+    ``version``, ``identity``, the small fields, ``tensors``, ``parts``, the string tables,
+    ``columns``: ``name -> [start, nbytes]`` within the body, ``body_sha256``), then the body:
+    the int64 columns, the int32 codes of the string columns, the names' character ends
+    (int64) and the names as one UTF-8 text.
+
+    Raises
+    ------
+    OverflowError
+        A number does not fit int64 (the entry is then not stored).
+    """
+    import numpy as np
+
+    n, nparts = len(index), len(index.part_role)
+    chunks: list[bytes] = []
+    where: dict[str, list[int]] = {}
+    at = 0
+
+    def put(name: str, data: bytes) -> None:
+        nonlocal at
+        where[name] = [at, len(data)]
+        chunks.append(data)
+        at += len(data)
+
+    for name, _ in _INT_COLUMNS:
+        put(name, np.array(getattr(index, name), dtype="<i8").tobytes())
+    tables: dict[str, list[str]] = {}
+    for name, _ in _CODED_COLUMNS:
+        values = getattr(index, name)
+        table = list(dict.fromkeys(values))
+        codes = dict(zip(table, range(len(table))))
+        tables[name] = table
+        put(name, np.fromiter(map(codes.__getitem__, values), dtype="<i4",
+                              count=len(values)).tobytes())
+    text, ends = _text_column(index.names)
+    put("name_ends", np.array(ends, dtype="<i8").tobytes())
+    put("names", text)
+    body = b"".join(chunks)
+    header = json.dumps({
+        "version": CACHE_VERSION, "identity": identity, "format": index.format,
+        "path": index.path, "files": [list(f) for f in index.files], "objects": index.objects,
+        "notes": list(index.notes), "tensors": n, "parts": nparts, "tables": tables,
+        "columns": where, "body_sha256": hashlib.sha256(body).hexdigest(),
+    }, separators=(",", ":"), allow_nan=True).encode()
+    return _MAGIC + len(header).to_bytes(8, "little") + header + body
+
+
+def decode_index(data: bytes, identity: dict[str, Any] | None = None, *,
+                 where: str = "inspection cache entry") -> CheckpointIndex:
+    """Read :func:`encode_index`'s output back, checking everything before it is used.
+
+    The checks: the magic, the version, ``identity`` (when given), the body's SHA-256, every
+    column's length, the string codes within their tables, ``part_start`` ascending from 0 to
+    the part count, file indexes within ``files`` (or -1), the names' ends ascending within
+    their text.
+
+    Raises
+    ------
+    InvalidArgumentError
+        ``data`` is not such an entry, or not this checkpoint's (the message names ``where``,
+        the field and the byte offset, and what was expected).
+    """
+    import numpy as np
+
+    def fail(what: str) -> InvalidArgumentError:
+        return InvalidArgumentError(f"{where}: {what}")
+
+    view = memoryview(data)
+    head = len(_MAGIC) + 8
+    if bytes(view[:len(_MAGIC)]) != _MAGIC:
+        raise fail(f"offset 0: expected the magic {_MAGIC!r}, got {bytes(view[:len(_MAGIC)])!r}")
+    hlen = int.from_bytes(view[len(_MAGIC):head], "little")
+    if len(view) < head or hlen > min(_HEADER_MAX, len(view) - head):
+        raise fail(f"offset {len(_MAGIC)}: a header of {hlen:,} bytes does not fit the "
+                   f"{len(view):,}-byte entry")
+    try:
+        header = json.loads(bytes(view[head:head + hlen]))
+    except (ValueError, RecursionError) as exc:
+        raise fail(f"offset {head}: the header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise fail(f"offset {head}: expected a JSON object header, got {type(header).__name__}")
+    if header.get("version") != CACHE_VERSION:
+        raise fail(f"version: expected {CACHE_VERSION}, got {header.get('version')!r}")
+    if identity is not None and header.get("identity") != identity:
+        raise fail("identity: the entry describes another checkpoint")
+    body = view[head + hlen:]
+    if hashlib.sha256(body).hexdigest() != header.get("body_sha256"):
+        raise fail(f"offset {head + hlen}: the body's SHA-256 does not match the header's")
+    n, nparts = header.get("tensors"), header.get("parts")
+    if type(n) is not int or type(nparts) is not int or n < 0 or nparts < 0:
+        raise fail(f"tensors/parts: expected counts, got {n!r}/{nparts!r}")
+    counts = {"tensors": n, "tensors+1": n + 1, "parts": nparts}
+    columns = header.get("columns")
+    if not isinstance(columns, dict):
+        raise fail("columns: expected a JSON object")
+
+    def raw(name: str, itemsize: int, count: int | None) -> memoryview:
+        span = columns.get(name)
+        if not (isinstance(span, list) and len(span) == 2 and all(type(v) is int for v in span)
+                and 0 <= span[0] and 0 <= span[1] and span[0] + span[1] <= len(body)):
+            raise fail(f"column {name!r}: expected [start, nbytes] within the "
+                       f"{len(body):,}-byte body, got {span!r}")
+        if count is not None and span[1] != count * itemsize:
+            raise fail(f"column {name!r} at body offset {span[0]:,}: expected {count:,} items "
+                       f"({count * itemsize:,} bytes), got {span[1]:,} bytes")
+        return body[span[0]:span[0] + span[1]]
+
+    ints = {name: np.frombuffer(raw(name, 8, counts[size]), dtype="<i8")
+            for name, size in _INT_COLUMNS}
+    files = header.get("files")
+    if not isinstance(files, list) or not all(
+            isinstance(f, list) and len(f) == 3 and type(f[0]) is str and type(f[1]) is str
+            and type(f[2]) is int for f in files):
+        raise fail("files: expected [path, format, nbytes] lists")
+    start = ints["part_start"]
+    if start[0] != 0 or start[-1] != nparts or (n and bool((np.diff(start) < 0).any())):
+        raise fail(f"part_start: expected ascending offsets from 0 to {nparts:,}")
+    for name in ("file", "part_file"):
+        col = ints[name]
+        if col.size and not (-1 <= int(col.min()) and int(col.max()) < len(files)):
+            raise fail(f"column {name!r}: expected file indexes in [-1, {len(files)}), got "
+                       f"[{int(col.min())}, {int(col.max())}]")
+    tables = header.get("tables")
+    if not isinstance(tables, dict):
+        raise fail("tables: expected a JSON object")
+    coded: dict[str, tuple[str, ...]] = {}
+    for name, size in _CODED_COLUMNS:
+        table = tables.get(name)
+        if not isinstance(table, list) or (table and set(map(type, table)) != {str}):
+            raise fail(f"table {name!r}: expected a list of strings")
+        codes = np.frombuffer(raw(name, 4, counts[size]), dtype="<i4")
+        if codes.size and not (0 <= int(codes.min()) and int(codes.max()) < len(table)):
+            raise fail(f"column {name!r}: codes outside its table of {len(table)} values")
+        coded[name] = tuple(np.array(table, dtype=object)[codes].tolist()) if codes.size else ()
+    ends = np.frombuffer(raw("name_ends", 8, n), dtype="<i8")
+    try:
+        text = bytes(raw("names", 1, None)).decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError as exc:
+        raise fail(f"column 'names': not UTF-8 at byte {exc.start:,}") from None
+    if n and (int(ends[0]) < 0 or int(ends[-1]) != len(text)
+              or bool((np.diff(ends) < 0).any())):
+        raise fail(f"column 'name_ends': expected ascending ends up to {len(text):,}")
+    bounds = ends.tolist()
+    names = tuple(map(text.__getitem__, map(slice, [0, *bounds[:-1]], bounds)))
+    for key in ("format", "path"):
+        if type(header.get(key)) is not str:
+            raise fail(f"{key!r}: expected a string")
+    objects, notes = header.get("objects"), header.get("notes")
+    if not isinstance(objects, dict):
+        raise fail("objects: expected a JSON object")
+    if not isinstance(notes, list) or (notes and set(map(type, notes)) != {str}):
+        raise fail("notes: expected a list of strings")
+    col = {name: tuple(ints[name].tolist()) for name, _ in _INT_COLUMNS}
+    return CheckpointIndex(
+        header["format"], header["path"], tuple(tuple(f) for f in files), names,
+        coded["dtypes"], coded["shapes"], coded["kinds"], col["nbytes"], col["parameters"],
+        col["file"], col["offset"], col["part_start"], coded["part_role"], col["part_file"],
+        col["part_offset"], col["part_nbytes"], objects, tuple(notes))
+
+
 class InspectionCache:
     """:class:`CheckpointIndex` entries on disk, keyed by a checkpoint's identity.
 
@@ -306,12 +492,7 @@ class InspectionCache:
         try:
             if entry.stat().st_size > self.max_nbytes:
                 raise ValueError("larger than the cache")
-            data = json.loads(entry.read_bytes())
-            if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
-                raise ValueError("another version")
-            if data.get("identity") != identity:
-                raise ValueError("another checkpoint")
-            index = CheckpointIndex.from_dict(data.get("index"))
+            index = decode_index(entry.read_bytes(), identity, where=str(entry))
         except FileNotFoundError:
             self.misses += 1
             return None
@@ -330,9 +511,10 @@ class InspectionCache:
         (a read-only directory, an entry over ``max_nbytes``)."""
         identity = identity if identity is not None else identity_of(path)
         entry = self._entry_path(identity)
-        body = json.dumps({"version": CACHE_VERSION, "identity": identity,
-                           "index": index.to_dict()}, separators=(",", ":"),
-                          allow_nan=True).encode()
+        try:
+            body = encode_index(index, identity)
+        except (OverflowError, ValueError):  # a number past int64, a value JSON cannot hold
+            return False
         if len(body) > self.max_nbytes:
             return False
         tmp = None
@@ -408,5 +590,6 @@ def _entry_files(directory: Path) -> list[Path]:
     for sub in directory.iterdir():
         if sub.is_dir() and sub.name.startswith("v"):
             out.extend(p for p in sub.iterdir()
-                       if p.suffix == _SUFFIX and not p.name.startswith(".tmp-"))
+                       if p.suffix in (_SUFFIX, *_OLD_SUFFIXES)
+                       and not p.name.startswith(".tmp-"))
     return out

@@ -15,7 +15,10 @@ writer's choice.
 First paint comes from the index. The table and the totals need only a
 :class:`~ckptlab.checkpoint._cache.CheckpointIndex`, which :class:`ServedCheckpoint` reads from
 the on-disk :class:`~ckptlab.checkpoint._cache.InspectionCache` when the file was seen before
-(a fraction of a second at 100,000 tensors, where opening the file takes seconds); the full
+(a fraction of a second at 100,000 tensors, where opening the file takes seconds). It is made
+on a thread (:class:`PendingCheckpoint`): the port opens at once, or as soon as a cached or
+small index is there, and a page that comes before the index shows the checkpoint's name and
+how long it has been read (:class:`IndexProgress`), then the app in its place. The full
 :class:`~ckptlab.checkpoint.Checkpoint`, which the byte map needs, is then opened on a thread
 once the first page has been drawn, and every session draws its map when it is there.
 Such a page comes without plotly.js (4.8 MB of its 8 MB of JavaScript): :class:`PlotlyLoader`
@@ -84,8 +87,8 @@ from ckptlab.widgets._tensor_table import (
     tensor_frame,
 )
 
-__all__ = ["CheckpointApp", "LayoutApp", "LayoutCache", "LayoutView", "PlotlyLoader",
-           "ServedCheckpoint", "serve"]
+__all__ = ["CheckpointApp", "IndexProgress", "LayoutApp", "LayoutCache", "LayoutView",
+           "PendingCheckpoint", "PlotlyLoader", "ServedCheckpoint", "serve"]
 
 PROMPT = "<i>Click the byte map or pick an item.</i>"
 TENSOR_PROMPT = "<i>Pick a tensor in the table to see its parts, its bytes on the map and hex.</i>"
@@ -102,6 +105,10 @@ LOAD_FALLBACK_S = 30.0
 # up to this many tensors the whole checkpoint is opened before serving (under a second); past
 # it the table paints first and the byte map follows
 EAGER_TENSORS = 20_000
+# how long serve() waits for the index before it opens the port anyway (a cached index or a
+# small file is there within it, and panel's warm-up session then builds the whole app); past
+# it, pages show a progress state until the index is there
+INDEX_WAIT_S = 1.0
 MAX_FILES_LISTED = 1000  # file picker entries (the largest files, and the one shown)
 
 
@@ -176,6 +183,17 @@ def _page_without_plotly(doc: Any) -> bool:
     except TypeError:
         return False
     return True
+
+
+def _sent_without_plotly(doc: Any) -> bool:
+    """Whether session ``doc``'s page went out without plotly.js and has not loaded it since
+    (a page that showed the index's progress first: its byte map, even one ready now, waits
+    for :class:`PlotlyLoader`). Panel's own per-document extension list says so."""
+    table = getattr(pn.state, "_extensions_", None)
+    try:
+        return table is not None and doc in table and "plotly" not in table[doc]
+    except TypeError:
+        return False
 
 
 def _plotly_now_loaded(doc: Any) -> None:
@@ -737,7 +755,8 @@ class CheckpointApp:
             self.values,
             self.map_section, sizing_mode="stretch_width", css_classes=["ckptlab-app"])
         doc = pn.state.curdoc
-        if (doc is not None and doc.session_context is not None and not served.ready.is_set()
+        if (doc is not None and doc.session_context is not None
+                and (not served.ready.is_set() or _sent_without_plotly(doc))
                 and _page_without_plotly(doc)):
             # a served page whose map comes later: sent without plotly.js (4.8 MB), which the
             # loader adds once the page is up (a map drawn now comes with its first page)
@@ -941,6 +960,139 @@ class CheckpointApp:
         self._plotly_loader = self._doc = None
 
 
+class PendingCheckpoint:
+    """A :class:`ServedCheckpoint` being made on a thread, so that the port opens first.
+
+    At 100,000 tensors without a cached index, the index is the file's open (seconds): the
+    server listens meanwhile and every page shows a progress state (:class:`IndexProgress`)
+    until ``done`` is set; then ``served`` is the checkpoint, or ``error`` says why there is
+    none. Past ``EAGER_TENSORS`` tensors the byte maps' open is left to the first page (or
+    ``LOAD_FALLBACK_S`` later); below, it is done here, before ``done``.
+
+    Parameters
+    ----------
+    path
+        A checkpoint file or directory.
+    inspection_cache, layout_cache
+        As for :class:`ServedCheckpoint`.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *,
+                 inspection_cache: InspectionCache | None = None,
+                 layout_cache: LayoutCache | None = None) -> None:
+        self.path = os.fspath(path)
+        self.served: ServedCheckpoint | None = None
+        self.error: str | None = None
+        self.done = threading.Event()
+        self.started = time.perf_counter()
+        try:
+            self.nbytes = _checkpoint_nbytes(self.path)
+        except OSError:
+            self.nbytes = 0
+        self._inspection_cache = inspection_cache
+        self._layout_cache = layout_cache
+        threading.Thread(target=self._make, name="ckptlab-index", daemon=True).start()
+
+    def _make(self) -> None:
+        try:
+            served = ServedCheckpoint(self.path, inspection_cache=self._inspection_cache,
+                                      layout_cache=self._layout_cache)
+            if len(served.index) <= EAGER_TENSORS:
+                served.load()  # small: every page gets its byte map with its first paint
+            else:
+                timer = threading.Timer(LOAD_FALLBACK_S, served.start_loading)
+                timer.daemon = True
+                timer.start()
+            self.served = served
+        except Exception as exc:  # any failure (a bug too): every page shows it
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for ``done``; True if it is set."""
+        return self.done.wait(timeout)
+
+
+def _checkpoint_nbytes(path: str) -> int:
+    if os.path.isdir(path):
+        with os.scandir(path) as entries:
+            return sum(e.stat().st_size for e in entries if e.is_file())
+    return os.stat(path).st_size
+
+
+class IndexProgress:
+    """A page's first view while its checkpoint's index is being made: the title, what is
+    read and for how long (``.view``), replaced by the :class:`CheckpointApp` once
+    :meth:`poll` finds the index there (``app``).
+
+    Such a page goes out without plotly.js (the app's byte map then waits for
+    :class:`PlotlyLoader`, as on any page whose map comes later).
+
+    Parameters
+    ----------
+    pending
+        The checkpoint being made.
+    """
+
+    def __init__(self, pending: PendingCheckpoint) -> None:
+        self.pending = pending
+        self.app: CheckpointApp | None = None
+        self._callback: Any = None
+        name = plain_text(pending.path.rstrip("/").rsplit("/", 1)[-1])
+        self._name = html.escape(name)
+        self.status = pn.pane.HTML(self._status_html(), sizing_mode="stretch_width",
+                                   css_classes=["ckptlab-index-progress"])
+        self.view = pn.Column(
+            pn.pane.HTML(f"<h2 style='margin:4px 0'>ckptlab · {self._name}</h2>",
+                         css_classes=["ckptlab-title"], sizing_mode="stretch_width"),
+            self.status, sizing_mode="stretch_width", css_classes=["ckptlab-loading-app"])
+        doc = pn.state.curdoc
+        if doc is not None and doc.session_context is not None:
+            _page_without_plotly(doc)
+            self._callback = pn.state.add_periodic_callback(self.poll, period=POLL_MS)
+
+    def _status_html(self) -> str:
+        pending = self.pending
+        if pending.error is not None:
+            return (f'<div class="ckptlab-index-error"><b>{self._name} could not be read:</b> '
+                    f"{html.escape(pending.error)}</div>")
+        elapsed = time.perf_counter() - pending.started
+        size = f" ({human_nbytes(pending.nbytes)})" if pending.nbytes else ""
+        return (f'<div class="ckptlab-progress-text"><i>Reading the tensors of '
+                f"{self._name}{size}: {elapsed:.0f} s…</i> "
+                "The table appears here when the index is read; a checkpoint seen before "
+                "opens at once (its index is cached on disk).</div>")
+
+    def poll(self) -> bool:
+        """Show the app if the index is there (True once shown, or once it failed)."""
+        if self.app is not None or self.view is None:
+            return True
+        pending = self.pending
+        if not pending.done.is_set() or (pending.served is None and pending.error is None):
+            self.status.object = self._status_html()
+            return False
+        self._stop()
+        if pending.served is None:
+            self.status.object = self._status_html()
+            return True
+        self.app = CheckpointApp(pending.served)
+        self.view.objects = [self.app.view]
+        return True
+
+    def _stop(self) -> None:
+        if self._callback is not None:
+            self._callback.stop()
+            self._callback = None
+
+    def close(self) -> None:
+        """Stop polling and close the app if it was made."""
+        self._stop()
+        if self.app is not None:
+            self.app.close()
+        self.view = None
+
+
 def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's ``malloc_trim``, or None where there is none (macOS, musl)."""
     if not sys.platform.startswith("linux"):
@@ -971,10 +1123,12 @@ class _Sessions:
 
     def __init__(self, layout: ArchiveLayout | None, cache: LayoutCache, *,
                  served: ServedCheckpoint | None = None,
+                 pending: PendingCheckpoint | None = None,
                  release_delay_s: float = 1.0) -> None:
         self.layout = layout
         self.cache = cache
         self.served = served
+        self.pending = pending
         self.live = 0
         self.release_delay_s = release_delay_s
         self._release_pending = False
@@ -983,16 +1137,23 @@ class _Sessions:
 
     def open(self) -> pn.Column:
         """A new session's view (panel calls this once per browser page)."""
-        app: CheckpointApp | LayoutApp = (
-            CheckpointApp(self.served) if self.served is not None
-            else LayoutApp(self.layout, cache=self.cache))
+        pending = self.pending
+        if self.served is None and pending is not None:
+            if pending.done.is_set() and pending.served is not None:
+                self.served = pending.served
+            else:  # the index is being made: a progress state, then the app
+                app: CheckpointApp | LayoutApp | IndexProgress = IndexProgress(pending)
+        if self.served is not None:
+            app = CheckpointApp(self.served)
+        elif pending is None:
+            app = LayoutApp(self.layout, cache=self.cache)
         doc = pn.state.curdoc
         if doc is not None and doc.session_context is not None:
             self.live += 1
             pn.state.on_session_destroyed(lambda context: self._ended(app))
         return app.view
 
-    def _ended(self, app: CheckpointApp | LayoutApp) -> None:
+    def _ended(self, app: CheckpointApp | LayoutApp | IndexProgress) -> None:
         if app.view is None:  # closed already
             return
         self.live -= 1
@@ -1041,7 +1202,9 @@ def serve(source: LayoutSource | ServedCheckpoint, *, port: int = 5006,
 
     Notes
     -----
-    The index is read (or the checkpoint opened) once, before serving. Past
+    The index is read (or the checkpoint opened) once, on a thread: the port opens when it is
+    there or after ``INDEX_WAIT_S``, whichever comes first; until it is there, pages show
+    its progress (:class:`IndexProgress`) and then the app. Past
     ``EAGER_TENSORS`` tensors the full checkpoint for the byte maps is opened on a thread
     when the first page has loaded (or ``LOAD_FALLBACK_S`` after serving); below, before
     serving. A session is freed 15-17 s after its page closed
@@ -1049,14 +1212,19 @@ def serve(source: LayoutSource | ServedCheckpoint, *, port: int = 5006,
     """
     cache = cache if cache is not None else LayoutCache()
     served: ServedCheckpoint | None = None
+    pending: PendingCheckpoint | None = None
     layout: ArchiveLayout | None = None
     if isinstance(source, ServedCheckpoint):
         served = source
     elif isinstance(source, (str, os.PathLike)):
-        served = ServedCheckpoint(
+        # the index is made on a thread; a cached or small one is there within INDEX_WAIT_S
+        # and is served as before, else the port opens now and pages show its progress
+        pending = PendingCheckpoint(
             source, layout_cache=cache,
             inspection_cache=inspection_cache if inspection_cache is not None
             else InspectionCache())
+        if pending.wait(INDEX_WAIT_S) and pending.served is not None:
+            served, pending = pending.served, None
     else:
         layout = as_layout(source)
         # the first visitor must not wait for the file's own view and costs: compute them
@@ -1066,21 +1234,22 @@ def serve(source: LayoutSource | ServedCheckpoint, *, port: int = 5006,
         if layout.format == "torch-zip":
             cache.costs(layout, _alignment_options(layout))
     sessions = _Sessions(layout, served.layout_cache if served is not None else cache,
-                         served=served)
+                         served=served, pending=pending)
     # a checkpoint's pages come without plotly.js (CheckpointApp loads it after the table);
     # a layout's page opens on its byte map
-    pn.extension(*(("tabulator",) if served is not None else ("plotly", "tabulator")),
+    pn.extension(*(("plotly", "tabulator") if layout is not None else ("tabulator",)),
                  inline=True)
     # plotly's panel model, so that a page panel cannot send without plotly.js (no
     # _page_without_plotly) carries it
     import panel.models.plotly  # noqa: F401
     origins = [f"{address}:{port}", f"localhost:{port}", f"127.0.0.1:{port}"]
-    if served is not None and len(served.index) <= EAGER_TENSORS:
-        served.load()  # small: every page gets its byte map with its first paint
-    elif served is not None:
-        timer = threading.Timer(LOAD_FALLBACK_S, served.start_loading)
-        timer.daemon = True
-        timer.start()
+    if isinstance(source, ServedCheckpoint):  # (a path's PendingCheckpoint did this)
+        if len(served.index) <= EAGER_TENSORS:
+            served.load()  # small: every page gets its byte map with its first paint
+        else:
+            timer = threading.Timer(LOAD_FALLBACK_S, served.start_loading)
+            timer.daemon = True
+            timer.start()
     pn.serve({"/": sessions.open}, port=port, address=address, show=show,
              websocket_origin=origins, title="ckptlab", threaded=False, print_url=True,
              warm=True, check_unused_sessions_milliseconds=SESSION_CHECK_MS,

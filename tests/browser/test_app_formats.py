@@ -26,6 +26,18 @@ pytestmark = [pytest.mark.browser, pytest.mark.timeout(600)]
 
 MAP = ".ckptlab-bytemap .js-plotly-plot"
 ROW = ".ckptlab-tensors .tabulator-row"
+LONG = "with_a_suffix_long_enough_to_be_cut_in_a_1280_px_wide_page"
+# [field, the width its text takes, the width its box gives the text] of each element: a
+# Range measures the text's whole run, also where it is cut
+TEXT_FIT = """els => els.map(e => {
+  const t = e.querySelector('.tabulator-col-title') || e.querySelector(':scope > div') || e
+  const range = document.createRange()
+  range.selectNodeContents(t)
+  const cs = getComputedStyle(t)
+  return [e.getAttribute('tabulator-field'), range.getBoundingClientRect().width,
+          t.clientWidth - parseFloat(cs.paddingLeft) - parseFloat(cs.paddingRight),
+          cs.textOverflow, cs.overflowX, t.textContent]
+})"""
 
 
 def _write_torch(root: Path) -> tuple[Path, str]:
@@ -53,6 +65,9 @@ def _write_hf(root: Path) -> tuple[Path, str]:
         name = f"model-0000{shard}-of-00002.safetensors"
         tensors = {f"model.layers.{shard * 10 + i}.mlp.weight": torch.full((32, 32), float(i))
                    for i in range(4)}
+        # a name longer than its column: cut with an ellipsis, whole in the tooltip
+        tensors[f"model.layers.{shard}.self_attention.query_key_value.weight_{LONG}"] = (
+            torch.zeros(2))
         save_file(tensors, str(out / name))
         weight_map.update(dict.fromkeys(tensors, name))
     (out / "model.safetensors.index.json").write_text(json.dumps(
@@ -153,4 +168,37 @@ def test_search_select_and_highlight(page, page_log, served, screenshot) -> None
             assert not _boxes_overlap(a, b), (a, b)
     screenshot(f"app-{ck.format}")
     page_log.assert_offline()
+    page_log.assert_no_errors()
+
+
+def test_table_headers_fit_and_long_values_end_in_an_ellipsis(page, page_log, served,
+                                                              screenshot) -> None:
+    """At 1280 px: every column's header is shown whole (its text fits its box), and a value
+    wider than its column is cut with an ellipsis and shown whole in the cell's tooltip."""
+    from ckptlab.widgets._tensor_table import COLUMNS
+
+    proc, path, _ = served
+    page.goto(proc.url + "/")
+    page.locator(ROW).first.wait_for()
+    fields = ", ".join(f'.tabulator-col[tabulator-field="{f}"]' for f in COLUMNS)
+    headers = page.locator(".ckptlab-tensors").first.locator(fields).evaluate_all(TEXT_FIT)
+    assert [h[0] for h in headers] == list(COLUMNS)
+    for field, text_px, box_px, *_ in headers:
+        assert text_px <= box_px, f"the {field!r} header is cut: {text_px:.1f} > {box_px:.1f} px"
+    cells = page.locator(f'{ROW} .tabulator-cell[tabulator-field]').evaluate_all(TEXT_FIT)
+    cut = [c for c in cells if c[0] in COLUMNS and c[1] > c[2] + 0.5]
+    for field, _, _, overflow, overflow_x, text in cut:
+        assert (overflow, overflow_x) == ("ellipsis", "hidden"), (field, text, overflow)
+    if path.name == "hf":  # the long names are there: cut, and whole on hover
+        long_cells = [c for c in cut if c[0] == "name" and LONG in c[5]]
+        assert long_cells, cells
+        cell = page.locator(f'{ROW} .tabulator-cell[tabulator-field="name"]',
+                            has_text=LONG).first
+        cell.hover()
+        tip = page.locator(".tabulator-tooltip").first
+        tip.wait_for()
+        assert tip.text_content() == long_cells[0][5]
+        screenshot("app-table-ellipsis")
+    else:
+        assert not [c for c in cut if c[0] != "file"], cut  # short names fit
     page_log.assert_no_errors()

@@ -133,3 +133,50 @@ def test_zooming_the_map_rebins_it_on_the_server(page, page_log, served, screens
     assert edges[0] == 75000 and edges[-1] == 82000
     screenshot("app-zoomed")
     page_log.assert_no_errors()
+
+
+# ``python -c`` for a server whose index is held back until a file appears: it starts as
+# ``ckptlab serve`` does (ckptlab.widgets.app.serve), with ServedCheckpoint waiting for the
+# gate first, so that the page is opened while the index is still being made
+GATED_SERVER = """
+import os, sys, time
+import ckptlab.widgets.app as app
+path, port, gate = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+made = app.ServedCheckpoint.__init__
+def gated(self, *args, **kwargs):
+    while not os.path.exists(gate):
+        time.sleep(0.05)
+    made(self, *args, **kwargs)
+app.ServedCheckpoint.__init__ = gated
+app.serve(path, port=port)
+"""
+
+
+def test_the_port_opens_before_the_index_and_pages_show_its_progress(
+        page, page_log, sample: Path, tmp_path: Path, screenshot) -> None:
+    """A page opened while the index is being made shows the checkpoint's name and a progress
+    line; once the index is there the same page gets the summary, the table and (the page
+    went out without plotly.js) the byte map."""
+    import os
+
+    gate = tmp_path / "gate"
+    port = free_port()
+    env = dict(os.environ, CKPTLAB_CACHE_DIR=str(tmp_path / "cache"))
+    cmd = [sys.executable, "-c", GATED_SERVER, str(sample), str(port), str(gate)]
+    with serve_process(cmd, port, timeout=120, env=env) as proc:
+        page.goto(proc.url + "/")
+        progress = page.locator(".ckptlab-progress-text").first
+        progress.wait_for()
+        assert "Reading the tensors of sample.pt" in progress.text_content()
+        assert "sample.pt" in page.locator(".ckptlab-title h2").first.text_content()
+        page.wait_for_timeout(1500)  # polled a few times: still no table, no map
+        assert page.locator(".ckptlab-tensors .tabulator-row").count() == 0
+        assert page.evaluate("() => window.Plotly === undefined")
+        screenshot("app-index-progress")
+        gate.write_text("go")
+        page.locator(".ckptlab-tensors .tabulator-row").first.wait_for()
+        assert "tensors" in page.locator(".ckptlab-summary").first.text_content()
+        assert page.locator(".ckptlab-progress-text").count() == 0
+        page.locator(f"{MAP} .hm").first.wait_for(state="attached")  # plotly.js came after
+        page_log.assert_offline()
+        page_log.assert_no_errors()

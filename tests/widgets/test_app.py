@@ -243,7 +243,7 @@ def test_serve_wires_the_app(monkeypatch, sample_file, sample_layout, tmp_path):
     assert kwargs["show"] is False
     assert set(kwargs["websocket_origin"]) == {"127.0.0.1:5123", "localhost:5123"}
     # each session builds its own app over the checkpoint indexed once (and cached on disk)
-    assert len(list((tmp_path / "cache").glob("v*/*.json"))) == 1
+    assert len(list((tmp_path / "cache").glob("v*/*.ckix"))) == 1
     view = routes["/"]()
     assert isinstance(view, pn.Column)
     assert view is not routes["/"]()

@@ -1,15 +1,18 @@
 """The on-disk inspection cache (``ckptlab.checkpoint._cache``) the served app reads first.
 
-Core module (no UI imports); tested here beside the app that uses it. Entries are JSON keyed
-by a checkpoint's identity; damaged, foreign or stale entries are ignored and rebuilt.
+Core module (no UI imports); tested here beside the app that uses it. Entries are columnar
+files keyed by a checkpoint's identity; damaged, foreign or stale entries are ignored and
+rebuilt.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +22,8 @@ from ckptlab.checkpoint._cache import (
     CheckpointIndex,
     InspectionCache,
     cache_dir,
+    decode_index,
+    encode_index,
     identity_of,
 )
 from ckptlab.errors import InvalidArgumentError
@@ -32,8 +37,54 @@ def model_file(tmp_path):
     return path
 
 
+MAGIC = b"CKPTLAB-INDEX\n"
+
+
 def _entries(cache: InspectionCache) -> list:
-    return sorted(cache.directory.glob("v*/*.json"))
+    return sorted(cache.directory.glob("v*/*.ckix"))
+
+
+def _split(raw: bytes) -> tuple[dict, bytearray]:
+    """An entry's header and body (the format of ``encode_index``)."""
+    assert raw.startswith(MAGIC)
+    hlen = int.from_bytes(raw[len(MAGIC):len(MAGIC) + 8], "little")
+    start = len(MAGIC) + 8
+    return json.loads(raw[start:start + hlen]), bytearray(raw[start + hlen:])
+
+
+def _join(header: dict, body: bytes, *, checksum: bool = True) -> bytes:
+    """An entry from a header and a body; ``checksum``: the header states the body's real
+    SHA-256 (so that the entry's other checks are the ones that must catch a damage)."""
+    if checksum:
+        header = {**header, "body_sha256": hashlib.sha256(body).hexdigest()}
+    text = json.dumps(header).encode()
+    return MAGIC + len(text).to_bytes(8, "little") + text + bytes(body)
+
+
+def _edit_column(name: str, row: int, value: int, dtype: str = "<i8"):
+    """A damage: item ``row`` of column ``name`` set to ``value``, the checksum made right."""
+    def damage(raw: bytes) -> bytes:
+        header, body = _split(raw)
+        start, nbytes = header["columns"][name]
+        col = np.frombuffer(body, dtype=dtype, count=nbytes // np.dtype(dtype).itemsize,
+                            offset=start).copy()
+        col[row] = value
+        body[start:start + nbytes] = col.tobytes()
+        return _join(header, body)
+    return damage
+
+
+def _edit_header(**fields):
+    def damage(raw: bytes) -> bytes:
+        header, body = _split(raw)
+        return _join({**header, **fields}, body)
+    return damage
+
+
+def _flip_body_byte(raw: bytes) -> bytes:
+    header, body = _split(raw)
+    body[len(body) // 2] ^= 0x40
+    return _join(header, body, checksum=False)
 
 
 def test_index_matches_the_checkpoint(model_file):
@@ -68,12 +119,12 @@ def test_a_second_look_reads_the_cache(model_file, tmp_path):
     assert ck is not None and len(opened) == 1 and cache.misses == 1
     (entry,) = _entries(cache)
     assert entry.parent.name == f"v{CACHE_VERSION}"
-    raw = json.loads(entry.read_text())
-    assert raw["version"] == CACHE_VERSION and raw["identity"] == identity_of(model_file)
+    header, _ = _split(entry.read_bytes())
+    assert header["version"] == CACHE_VERSION and header["identity"] == identity_of(model_file)
     second, ck2 = cache.index_of(model_file, opener)
     assert ck2 is None and len(opened) == 1 and cache.hits == 1
     assert second.to_dict() == first.to_dict()
-    # a JSON file only: no temporary file is left behind
+    # the entry file only: no temporary file is left behind
     assert not list(cache.directory.rglob(".tmp-*"))
 
 
@@ -88,28 +139,44 @@ def test_a_rewritten_file_is_another_entry(model_file, tmp_path):
 
 
 @pytest.mark.parametrize("damage", [
-    lambda raw: b"{not json",
+    lambda raw: b"{not an entry",
     lambda raw: b"",
     lambda raw: raw[: len(raw) // 2],
-    lambda raw: json.dumps({**json.loads(raw), "version": CACHE_VERSION + 1}).encode(),
-    lambda raw: json.dumps({**json.loads(raw), "identity": {"path": "/elsewhere"}}).encode(),
-    lambda raw: json.dumps({**json.loads(raw), "index": {"names": "x"}}).encode(),
-    lambda raw: raw.replace(b'"part_start":[0,', b'"part_start":[5,'),
-    lambda raw: raw.replace(b'"file":[0,', b'"file":[9,'),
-    lambda raw: raw.replace(b'"names":["layer.weight"', b'"names":[17'),
-    lambda raw: b"[" * 100_000,
-    lambda raw: raw.replace(b'"nbytes":[24,', b'"nbytes":[true,'),
-    lambda raw: raw.replace(b'"part_start":[0,1,', b'"part_start":[0,9,'),
-    lambda raw: raw.replace(b'"part_file":[0,', b'"part_file":[-2,'),
-], ids=["garbage", "empty", "truncated", "version", "identity", "columns", "part_start",
-        "file-index", "name-type", "deep", "bool-for-int", "part-start-descends",
-        "part-file-below"])
+    lambda raw: raw[:-1],
+    lambda raw: raw[: len(MAGIC) + 8] + b"[" * 100_000,
+    lambda raw: raw[: len(MAGIC)] + (2**62).to_bytes(8, "little") + raw[len(MAGIC) + 8:],
+    _flip_body_byte,
+    _edit_header(version=CACHE_VERSION + 1),
+    _edit_header(identity={"path": "/elsewhere"}),
+    _edit_header(tensors=2),
+    _edit_header(tensors=-1),
+    _edit_header(tensors=True),
+    _edit_header(columns={"names": "x"}),
+    _edit_header(files=[["m.pt", "torch-zip"]]),
+    _edit_header(tables={"dtypes": [], "shapes": [], "kinds": [], "part_role": []}),
+    _edit_header(objects=[1]),
+    _edit_header(notes=[17]),
+    _edit_header(format=None),
+    _edit_column("part_start", 0, 5),
+    _edit_column("part_start", 1, 9),
+    _edit_column("file", 0, 9),
+    _edit_column("part_file", 0, -2),
+    _edit_column("dtypes", 0, 7, "<i4"),
+    _edit_column("name_ends", 0, 10**6),
+    _edit_column("name_ends", 0, 23),  # past the second name's end (22)
+], ids=["garbage", "empty", "truncated", "last-byte", "deep-header", "huge-header",
+        "bit-flip", "version", "identity", "tensor-count", "negative-count", "bool-count",
+        "columns", "files", "tables", "objects", "notes", "format", "part_start",
+        "part-start-descends", "file-index", "part-file-below", "dtype-code", "name-end-past",
+        "name-ends-descend"])
 def test_a_damaged_entry_is_ignored_and_rebuilt(model_file, tmp_path, damage):
     cache = InspectionCache(tmp_path / "cache")
     good, _ = cache.index_of(model_file)
     (entry,) = _entries(cache)
     raw = entry.read_bytes()
-    entry.write_bytes(damage(raw))
+    damaged = damage(raw)
+    assert damaged != raw
+    entry.write_bytes(damaged)
     index, ck = cache.index_of(model_file)
     assert ck is not None, "the damaged entry was used"
     assert cache.rejected == 1
@@ -211,3 +278,47 @@ def test_identity_hashes_both_ends(tmp_path):
     second = identity_of(path)
     assert second["head"] == first["head"] and second["tail"] != first["tail"]
     assert second["mtime_ns"] == first["mtime_ns"] and second != first
+
+
+def test_the_columnar_entry_round_trips_any_text_and_large_numbers(tmp_path):
+    """Names and values outside ASCII (a lone surrogate, a newline, a NUL), numbers past
+    32 bits, a tensor without parts and an empty checkpoint all come back as they went in."""
+    names = ("a\nb", "é·λ", "\x00", "lone\udc80", "")
+    index = CheckpointIndex(
+        "torch-zip", "/x/m.pt", (("m.pt", "torch-zip", 2**40),), names,
+        ("float32", "bfloat16", "float32", "int8", "float32"), ("[2]", "[]", "?", "[1]", "[3]"),
+        ("tensor",) * 5, (8, 2, 0, 2**35, 12), (2, 1, 0, 2**35, 3), (0, 0, -1, 0, 0),
+        (64, 2**33, -1, 2**34, 99), (0, 1, 2, 2, 3, 4), ("data", "data", "data", "data"),
+        (0, 0, 0, 0), (64, 2**33, 2**34, 99), (8, 2, 2**35, 12), {"step": 7}, ("a note",))
+    identity = {"path": "/x/m.pt", "kind": "file", "nbytes": 1}
+    back = decode_index(encode_index(index, identity), identity)
+    assert back.to_dict() == index.to_dict()
+    empty = CheckpointIndex("safetensors", "/e", (("e", "safetensors", 8),), (), (), (), (), (),
+                            (), (), (), (0,), (), (), (), (), {}, ())
+    assert decode_index(encode_index(empty, identity)).to_dict() == empty.to_dict()
+    with pytest.raises(InvalidArgumentError, match="identity"):
+        decode_index(encode_index(index, identity), {**identity, "nbytes": 2})
+    with pytest.raises(InvalidArgumentError, match=r"m\.ckix.*offset 0: expected the magic"):
+        decode_index(b"PK\x03\x04", where="m.ckix")
+    # a number past int64 is not stored (False), never wrapped
+    big = CheckpointIndex(**{**{f: getattr(index, f) for f in index.__dataclass_fields__},
+                             "nbytes": (8, 2, 0, 2**70, 12)})
+    cache = InspectionCache(tmp_path / "cache")
+    model = tmp_path / "m.pt"
+    model.write_bytes(b"x")
+    assert not cache.store(model, big) and not _entries(cache)
+    assert cache.store(model, index) and cache.load(model).to_dict() == index.to_dict()
+
+
+def test_entries_of_the_json_version_are_never_read_and_are_pruned(model_file, tmp_path):
+    cache = InspectionCache(tmp_path / "cache")
+    old = tmp_path / "cache" / "v1" / ("0" * 40 + ".json")
+    old.parent.mkdir(parents=True)
+    old.write_bytes(b"{" + b" " * 4096 + b"}")
+    os.utime(old, ns=(1, 1))  # the least recently used
+    index, ck = cache.index_of(model_file)
+    assert ck is not None and cache.misses == 1 and old.exists()
+    (entry,) = _entries(cache)
+    small = InspectionCache(tmp_path / "cache", max_nbytes=entry.stat().st_size + 10)
+    small.store(model_file, index)
+    assert not old.exists() and entry.exists()  # the old entry went first
