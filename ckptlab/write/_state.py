@@ -41,6 +41,7 @@ class SavePrefix:
     prefix: str  # data files are f"{prefix}{bucket}.distcp" (see data_prefix)
     token: str  # the same on every rank of one save (set by the coordinator)
     world: int  # ranks taking part; > 1 means ranks report completion through marker files
+    rank: int | None = None  # the plan's place in the coordinator's list: this rank's number
 
 
 class SaveState:

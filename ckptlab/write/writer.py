@@ -126,6 +126,7 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
         self.save_id = uuid.uuid4().hex
         self._generation: int | None = None  # chosen by prepare_local_plan, used once
         self.rank = 0
+        self._rank_from_plan = False
         self.is_coordinator = True
         self.use_collectives = True
         self._res = SaveResources(
@@ -228,6 +229,8 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
             self._check_open()
             self.is_coordinator = is_coordinator
             self.rank = int(kwargs.get("rank") or 0)
+            # torch 2.7 passes no rank: write_data takes it from the coordinator's plan
+            self._rank_from_plan = "rank" not in kwargs
             self.use_collectives = kwargs.get("use_collectives", True)
             if self._current is not None and self._current.adoptable:
                 self._current.move(path=self.path, rank=self.rank)
@@ -256,7 +259,7 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
             return plans
         generation = self._take_generation()
         return [dataclasses.replace(p, storage_data=SavePrefix(data_prefix(i, generation),
-                                                               token, len(plans)))
+                                                               token, len(plans), i))
                 if not isinstance(p.storage_data, SavePrefix) else p
                 for i, p in enumerate(plans)]
 
@@ -277,6 +280,8 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
                                             self._owner_rank())
                 prefix = SavePrefix(data_prefix(self.rank, generation), uuid.uuid4().hex, 1)
             save.prefix = prefix
+            if self._rank_from_plan and prefix.rank is not None:
+                self.rank = save.rank = prefix.rank
             save.metadata_name = self._metadata_name()
             save.owner_rank = self._owner_rank()
             placed = run_save(save, plan, planner, self._res, directory=self.path,
