@@ -9,7 +9,7 @@ rebuild functions do.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
 from operator import attrgetter, itemgetter
 from typing import Any
@@ -20,8 +20,8 @@ from ckptlab.errors import CorruptArchiveError, UnsupportedFormatError
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.format.layout import StorageInfo
 
-__all__ = ["build_tensor", "entries_from_logical", "part_tensor", "read_part_bytes",
-           "tensor_from_bytes", "unique_names"]
+__all__ = ["LazyEntries", "build_tensor", "entries_from_logical", "part_tensor",
+           "read_part_bytes", "tensor_from_bytes", "unique_names"]
 
 NJT = "torch.nested._internal.nested_tensor.NestedTensor"
 
@@ -34,25 +34,147 @@ def entries_from_logical(logical: Iterable[Any], storages: dict[str, StorageInfo
         fast = _dense_entries(logical, storages, file, prefix)
         if fast is not None:
             return fast
-    out = []
-    for t in logical:
-        parts = []
-        for role, info in t.parts:
-            if not info.storage_key:
-                continue  # a meta tensor: no bytes
-            storage = storages[info.storage_key]
-            itemsize = DTYPE_ITEMSIZE[info.dtype]
-            parts.append(Part(role, file, storage.data_offset + info.storage_offset * itemsize,
-                              span_nbytes(info.shape, info.stride, itemsize), info.dtype,
-                              info.shape, info.stride, info.storage_offset, info.storage_key))
-        path = (*prefix, *t.path)
-        out.append(TensorEntry(tensor_name(path), path, t.dtype, t.shape, t.stride, t.kind,
-                               tuple(parts), t.layout, t.requires_grad, t.is_parameter,
-                               t.subclass, t.extra))
-    return out
+    return [_entry(t, storages, file, prefix) for t in logical]
+
+
+def _entry(t: Any, storages: dict[str, StorageInfo], file: str, prefix: tuple[Any, ...]
+           ) -> TensorEntry:
+    """The :class:`TensorEntry` of one ``ScannedTensor``."""
+    parts = []
+    for role, info in t.parts:
+        if not info.storage_key:
+            continue  # a meta tensor: no bytes
+        storage = storages[info.storage_key]
+        itemsize = DTYPE_ITEMSIZE[info.dtype]
+        parts.append(Part(role, file, storage.data_offset + info.storage_offset * itemsize,
+                          span_nbytes(info.shape, info.stride, itemsize), info.dtype,
+                          info.shape, info.stride, info.storage_offset, info.storage_key))
+    path = (*prefix, *t.path)
+    return TensorEntry(tensor_name(path), path, t.dtype, t.shape, t.stride, t.kind,
+                       tuple(parts), t.layout, t.requires_grad, t.is_parameter, t.subclass,
+                       t.extra)
+
+
+class LazyEntries(Sequence[TensorEntry]):
+    """:func:`entries_from_logical`'s list, made when first iterated or indexed, and single
+    entries (:meth:`entry`) made on their own before that.
+
+    :meth:`deferrable` says whether every entry can be made later without an error (dense
+    tensors, one part each, of storages and dtypes that exist, with sizes and strides whose
+    span is computable); where it cannot, callers make the list at once (:meth:`value`), which
+    raises what :func:`entries_from_logical` raises. The names (:meth:`names`) are the entries'
+    ``name`` fields, known without making them.
+    """
+
+    def __init__(self, logical: Iterable[Any], storages: dict[str, StorageInfo], file: str,
+                 *, prefix: tuple[Any, ...] = ()) -> None:
+        # a scan's dense tensors come with their fields as columns (DenseLogical): single
+        # entries and the checks are made from those, without making the scanned objects
+        self._cols = getattr(logical, "columns", None) if getattr(
+            logical, "built", True) is False else None
+        self._logical: Sequence[Any] = logical if self._cols is not None else list(logical)
+        self._storages = storages
+        self._file = file
+        self._prefix = prefix
+        self._value: list[TensorEntry] | None = None
+        self._names: list[str] | None = None
+
+    @property
+    def built(self) -> bool:
+        """Whether the list has been made."""
+        return self._value is not None
+
+    def deferrable(self) -> bool:
+        """Whether :meth:`entry` and :meth:`value` cannot fail (checked once, on columns)."""
+        logical = self._logical
+        if not logical:
+            return True
+        from ckptlab.format._bulk import gc_paused
+
+        try:
+            with gc_paused():
+                cols = self._cols
+                if cols is not None:
+                    keys, dtypes, offsets = set(cols.keys), set(cols.dtypes), set(cols.offsets)
+                    spans = set(zip(cols.shapes, cols.strides, cols.dtypes))
+                else:
+                    if set(map(len, map(_PARTS, logical))) != {1}:
+                        return False
+                    infos = list(map(itemgetter(1), map(itemgetter(0), map(_PARTS, logical))))
+                    keys, dtypes = set(map(_KEY, infos)), set(map(_DTYPE, infos))
+                    offsets, spans = set(map(_OFFSET, infos)), set(map(_SPAN_FIELDS, infos))
+                if "" in keys or not keys <= self._storages.keys() or \
+                        not dtypes <= DTYPE_ITEMSIZE.keys() or \
+                        not all(type(o) is int for o in offsets):
+                    return False
+                for shape, stride, dtype in spans:
+                    if type(shape) is not tuple or type(stride) is not tuple:
+                        return False
+                    span_nbytes(shape, stride, DTYPE_ITEMSIZE[dtype])
+                self.names()
+        except Exception:  # whatever it is, making the entries now raises it as before
+            return False
+        return True
+
+    def names(self) -> list[str]:
+        """Every entry's name, in order."""
+        if self._names is None:
+            if self._value is not None:
+                self._names = [e.name for e in self._value]
+            else:
+                prefix = self._prefix
+                paths = list(self._cols.paths if self._cols is not None else
+                             map(_PATH, self._logical))
+                if prefix:
+                    paths = [(*prefix, *p) for p in paths]
+                try:  # when every key is a string, in one map (as _dense_entries names them)
+                    if () in paths:
+                        raise TypeError
+                    self._names = list(map(".".join, paths))
+                except TypeError:
+                    self._names = list(map(tensor_name, paths))
+        return self._names
+
+    def entry(self, index: int) -> TensorEntry:
+        """Entry ``index`` (made alone, equal to the list's; the list's once it is made)."""
+        if self._value is not None:
+            return self._value[index]
+        cols = self._cols
+        if cols is None:
+            return _entry(self._logical[index], self._storages, self._file, self._prefix)
+        # what _entry makes of the ScannedTensor of a dense tensor (see _pickle._scanned)
+        key, dtype, shape, stride, offset, subclass = (
+            cols.keys[index], cols.dtypes[index], cols.shapes[index], cols.strides[index],
+            cols.offsets[index], cols.subclasses[index])
+        itemsize = DTYPE_ITEMSIZE[dtype]
+        part = Part("data", self._file, self._storages[key].data_offset + offset * itemsize,
+                    span_nbytes(shape, stride, itemsize), dtype, shape, stride, offset, key)
+        path = (*self._prefix, *cols.paths[index])
+        return TensorEntry(self.names()[index], path, dtype, shape, stride,
+                           "subclass" if subclass else "dense", (part,), "strided",
+                           cols.grads[index], cols.params[index], subclass, ())
+
+    def value(self) -> list[TensorEntry]:
+        """Every entry (made on the first call, as :func:`entries_from_logical` makes them)."""
+        if self._value is None:
+            self._value = entries_from_logical(self._logical, self._storages, self._file,
+                                               prefix=self._prefix)
+        return self._value
+
+    def __len__(self) -> int:
+        return len(self._logical) if self._value is None else len(self._value)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.value()[index]
+
+    def __iter__(self) -> Iterator[TensorEntry]:
+        return iter(self.value())
 
 
 _PARTS = attrgetter("parts")
+_PATH = attrgetter("path")
+_KEY, _DTYPE, _OFFSET = attrgetter("storage_key"), attrgetter("dtype"), attrgetter("storage_offset")
+_SPAN_FIELDS = attrgetter("shape", "stride", "dtype")
 _INFO_FIELDS = attrgetter("storage_key", "dtype", "shape", "stride", "storage_offset")
 _TENSOR_FIELDS = attrgetter("path", "dtype", "shape", "stride", "kind", "layout",
                             "requires_grad", "is_parameter", "subclass", "extra")

@@ -180,6 +180,103 @@ def tensor_name(path: tuple[Any, ...]) -> str:
     return ".".join(str(k) for k in path)
 
 
+class LazyTensors(Mapping[str, TensorEntry]):
+    """Name -> :class:`TensorEntry` whose entries are made when first looked up.
+
+    Stands in for the dict :attr:`Checkpoint.tensors` holds: the names (unique, in the
+    checkpoint's order) are known at once; ``ckpt.tensors[name]`` makes one entry (and keeps
+    it); iterating values or items, comparing, ``repr`` and copying make them all at once
+    (``make_all``, equal entries in the same order, the ones made before kept) and from then
+    on it answers from that dict. Iteration over names, ``len`` and ``in`` make nothing.
+    """
+
+    __slots__ = ("_built", "_dict", "_index", "_make_all", "_make_one", "_names")
+
+    def __init__(self, names: list[str], make_one: Callable[[int], TensorEntry],
+                 make_all: Callable[[], list[TensorEntry]]) -> None:
+        self._names = names
+        self._index: dict[str, int] | None = None
+        self._make_one = make_one
+        self._make_all = make_all
+        self._built: dict[int, TensorEntry] = {}
+        self._dict: dict[str, TensorEntry] | None = None
+
+    @property
+    def built(self) -> int:
+        """How many entries have been made."""
+        return len(self._names) if self._dict is not None else len(self._built)
+
+    def _rows(self) -> dict[str, int]:
+        index = self._index
+        if index is None:
+            index = self._index = dict(zip(self._names, range(len(self._names))))
+        return index
+
+    def __getitem__(self, name: str) -> TensorEntry:
+        if self._dict is not None:
+            return self._dict[name]
+        row = self._rows()[name]  # KeyError(name), as the dict
+        entry = self._built.get(row)
+        if entry is None:
+            entry = self._built[row] = self._make_one(row)
+        return entry
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names) if self._dict is None else iter(self._dict)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        if self._dict is not None:
+            return name in self._dict
+        try:
+            return name in self._rows()
+        except TypeError:  # unhashable: in no dict
+            return False
+
+    def as_dict(self) -> dict[str, TensorEntry]:
+        """Every entry, as the dict ``Checkpoint.tensors`` would be (made on the first call)."""
+        if self._dict is None:
+            entries = self._make_all()
+            if len(entries) != len(self._names):
+                raise RuntimeError(f"made {len(entries)} tensor entries for "
+                                   f"{len(self._names)} names")
+            for row, entry in list(self._built.items()):
+                entries[row] = entry  # the same objects as the lookups gave
+            made = dict(zip(self._names, entries))
+            if self._dict is None:  # (another thread's, when it was first)
+                self._dict = made
+        return self._dict
+
+    def values(self):  # type: ignore[no-untyped-def,override]
+        return self.as_dict().values()
+
+    def items(self):  # type: ignore[no-untyped-def,override]
+        return self.as_dict().items()
+
+    def copy(self) -> dict[str, TensorEntry]:
+        return dict(self.as_dict())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, LazyTensors):
+            other = other.as_dict()
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        return self.as_dict() == dict(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __or__(self, other: Any) -> dict[str, TensorEntry]:
+        return self.as_dict() | other
+
+    def __repr__(self) -> str:
+        return repr(self.as_dict())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (dict, (self.as_dict(),))  # pickles and copies as the dict
+
+
 class Checkpoint:
     """Any checkpoint, tensor first. Made by :func:`ckptlab.open`; see the module docstring.
 
@@ -205,7 +302,9 @@ class Checkpoint:
         self.format = format
         self.path = path
         self.files = files
-        self.tensors = dict(tensors)
+        # a LazyTensors (one torch.save file) makes its entries on first access
+        self.tensors: Mapping[str, TensorEntry] = (
+            tensors if isinstance(tensors, LazyTensors) else dict(tensors))
         self._objects = objects
         self._reader = reader
         self.notes = notes  # what ckptlab could not describe fully, in words

@@ -21,13 +21,14 @@ from typing import Any, BinaryIO
 from ckptlab._lazy import lazy_callable
 from ckptlab._progress import task
 from ckptlab.checkpoint._tensors import (
+    LazyEntries,
     build_tensor,
-    entries_from_logical,
     unique_names,
 )
 from ckptlab.checkpoint.model import (
     Checkpoint,
     FileEntry,
+    LazyTensors,
     Part,
     TensorEntry,
     file_segments_or_unknown,
@@ -78,9 +79,11 @@ def _torch_zip(src: ByteSource, rel: str) -> FileModel:
 
 def _from_layout(layout: ArchiveLayout, rel: str, format: str) -> FileModel:
     storages = {s.key: s for s in layout.storages}
-    tensors = entries_from_logical(layout.logical, storages, rel)
+    tensors = LazyEntries(layout.logical, storages, rel)
+    if not tensors.deferrable():
+        tensors.value()  # raises now what making the entries would raise
     entry = FileEntry(rel, format, layout.file_nbytes, layout.segments, layout)
-    return FileModel(entry, tensors, list(layout.objects), format)
+    return FileModel(entry, tensors, list(layout.objects), format)  # type: ignore[arg-type]
 
 
 def _safetensors(src: ByteSource, rel: str) -> FileModel:
@@ -135,6 +138,18 @@ def _reader(root: str) -> Callable[[Checkpoint, TensorEntry], Any]:
 def _checkpoint(format: str, path: str, models: list[FileModel], root: str,
                 prefix_files: bool, notes: tuple[str, ...] = (),
                 reader: Callable[[Checkpoint, TensorEntry], Any] | None = None) -> Checkpoint:
+    if len(models) == 1 and not prefix_files and isinstance(models[0].tensors, LazyEntries):
+        # one torch.save file: its entries made on first access, when its names are unique
+        m = models[0]
+        lazy = m.tensors
+        names = [] if lazy.built else lazy.names()
+        if not lazy.built and len(set(names)) == len(names):  # else unique_names renames
+            objects_: dict[str, Any] = {}
+            for vpath, value in m.objects:
+                objects_[tensor_name(vpath)] = value
+            tensors_ = LazyTensors(names, lazy.entry, lambda: list(lazy.value()))
+            return Checkpoint(format, path, (m.entry,), tensors_, objects_,
+                              reader or _reader(root), notes + m.notes)
     tensors: list[TensorEntry] = []
     objects: dict[str, Any] = {}
     files = []

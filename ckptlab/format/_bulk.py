@@ -29,11 +29,11 @@ import gc
 import keyword
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import repeat
-from typing import Any, TypeVar
+from typing import Any, SupportsIndex, TypeVar, overload
 
-__all__ = ["build", "gc_paused"]
+__all__ = ["LazyTuple", "build", "gc_paused"]
 
 T = TypeVar("T")
 
@@ -136,3 +136,118 @@ def gc_paused() -> Iterator[None]:
                     gc.freeze()  # young objects into the oldest generation, unwalked
                     gc.unfreeze()
                 gc.enable()
+
+
+class LazyTuple(Sequence[T]):
+    """A tuple of ``count`` items made by ``make()`` when first used, standing in for it.
+
+    ``len()`` is known before; anything else (items, slices, iteration, ``in``, equality,
+    ordering, hashing, ``repr``, ``+``) builds the tuple once and answers as the tuple would:
+    equal to a tuple of the same items (either way round), the same hash and ``repr``, and it
+    pickles and copies as that tuple. A layout of half a million segments keeps the columns
+    they come from instead of the objects until somebody looks at them.
+    """
+
+    __slots__ = ("_count", "_make", "_value")
+
+    def __init__(self, count: int, make: Callable[[], Iterable[T]]) -> None:
+        self._count = count
+        self._make: Callable[[], Iterable[T]] | None = make
+        self._value: tuple[T, ...] | None = None
+
+    @property
+    def built(self) -> bool:
+        """Whether the items have been made."""
+        return self._value is not None
+
+    def value(self) -> tuple[T, ...]:
+        """The items as a plain tuple (made on the first call)."""
+        value = self._value
+        if value is None:
+            make = self._make
+            if make is None:  # another thread made them meanwhile (it sets _value first)
+                return self._value  # type: ignore[return-value]
+            with gc_paused():
+                value = tuple(make())
+            if len(value) != self._count:
+                raise RuntimeError(f"made {len(value)} items for a LazyTuple of {self._count}")
+            if self._value is None:  # the first one made is the one kept
+                self._value = value
+            self._make = None
+        return self._value
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __bool__(self) -> bool:
+        return self._count > 0
+
+    @overload
+    def __getitem__(self, index: SupportsIndex) -> T: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[T, ...]: ...
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.value()[index]
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self.value())
+
+    def __reversed__(self) -> Iterator[T]:
+        return reversed(self.value())
+
+    def __contains__(self, item: object) -> bool:
+        return item in self.value()
+
+    def index(self, value: Any, start: int = 0, stop: int | None = None) -> int:
+        return self.value().index(value, start, len(self) if stop is None else stop)
+
+    def count(self, value: Any) -> int:
+        return self.value().count(value)
+
+    @staticmethod
+    def _plain(other: object) -> object:
+        return other.value() if isinstance(other, LazyTuple) else other
+
+    def __eq__(self, other: object) -> bool:
+        other = self._plain(other)
+        if not isinstance(other, tuple):
+            return NotImplemented
+        return len(other) == self._count and self.value() == other
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    def __lt__(self, other: object) -> bool:
+        return self.value() < self._plain(other)  # type: ignore[operator]
+
+    def __le__(self, other: object) -> bool:
+        return self.value() <= self._plain(other)  # type: ignore[operator]
+
+    def __gt__(self, other: object) -> bool:
+        return self.value() > self._plain(other)  # type: ignore[operator]
+
+    def __ge__(self, other: object) -> bool:
+        return self.value() >= self._plain(other)  # type: ignore[operator]
+
+    def __hash__(self) -> int:
+        return hash(self.value())
+
+    def __add__(self, other: object) -> tuple[T, ...]:
+        return self.value() + self._plain(other)  # type: ignore[operator]
+
+    def __radd__(self, other: object) -> tuple[T, ...]:
+        return self._plain(other) + self.value()  # type: ignore[operator]
+
+    def __mul__(self, n: SupportsIndex) -> tuple[T, ...]:
+        return self.value() * n
+
+    __rmul__ = __mul__
+
+    def __repr__(self) -> str:
+        return repr(self.value())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (tuple, (self.value(),))  # pickles, copies and deep-copies as the tuple

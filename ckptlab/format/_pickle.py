@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import reprlib
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import repeat
@@ -28,7 +29,7 @@ from operator import attrgetter, itemgetter
 from typing import Any
 
 from ckptlab.errors import CorruptArchiveError
-from ckptlab.format._bulk import build
+from ckptlab.format._bulk import LazyTuple, build
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE, STORAGE_DTYPE, canonical_dtype
 from ckptlab.format._unpickle import (
     Global,
@@ -390,7 +391,14 @@ class _TorchHandlers:
                     return None
             elif new.setdefault(key, nbytes) != nbytes:
                 return None
-        if new:
+        if new and len(new) == len(keys):  # every key new, none twice (the common case)
+            made: list[Any] = list(map(_StorageRefTwin, keys, repeat(storage_type.name),
+                                       repeat(known[1]), locations, numels,
+                                       map(itemsize.__mul__, numels)))
+            deque(map(setattr, made, repeat("__class__"), repeat(StorageRef)), maxlen=0)
+            storages.update(zip(keys, made))  # as _storage_ref makes them, one by one
+            self.storage_order.extend(keys)
+        elif new:
             name, dtype = storage_type.name, known[1]
             for key, location, numel in zip(keys, locations, numels):
                 if key in new and key not in storages:
@@ -830,16 +838,64 @@ def _logical(found: list[tuple[tuple[Any, ...], Any]]
     (storages, dtypes, shapes, strides, offsets, grads, params,
      subclasses) = zip(*map(_DENSE_FIELDS, refs))
     keys = [s.key if s is not None else "" for s in storages]
-    infos = build(TensorInfo, count, paths, keys, dtypes, shapes, strides, offsets, grads, params)
+    cols = DenseColumns(paths, keys, dtypes, shapes, strides, offsets, grads, params,
+                        subclasses)
     plain = not any(subclasses)
-    kinds = repeat("dense") if plain else ["subclass" if s else "dense" for s in subclasses]
-    logical = build(ScannedTensor, count, paths, kinds, dtypes, shapes, strides, grads, params,
-                    repeat("strided"), [(("data", info),) for info in infos], subclasses,
-                    repeat(()))
-    if plain:
-        return tuple(logical), tuple(infos)
-    return tuple(logical), tuple(info for info, s in zip(infos, subclasses)
-                                 if info.storage_key or not s)
+    kept = count if plain else sum(1 for k, s in zip(keys, subclasses) if k or not s)
+
+    def make_infos() -> list[TensorInfo]:
+        return build(TensorInfo, count, paths, keys, dtypes, shapes, strides, offsets, grads,
+                     params)
+
+    every_info = LazyTuple(count, make_infos)
+
+    def make_logical() -> list[ScannedTensor]:
+        kinds = repeat("dense") if plain else ["subclass" if s else "dense" for s in subclasses]
+        return build(ScannedTensor, count, paths, kinds, dtypes, shapes, strides, grads,
+                     params, repeat("strided"),
+                     [(("data", info),) for info in every_info.value()], subclasses, repeat(()))
+
+    def make_kept() -> tuple[TensorInfo, ...]:
+        return tuple(info for info, s in zip(every_info.value(), subclasses)
+                     if info.storage_key or not s)
+
+    # made when first looked at (the layout of 100,000 tensors need not hold 200,000 objects
+    # nobody asked for); the scanned tensors hold the same TensorInfo objects as the tensors
+    logical = DenseLogical(count, make_logical, cols)
+    return logical, every_info if plain else LazyTuple(kept, make_kept)  # type: ignore[return-value]
+
+
+class DenseColumns:
+    """The fields of dense tensors found by a scan, one list per field, in walk order (what
+    :class:`ScannedTensor` and :class:`TensorInfo` objects are made from)."""
+
+    __slots__ = ("dtypes", "grads", "keys", "offsets", "params", "paths", "shapes", "strides",
+                 "subclasses")
+
+    def __init__(self, paths: tuple[Any, ...], keys: list[str], dtypes: tuple[str, ...],
+                 shapes: tuple[Any, ...], strides: tuple[Any, ...], offsets: tuple[int, ...],
+                 grads: tuple[bool, ...], params: tuple[bool, ...],
+                 subclasses: tuple[str | None, ...]) -> None:
+        self.paths = paths
+        self.keys = keys
+        self.dtypes = dtypes
+        self.shapes = shapes
+        self.strides = strides
+        self.offsets = offsets
+        self.grads = grads
+        self.params = params
+        self.subclasses = subclasses
+
+
+class DenseLogical(LazyTuple[ScannedTensor]):
+    """``PickleScan.logical`` of dense tensors: the :class:`ScannedTensor` objects made when
+    first used, and their fields as columns (:attr:`columns`) before that."""
+
+    __slots__ = ("columns",)
+
+    def __init__(self, count: int, make: Callable[[], Any], columns: DenseColumns) -> None:
+        super().__init__(count, make)
+        self.columns = columns
 
 
 PersistentLoad = Callable[[Any], Any]
@@ -920,6 +976,6 @@ def _scan(data: bytes, path: str, record: str, data_offset: int,
                                   expected=f"{len(data)} bytes of pickle",
                                   actual=f"STOP at byte {result.end}")
     logical, tensors = _logical(found)
-    storages = tuple(handlers.storages[k] for k in handlers.storage_order)
+    storages = tuple(map(handlers.storages.__getitem__, handlers.storage_order))
     return PickleScan(storages, tensors, result.protocol, tuple(result.globals), result.root,
                       logical, tuple(values)), found

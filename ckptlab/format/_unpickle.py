@@ -47,6 +47,7 @@ import re
 import struct
 from collections.abc import Callable
 from itertools import chain, compress, repeat
+from operator import itemgetter
 from typing import Any
 
 from ckptlab.errors import PickleBudgetError, PickleDataError
@@ -214,6 +215,9 @@ BULK_MIN_NBYTES = 1 << 18
 BULK_BATCH = 1024
 BULK_PAUSE = 64
 _ENTRY_PUTS = (0, 5, 8, 12, 14, 18, 19, 21)  # the groups of _ENTRY_V2's BINPUTs, in order
+_GROUPS = re.Match.groups
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+_AFTER_LENGTH, _LENGTH_REST = itemgetter(slice(5, None)), itemgetter(slice(2, 5))
 
 
 def _memo_index(op: bytes) -> int:
@@ -1022,7 +1026,7 @@ class _Machine:
         count = len(matches)
         if count < 2:
             return count
-        cols = list(zip(*(m.groups() for m in matches)))
+        cols = list(zip(*map(_GROUPS, matches)))
         # the same BINGETs in every entry, of indices stored before the batch
         shared = [cols[i] for i in (1, 2, 3, 6, 16)]
         if any(len(set(c)) != 1 for c in shared):
@@ -1034,11 +1038,11 @@ class _Machine:
         tag, storage_type, location = memo[where[1]], memo[where[2]], memo[where[3]]
         # storage keys: written out (X) in every entry, each of its declared length
         key_ops = cols[4]
-        if b"".join(op[:1] for op in key_ops) != b"X" * count:
+        if bytes(map(_FIRST, key_ops)) != b"X" * count:
             return count
-        storage_keys = [op[5:] for op in key_ops]
-        if [op[1] for op in key_ops] != list(map(len, storage_keys)) or \
-                any(op[2:5] != b"\x00\x00\x00" for op in key_ops):
+        storage_keys = list(map(_AFTER_LENGTH, key_ops))
+        if list(map(_SECOND, key_ops)) != list(map(len, storage_keys)) or \
+                set(map(_LENGTH_REST, key_ops)) != {b"\x00\x00\x00"}:
             return count
         # the BINPUTs: the same ones in every entry, appending to the memo in order
         present = []
@@ -1065,31 +1069,34 @@ class _Machine:
         ints: dict[bytes, tuple[int, int]] = {}
         for op in set(cols[7]) | set(cols[10]):
             ints[op] = _small_int(op)
-        numels = [ints[op][0] for op in cols[7]]
-        offsets = [ints[op][0] for op in cols[10]]
+        numel_ints = list(map(ints.__getitem__, cols[7]))
+        offset_ints = list(map(ints.__getitem__, cols[10]))
+        numels = list(map(_FIRST, numel_ints))
+        offsets = list(map(_FIRST, offset_ints))
         if min(offsets) < 0:
             return count
         tuples = self.tuples
         for op in set(cols[11]) | set(cols[13]):
             if op not in tuples:
                 tuples[op] = _int_tuple_op(op)
-        size_ops = [tuples[op] for op in cols[11]]
-        stride_ops = [tuples[op] for op in cols[13]]
-        for (size, _, size_ok), (stride, _, stride_ok) in zip(size_ops, stride_ops):
+        size_ops = list(map(tuples.__getitem__, cols[11]))
+        stride_ops = list(map(tuples.__getitem__, cols[13]))
+        for size_op, stride_op in set(zip(cols[11], cols[13])):  # each pair of opcodes once
+            (size, _, size_ok), (stride, _, stride_ok) = tuples[size_op], tuples[stride_op]
             if not (size_ok and stride_ok and len(size) == len(stride)):
                 return count
         cost = (count * (96 + 16 + 1304 + 16 * len(present)) + 4 * sum(lengths)
-                + sum(96 + 4 * len(k) for k in storage_keys)
-                + sum(ints[op][1] for op in cols[7]) + sum(ints[op][1] for op in cols[10])
-                + sum(t[1] for t in size_ops) + sum(t[1] for t in stride_ops))
+                + 96 * count + 4 * sum(map(len, storage_keys))
+                + sum(map(_SECOND, numel_ints)) + sum(map(_SECOND, offset_ints))
+                + sum(map(_SECOND, size_ops)) + sum(map(_SECOND, stride_ops)))
         if cost > budget:
             return count  # one at a time: the loop says where it runs out
         # the persistent ids and the handler, all at once or not at all
-        names = [k.decode("ascii") for k in storage_keys]
+        names = list(map(bytes.decode, storage_keys, repeat("ascii")))
         pids = list(zip(repeat(tag), repeat(storage_type), names, repeat(location), numels))
         sizes = [(*t[0],) for t in size_ops]  # tuples of their own, as the loop builds
         strides = [(*t[0],) for t in stride_ops]
-        grads = [g == b"\x88" for g in cols[15]]
+        grads = list(map(b"\x88".__eq__, cols[15]))
         both = self.fused_batch(pids, offsets, sizes, strides, grads)  # type: ignore[misc]
         if both is None:
             return count

@@ -11,7 +11,7 @@ from typing import Any
 
 from ckptlab.errors import CorruptArchiveError, UnsupportedFormatError
 from ckptlab.format import _zip
-from ckptlab.format._bulk import build, gc_paused
+from ckptlab.format._bulk import LazyTuple, build, gc_paused
 from ckptlab.format._pickle import PickleScan, scan_pickle
 from ckptlab.format._source import ByteSource
 from ckptlab.format.layout import ArchiveLayout, Record, Segment, SegmentKind, StorageInfo
@@ -344,21 +344,27 @@ def _fast_segments(records: list[Record], cdir: _zip.CentralDirectory, cols: Any
     keep = sizes.ravel() > 0
     offsets = offsets.ravel()[keep]
     sizes = sizes.ravel()[keep]
+    kinds = kinds.ravel()[keep]
+    owner = owner.ravel()[keep]
     names = [r.name for r in records]
     count = len(offsets) + len(tail)
-    segs = build(Segment, count,
-                 list(map(_RECORD_KINDS.__getitem__, kinds.ravel()[keep].tolist()))
-                 + [t[0] for t in tail],
-                 offsets.tolist() + [t[1] for t in tail], sizes.tolist() + [t[2] for t in tail],
-                 list(map(names.__getitem__, owner.ravel()[keep].tolist())) + [None] * len(tail))
-    ends = [s.end_offset for s in segs[-len(tail):]] if tail else []
+
+    def make() -> list[Segment]:
+        return build(Segment, count,
+                     list(map(_RECORD_KINDS.__getitem__, kinds.tolist())) + [t[0] for t in tail],
+                     offsets.tolist() + [t[1] for t in tail],
+                     sizes.tolist() + [t[2] for t in tail],
+                     list(map(names.__getitem__, owner.tolist())) + [None] * len(tail))
+
+    ends = [t[1] + t[2] for t in tail]
     starts_ok = len(offsets) == 0 or (offsets[0] == 0 and bool(
         (offsets[1:] == offsets[:-1] + sizes[:-1]).all()))
     joined = [int(offsets[-1] + sizes[-1])] if len(offsets) else [0]
     tail_ok = all(t[1] == e for t, e in zip(tail, joined + ends[:-1]))
     if starts_ok and tail_ok and (ends[-1] if ends else joined[0]) == file_nbytes:
-        return tuple(segs)  # they tile the file: no gap, no overlap
-    return _tile(segs, file_nbytes, path)
+        # they tile the file (no gap, no overlap): the objects are made when first looked at
+        return LazyTuple(count, make)  # type: ignore[return-value]
+    return _tile(make(), file_nbytes, path)
 
 
 def scan_torch_zip(src: ByteSource) -> ArchiveLayout:
