@@ -21,6 +21,18 @@ It is a *recogniser*, stricter than the interpreter, never more lenient:
 - declared lengths are checked against the bytes left before they are read; the stack, memo
   and columns grow at most linearly in the input (a few bytes of columns per input byte).
 
+The per-item records (``ChunkStorageMetadata``; ``MetadataIndex`` + ``_StorageInfo`` pairs)
+repeat one shape. The first ones are matched one at a time by a regular expression whose
+class and field-name refs are then made literal; after that, runs of them are read many at a
+time with numpy (:func:`_vector`): every candidate record in a window of bytes is parsed from
+its start by vectorised steps (each constant byte compared, refs and ints decoded by their
+opcode), and only the prefix that chains record to record (FRAME headers between two
+opcodes, and pickle's SETITEMS/APPENDS + MARK batch breaks, applied as the opcode loop applies
+them) is taken; a record the steps do not accept goes to the regular expression and the
+opcode loop, as before. ``decode_columns(data, vectorised=False)`` is the one-at-a-time path:
+the two give equal columns, or both None, on every input
+(``tests/plan/test_metadata_columns_vector.py``).
+
 ``None`` means "not the plain shape this fast path knows": the caller then runs the bounded
 interpreter and the field-by-field converter, which accept or refuse the file with their own
 messages. So a hostile file gets exactly the errors it got before, and a file accepted here
@@ -33,6 +45,7 @@ from __future__ import annotations
 import re
 import struct
 from array import array
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any
 
@@ -279,6 +292,13 @@ class _Reader:
         self.specs: dict[tuple[bytes, ...], Any] = {}  # checked refs -> their record's regex
         self.chunk_spec: Any = None  # the last ones used
         self.pair_spec: Any = None
+        self.chunk_vec: Any = None  # their steps for :func:`_vector`
+        self.pair_vec: Any = None
+        self.bounds: list[int] = []  # the same, then len(data) + 1
+        self.vectorised = True  # runs of records many at a time (:func:`_vector`)
+        self.window = 0  # the longest run :func:`_vector` took
+        self.fqn_table: list[Any] = []  # :func:`_names_of`'s resolved refs
+        self.file_table: list[Any] = []
 
     # -- per-item records, checked as the converter checks them ----------------------------
     @staticmethod
@@ -385,7 +405,7 @@ def _call(func: Any, args: Any) -> Any:
     raise _GiveUp
 
 
-def _run(data: Any, heads: list[int]) -> tuple[Any, _Reader]:
+def _run(data: Any, heads: list[int], vectorised: bool = True) -> tuple[Any, _Reader]:
     n = len(data)
     heads = [*heads, n + 1]
     bound = heads[0]  # the next FRAME header: opcodes stop before it, records never span it
@@ -393,6 +413,11 @@ def _run(data: Any, heads: list[int]) -> tuple[Any, _Reader]:
     if n < 3 or data[0] != 0x80 or data[1] not in (4, 5):
         raise _GiveUp
     reader = _Reader()
+    reader.vectorised = vectorised
+    reader.bounds = heads
+    empty = _np().empty(0, dtype=_np().int64)
+    reader.fqn_table = [empty, empty]
+    reader.file_table = [empty, empty]
     stack: list[Any] = []
     marks: list[list[Any]] = []
     memo: dict[int, Any] = {}
@@ -443,14 +468,19 @@ def _run(data: Any, heads: list[int]) -> tuple[Any, _Reader]:
             if type(value) is _Global and value.qualname in _HOT:
                 start = p - (2 if code == 0x68 else 5)
                 if value.qualname == _CHUNK:
-                    p, nmemo, run = _chunks(data, start, bound, memo, nmemo, reader)
+                    p, nmemo, run = _chunks(data, start, bound, memo, nmemo, reader,
+                                           stack, marks)
                 elif value.qualname == _INDEX:
                     _flush_pairs(stack, reader)  # entries stay in storage_data order
-                    p, nmemo, run = _pairs(data, start, bound, memo, nmemo, reader)
+                    p, nmemo, run = _pairs(data, start, bound, memo, nmemo, reader,
+                                          stack, marks)
                 else:
                     run = None
                 if run is not None:
                     push(run)
+                    while bound < p:  # runs taken at once end on record boundaries only
+                        bound = heads[next_head]
+                        next_head += 1
                     continue
                 p = start + (2 if code == 0x68 else 5)
             push(value)
@@ -686,14 +716,73 @@ def _specialised(reader: _Reader, refs: tuple[bytes, ...], parts: tuple[Any, ...
     return pattern
 
 
+def _window(taken: int, reader: _Reader) -> int:
+    """Bytes :func:`_vector` looks at: a few times what this run took so far, at least the
+    longest run so far (the next list or dict is likely as long), within bounds."""
+    return min(_VEC_MAX_WINDOW, max(_VEC_MIN_WINDOW, 8 * taken, reader.window + 4096))
+
+
+def _split(stack: Any, marks: Any, reader: _Reader, run: _Run, setitems: bool) -> int:
+    """SETITEMS (or APPENDS) then MARK between two records of one :func:`_vector` window:
+    the current MARK's items (runs only) and ``run`` go to the dict (list) below it, as the
+    opcode loop would apply them; the MARK's list is emptied for the next records. Returns
+    where the next run starts."""
+    items = [*stack, run]
+    stack.clear()
+    if not marks or not marks[-1]:
+        raise _GiveUp
+    target = marks[-1][-1]
+    if setitems:
+        if type(target) is not _Dict:
+            raise _GiveUp
+        _setitems(reader, target, items)
+    else:
+        if type(target) is not _List:
+            raise _GiveUp
+        _appends(target, items)
+    return run.first + run.count
+
+
+def _past_head(p: int, bound: int, reader: _Reader) -> tuple[int, int]:
+    """Where the next record may start after one that ends at ``p`` (past a FRAME header
+    that starts right there) and the next FRAME header after that."""
+    if p < bound:
+        return p, bound
+    bounds = reader.bounds
+    i = bisect_left(bounds, p)
+    while bounds[i] == p:  # the header is skipped as the opcode loop skips it
+        p += 9
+        i += 1
+    return p, bounds[i]
+
+
 def _chunks(data: Any, p: int, bound: int, memo: dict[int, Any], nmemo: int,
-            reader: _Reader) -> tuple[int, int, _Run | None]:
+            reader: _Reader, stack: list[Any] | None = None,
+            marks: list[list[Any]] | None = None) -> tuple[int, int, _Run | None]:
     """Consecutive ChunkStorageMetadata records from ``p``, straight into the columns."""
     first = len(reader.chunk_ndim)
     count = 0
     ndims, starts, values = reader.chunk_ndim, reader.chunk_start, reader.chunk_values
     spec = reader.chunk_spec
+    p0, cool, ready = p, 0, False
     while True:
+        ready = ready or (count >= _VEC_AFTER and reader.vectorised)
+        if ready and cool <= 0 and reader.chunk_vec is not None:
+            window = _window(p - p0, reader)
+            split = stack is not None and all(type(x) is _Run for x in stack)
+            k, end, memos, more, splits = _vector_chunks(data, p, window, reader, split)
+            if k:
+                for c in splits:  # APPENDS and MARK between two records: as the loop does
+                    first, count = _split(stack, marks, reader, _Run(_CHUNK, first, count + c),
+                                          False), -c
+                count += k
+                nmemo += memos
+                p, bound = _past_head(end, bound, reader)
+                reader.window = max(reader.window, p - p0)
+            if k and more:  # the window ran out: the next one goes on from there
+                continue
+            cool = _VEC_COOL
+        cool -= 1
         m = spec.match(data, p) if spec is not None else None
         if m is not None and m.end() <= bound:
             a1, b1, a2, b2 = m.groups()
@@ -708,6 +797,7 @@ def _chunks(data: Any, p: int, bound: int, memo: dict[int, Any], nmemo: int,
                 break  # another field order or class: the opcode loop reads it
             spec = reader.chunk_spec = _specialised(reader, (cls, k1, r1, k2, r2), (
                 (cls,), _NEW, (k1,), (r1,), _SIZE_ARGS, (k2,), (r2,), _SIZE_ARGS, b"ub"))
+            reader.chunk_vec = _steps_chunk((cls, k1, r1, k2, r2))
         offsets, n1 = _size_values(a1, b1)
         sizes, n2 = _size_values(a2, b2)
         if len(offsets) != len(sizes):
@@ -748,7 +838,8 @@ _INFO_FIELDS = ("relative_path", "offset", "length")
 
 
 def _pairs(data: Any, p: int, bound: int, memo: dict[int, Any], nmemo: int,
-           reader: _Reader) -> tuple[int, int, _Run | None]:
+           reader: _Reader, stack: list[Any] | None = None,
+           marks: list[list[Any]] | None = None) -> tuple[int, int, _Run | None]:
     """Consecutive (MetadataIndex, _StorageInfo) pairs of ``storage_data`` from ``p``, in
     the field orders DCP pickles them, straight into the columns."""
     first = len(reader.entry_fqn)
@@ -761,7 +852,25 @@ def _pairs(data: Any, p: int, bound: int, memo: dict[int, Any], nmemo: int,
     e_file, e_offset, e_length = reader.entry_file, reader.entry_offset, reader.entry_length
     spec = reader.pair_spec
     from_bytes = int.from_bytes
+    p0, cool, ready = p, 0, False
     while True:
+        ready = ready or (count >= _VEC_AFTER and reader.vectorised)
+        if ready and cool <= 0 and reader.pair_vec is not None:
+            window = _window(p - p0, reader)
+            split = stack is not None and all(type(x) is _Run for x in stack)
+            k, end, memos, more, splits = _vector_pairs(data, p, window, memo, reader, split)
+            if k:
+                for c in splits:  # SETITEMS and MARK between two records: as the loop does
+                    first, count = _split(stack, marks, reader, _Run(_PAIR, first, count + c),
+                                          True), -c
+                count += k
+                nmemo += memos
+                p, bound = _past_head(end, bound, reader)
+                reader.window = max(reader.window, p - p0)
+            if k and more:  # the window ran out: the next one goes on from there
+                continue
+            cool = _VEC_COOL
+        cool -= 1
         m = spec.match(data, p) if spec is not None else None
         if m is not None and m.end() <= bound:
             fqn, index, a, b, path, offset, length = m.groups()
@@ -776,10 +885,11 @@ def _pairs(data: Any, p: int, bound: int, memo: dict[int, Any], nmemo: int,
                     tuple(_ref(x, memo) for x in (kf, ki, ko)) == _INDEX_FIELDS and
                     tuple(_ref(x, memo) for x in (kp, ko2, kl)) == _INFO_FIELDS):
                 break
-            spec = reader.pair_spec = _specialised(
-                reader, (cls, kf, ki, ko, r, cls2, kp, ko2, kl), (
-                    (cls,), _NEW, (kf,), _REF, (ki,), _INT, (ko,), (r,), _SIZE_ARGS, b"ub",
-                    (cls2,), _NEW, (kp,), _REF, (ko2,), _INT, (kl,), _INT, b"ub"))
+            refs = (cls, kf, ki, ko, r, cls2, kp, ko2, kl)
+            spec = reader.pair_spec = _specialised(reader, refs, (
+                (cls,), _NEW, (kf,), _REF, (ki,), _INT, (ko,), (r,), _SIZE_ARGS, b"ub",
+                (cls2,), _NEW, (kp,), _REF, (ko2,), _INT, (kl,), _INT, b"ub"))
+            reader.pair_vec = _steps_pair(refs)
         fid = fqn_refs.get(fqn)
         if fid is None:
             name = _ref(fqn, memo)
@@ -796,9 +906,9 @@ def _pairs(data: Any, p: int, bound: int, memo: dict[int, Any], nmemo: int,
         i = from_bytes(index[1:], "little") if index[0] != 0x8A else _int(index)
         o = from_bytes(offset[1:], "little") if offset[0] != 0x8A else _int(offset)
         n = from_bytes(length[1:], "little") if length[0] != 0x8A else _int(length)
-        if i > _MAX_J or o > _MAX_J or n > _MAX_J:
+        if i > _MAX_J or o > _MAX_J or n > _MAX_J or i < 0 or o < 0 or n < 0:
             if _int(index) < 0 or _int(offset) < 0 or _int(length) < 0:
-                raise _GiveUp
+                raise _GiveUp  # a negative index, offset or length
         values, k = _size_values(a, b)
         e_fqn.append(fid)
         e_index.append(i)
@@ -972,19 +1082,342 @@ def _assemble(root: Any, reader: _Reader) -> MetadataColumns:
         entry_length=reader.entry_length, transforms=reader.transforms)
 
 
-def decode_columns(data: bytes | bytearray | memoryview | Any) -> MetadataColumns | None:
+# -- runs of records at once, with numpy ------------------------------------------------------
+# Once a record's regular expression has been specialised (its class and field-name refs
+# checked and made literal), the records after it are checked and decoded many at a time:
+# candidate starts are where the record's first constant bytes are, every candidate is parsed
+# from its start by vectorised steps (constant bytes compared, refs and ints decoded by their
+# opcode, torch.Size arguments of every arity the regular expression takes), and the records
+# taken are the longest prefix that chains (each one starts where the previous one ends) and
+# that the regular expression would match with the same groups (a FRAME header may lie
+# between two of a record's opcodes, as the opcode loop allows; a batch break, SETITEMS or
+# APPENDS + MARK, between two records is applied as the opcode loop applies it). A record the
+# steps do not accept is left to the regular expression and the opcode loop, one at a time,
+# as before.
+_K, _M, _J, _L1 = 0x4B, 0x4D, 0x4A, 0x8A
+_MAX_VEC_NDIM = 8  # torch.Size arguments decoded at once; longer ones: one record at a time
+_VEC_AFTER = 16  # records the regular expression takes first (short runs never pay numpy)
+_VEC_MIN_WINDOW = 1 << 14
+_VEC_MAX_WINDOW = 1 << 18  # bounds the temporaries: a few MB whatever the file
+_VEC_COOL = 32  # records taken one at a time after a window that stopped short
+_AR8 = None  # numpy.arange(8), set on first use
+
+
+def _np() -> Any:
+    import numpy as np
+
+    return np
+
+
+def _steps_pair(refs: tuple[bytes, ...]) -> tuple[Any, ...]:
+    cls, kf, ki, ko, r, cls2, kp, ko2, kl = refs
+    new = b")\x81\x94}\x94("
+    return ((cls + new + kf), "ref", ki, "int", ko + r, "size", b"ub" + cls2 + new + kp,
+            "ref", ko2, "int", kl, "int", b"ub")
+
+
+def _steps_chunk(refs: tuple[bytes, ...]) -> tuple[Any, ...]:
+    cls, k1, r1, k2, r2 = refs
+    return (cls + b")\x81\x94}\x94(" + k1 + r1, "size", k2 + r2, "size", b"ub")
+
+
+class _Vec:
+    """Vectorised parse of the candidates at ``cur`` (offsets into ``a``)."""
+
+    def __init__(self, a: Any, cur: Any) -> None:
+        np = _np()
+        self.np = np
+        self.a = a
+        self.cur = cur
+        self.ok = np.ones(len(cur), dtype=bool)
+        self.neg = np.zeros(len(cur), dtype=bool)  # a negative int: the slow path gives up
+        self.consts: list[tuple[Any, bytes]] = []
+
+    def take(self, width: int) -> Any:
+        np = self.np
+        return np.take(self.a, self.cur[:, None] + np.arange(width), mode="clip")
+
+    def const(self, raw: bytes) -> None:
+        """Constant bytes: compared with the others at the end (:meth:`check`)."""
+        self.consts.append((self.cur, raw))
+        self.cur = self.cur + len(raw)
+
+    def check(self) -> None:
+        """Every record's constant bytes compared at once."""
+        np = self.np
+        if self.consts:
+            where = np.concatenate([c[:, None] + np.arange(len(raw)) for c, raw in self.consts],
+                                   axis=1)
+            want = np.frombuffer(b"".join(raw for _, raw in self.consts), dtype=np.uint8)
+            self.ok &= (self.a.take(where, mode="clip") == want).all(axis=1)
+            self.consts = []
+
+    def ref(self) -> Any:
+        np = self.np
+        b = self.take(5)
+        is_h = b[:, 0] == 0x68
+        self.ok &= is_h | (b[:, 0] == 0x6A)
+        u32 = np.ascontiguousarray(b[:, 1:5]).view("<u4").ravel().astype(np.int64)
+        self.cur = self.cur + np.where(is_h, 2, 5)
+        return np.where(is_h, b[:, 1].astype(np.int64), u32)
+
+    def int_at(self, cur: Any, active: Any = None) -> tuple[Any, Any, Any]:
+        """(valid, value, width) of the int opcode at ``cur``: BININT1, BININT2 (unsigned),
+        BININT (signed 4 bytes), LONG1 of 1..8 bytes (signed). ``active``: the rows that
+        count (the others' results are not used)."""
+        np = self.np
+        a = self.a
+        op = a.take(cur, mode="clip")
+        is_k = op == _K
+        if (is_k.all() if active is None else (is_k | ~active).all()):  # the common case
+            return is_k, a.take(cur + 1, mode="clip").astype(np.int64), 2
+        is_m = op == _M
+        short = is_k | is_m
+        if (short.all() if active is None else (short | ~active).all()):  # BININT1/2 only
+            low = a.take(cur + 1, mode="clip").astype(np.int64)
+            high = a.take(cur + 2, mode="clip").astype(np.int64)
+            return short, np.where(is_m, low | (high << 8), low), 2 + is_m
+        w = a.take((cur + 1)[:, None] + _AR8, mode="clip").view("<u8").ravel()
+        is_j, is_l = op == _J, op == _L1
+        value = np.where(is_k, w & 0xFF, np.where(is_m, w & 0xFFFF, 0)).view(np.int64)
+        value = np.where(is_j, (w & 0xFFFFFFFF).astype(np.uint32).view(np.int32), value)
+        width = 2 + is_m + 3 * is_j
+        if is_l.any():  # LONG1: a length byte, then that many bytes, signed
+            nl = (w & 0xFF).astype(np.int64)
+            is_l &= (nl >= 1) & (nl <= 8)
+            shift = (64 - 8 * np.clip(nl, 1, 8)).astype(np.uint64)
+            w2 = a.take((cur + 2)[:, None] + _AR8, mode="clip").view("<u8").ravel()
+            signed = (w2 << shift).view(np.int64) >> shift.astype(np.int64)
+            value = np.where(is_l, signed, value)
+            width = np.where(is_l, 2 + nl, width)
+        return is_k | is_m | is_j | is_l, value, width
+
+    def int(self) -> Any:
+        valid, value, width = self.int_at(self.cur)
+        self.ok &= valid
+        self.neg |= valid & (value < 0)
+        self.cur = self.cur + width
+        return value
+
+    def size(self) -> tuple[Any, Any, Any]:
+        """A ``torch.Size`` record's arguments as the regular expression reads them:
+        (values (rows, _MAX_VEC_NDIM), count, MEMOIZEs)."""
+        np = self.np
+        op = np.take(self.a, self.cur, mode="clip")
+        empty, marked = op == 0x29, op == 0x28
+        cur = self.cur + (empty | marked)
+        rows = len(cur)
+        values = np.zeros((rows, _MAX_VEC_NDIM), dtype=np.int64)
+        count = np.zeros(rows, dtype=np.int64)
+        active = ~empty
+        for j in range(_MAX_VEC_NDIM + 1):
+            if not active.any():
+                break
+            valid, value, width = self.int_at(cur, active)
+            active &= valid
+            if j == _MAX_VEC_NDIM:
+                self.ok &= ~active  # more values than decoded at once
+                break
+            values[:, j] = np.where(active, value, 0)
+            self.neg |= active & (value < 0)
+            cur = cur + np.where(active, width, 0)
+            count += active
+        close = np.take(self.a, cur, mode="clip")
+        tuple_form = ~empty & ~marked
+        self.ok &= np.where(marked, close == 0x74, np.where(
+            tuple_form, (close.astype(np.int64) - 0x84 == count) & (count >= 1) & (count <= 3),
+            True))
+        cur = cur + ~empty
+        self.ok &= empty | (np.take(self.a, cur, mode="clip") == 0x94)
+        self.cur = cur + ~empty
+        self.const(b"\x85\x94R\x94")
+        return values, count, np.where(empty, 2, 3)
+
+
+def _vector(data: Any, p: int, window: int, steps: tuple[Any, ...], reader: _Reader,
+            split: bytes = b"") -> tuple[int, int, list[Any], bool, list[int]]:
+    """The records of template ``steps`` from ``p`` that chain, within ``window`` bytes:
+    (how many, where the last one ends, the fields of each step that has some, whether the
+    window ran out before a record that does not chain or match, the records that follow
+    ``split`` + MARK instead of the previous record: SETITEMS or APPENDS between them).
+
+    FRAME headers in the window are cut out first; a record they fall inside is taken only
+    when the header lies between two of its opcodes (as the opcode loop requires)."""
+    global _AR8
+    np = _np()
+    if _AR8 is None:
+        _AR8 = np.arange(8)
+    end = min(len(data), p + window)
+    bounds = reader.bounds
+    lo = bisect_left(bounds, p + 1)
+    hi = bisect_left(bounds, end)
+    if lo == hi:
+        a = np.frombuffer(data, dtype=np.uint8, count=end - p, offset=p)
+        cuts: Any = ()
+    else:  # a copy of the window without its FRAME headers; cuts: where they were
+        pieces, cuts, at = [], [], p
+        for h in bounds[lo:hi]:
+            pieces.append(np.frombuffer(data, dtype=np.uint8, count=h - at, offset=at))
+            cuts.append(sum(len(x) for x in pieces))
+            at = min(h + 9, end)
+        pieces.append(np.frombuffer(data, dtype=np.uint8, count=end - at, offset=at))
+        a = np.concatenate(pieces)
+        cuts = np.array(cuts, dtype=np.int64)
+    head = steps[0]
+    at = head.index(b"\x81")
+    cand = np.flatnonzero(a[at:] == 0x81)
+    if not len(cand) or cand[0] != 0:
+        return 0, p, [], False, []
+    cand = cand[(a.take(cand[:, None] + np.arange(len(head)), mode="clip") ==
+                 np.frombuffer(head, dtype=np.uint8)).all(axis=1)]
+    if not len(cand) or cand[0] != 0:
+        return 0, p, [], False, []
+    vec = _Vec(a, cand + len(head))
+    fields = []
+    for step in steps[1:]:
+        if type(step) is bytes:
+            vec.const(step)
+        else:
+            fields.append(getattr(vec, step)())
+    vec.check()
+    ends = vec.cur
+    ok = vec.ok & (ends <= len(a))
+    bad = ~ok
+    chained = ends[:-1] == cand[1:]
+    if split:
+        after = (ends[:-1] + 2 == cand[1:]) & (a.take(ends[:-1], mode="clip") == split[0]) & (
+            a.take(ends[:-1] + 1, mode="clip") == 0x28)
+        chained |= after
+    bad[1:] |= ~chained
+    k = int(np.argmax(bad)) if bad.any() else len(bad)
+    more = k == len(bad) or bool(ends[k] > len(a))  # cut by the window's end
+    if len(cuts) and k:
+        # a header inside a taken record must lie between two of its opcodes
+        inside = np.searchsorted(cand[:k], cuts, side="right") - 1
+        for c, r in zip(cuts.tolist(), inside.tolist()):
+            if r >= 0 and cand[r] < c < ends[r] and c not in _opcode_starts(
+                    a, int(cand[r]), int(ends[r])):
+                k = r
+                more = False
+                break
+    if not k:
+        return 0, p, [], more, []
+    if vec.neg[:k].any():
+        raise _GiveUp  # what the regular expression's record would raise
+    last = int(ends[k - 1])
+    last += p + 9 * (int(np.searchsorted(cuts, last)) if len(cuts) else 0)
+    splits = (np.flatnonzero(after[:k - 1]) + 1).tolist() if split else []
+    return k, last, [f[:k] if type(f) is not tuple else
+                     tuple(x[:k] for x in f) for f in fields], more, splits
+
+
+def _opcode_starts(a: Any, start: int, end: int) -> set[int]:
+    """Where the opcodes of a record the steps accepted start (and where it ends)."""
+    out = {start}
+    raw = a[start:end].tobytes()
+    i = 0
+    while i < len(raw):
+        op = raw[i]
+        i += 1 + (1 if op in (0x68, 0x4B) else 2 if op == 0x4D else 4 if op in (0x6A, 0x4A)
+                  else 1 + raw[i] if op == 0x8A else 0)
+        out.add(start + i)
+    return out
+
+
+def _names_of(refs: Any, memo: dict[int, Any], ids: dict[str, int], table: list[Any]
+              ) -> Any:
+    """Column ids of the names a run of refs (memo indices) points at, assigned in order of
+    first appearance as the one-at-a-time path assigns them. ``table`` keeps the refs already
+    resolved (sorted) and their ids: a memo index names one value for the whole decode."""
+    np = _np()
+    keys, values = table
+    where = np.minimum(np.searchsorted(keys, refs), max(len(keys) - 1, 0))
+    known = keys[where] == refs if len(keys) else np.zeros(len(refs), dtype=bool)
+    if not known.all():
+        new, first = np.unique(refs[~known], return_index=True)
+        got = np.empty(len(new), dtype=np.int64)
+        for u in np.argsort(first, kind="stable").tolist():
+            try:
+                name = memo[int(new[u])]
+            except KeyError:
+                raise _GiveUp from None
+            if type(name) is not str:
+                raise _GiveUp
+            got[u] = ids.setdefault(name, len(ids))
+        keys = np.concatenate((keys, new))
+        order = np.argsort(keys, kind="stable")
+        table[0], table[1] = keys[order], np.concatenate((values, got))[order]
+        keys, values = table
+        where = np.searchsorted(keys, refs)
+    return values[where]
+
+
+def _flat(values: Any, count: Any) -> Any:
+    np = _np()
+    return values[np.arange(values.shape[1])[None, :] < count[:, None]]
+
+
+def _vector_pairs(data: Any, p: int, window: int, memo: dict[int, Any], reader: _Reader,
+                  split: bool) -> tuple[int, int, int, bool, list[int]]:
+    """:func:`_vector` of storage_data pairs into the columns: (pairs, end, MEMOIZEs, more)."""
+    np = _np()
+    k, end, fields, more, splits = _vector(data, p, window, reader.pair_vec, reader,
+                                           b"u" if split else b"")
+    if not k:
+        return 0, p, 0, more, []
+    fqn_ref, index, (values, count, memos), path_ref, offset, length = fields
+    fid = _names_of(fqn_ref, memo, reader.fqn_ids, reader.fqn_table)
+    file = _names_of(path_ref, memo, reader.file_ids, reader.file_table)
+    i_values = reader.index_values
+    starts = len(i_values) + np.concatenate(([0], np.cumsum(count)[:-1]))
+    reader.entry_fqn.frombytes(fid.astype(np.int32).tobytes())
+    reader.entry_index.frombytes(index.astype(np.int64).tobytes())
+    reader.entry_ndim.frombytes(count.astype(np.int8).tobytes())
+    reader.entry_offsets.frombytes(starts.astype(np.int64).tobytes())
+    i_values.frombytes(_flat(values, count).astype(np.int64).tobytes())
+    reader.entry_file.frombytes(file.astype(np.int32).tobytes())
+    reader.entry_offset.frombytes(offset.astype(np.int64).tobytes())
+    reader.entry_length.frombytes(length.astype(np.int64).tobytes())
+    return k, end, int(4 * k + memos.sum()), more, splits
+
+
+def _vector_chunks(data: Any, p: int, window: int, reader: _Reader, split: bool
+                   ) -> tuple[int, int, int, bool, list[int]]:
+    """:func:`_vector` of ChunkStorageMetadata records into the columns."""
+    np = _np()
+    k, end, fields, more, splits = _vector(data, p, window, reader.chunk_vec, reader,
+                                           b"e" if split else b"")
+    if not k:
+        return 0, p, 0, more, []
+    (v1, c1, m1), (v2, c2, m2) = fields
+    if (c1 != c2).any():
+        raise _GiveUp  # offsets and sizes of different lengths
+    values = np.concatenate((v1, v2), axis=1)
+    width = np.arange(_MAX_VEC_NDIM)[None, :] < c1[:, None]
+    flat = values[np.concatenate((width, width), axis=1)]
+    reader.chunk_ndim.frombytes(c1.astype(np.int8).tobytes())
+    starts = len(reader.chunk_values) + np.concatenate(([0], np.cumsum(2 * c1)[:-1]))
+    reader.chunk_start.frombytes(starts.astype(np.int64).tobytes())
+    reader.chunk_values.frombytes(flat.astype(np.int64).tobytes())
+    return k, end, int(2 * k + m1.sum() + m2.sum()), more, splits
+
+
+def decode_columns(data: bytes | bytearray | memoryview | Any, *,
+                   vectorised: bool = True) -> MetadataColumns | None:
     """``.metadata`` bytes as :class:`MetadataColumns`, or None when they are not the plain
     ``pickle.dump`` of a DCP ``Metadata`` this fast path reads (the caller then decodes them
     with the bounded interpreter, which accepts or refuses them with its own error).
 
     ``data`` is any bytes-like object (an ``mmap`` of the file too: nothing is copied); it is
-    only read.
+    only read. ``vectorised=False`` reads the per-item records one at a time only (never
+    many at once with numpy): the reference the tests compare the default with, which gives
+    the same result on every input.
     """
     try:
         heads = _frame_headers(data)
         if heads is None:
             return None
-        root, reader = _run(data, heads)
+        root, reader = _run(data, heads, vectorised)
         return _assemble(root, reader)
     except (_GiveUp, RecursionError, MemoryError):
         return None

@@ -12,7 +12,8 @@ and the default planner's ``planner_data``) for tensors sharded row-wise (``Shar
 The data files are ``__{rank}_0.distcp`` with each rank's chunks back to back, each chunk the
 ``torch.save`` zip ``FileSystemWriter`` writes for it (``data="real"``, readable by torch's own
 ``dcp.load``), or holes of the right size (``data="sparse"``: the files are truncated to their
-length, nothing is written; for opening benchmarks at sizes whose data would not fit a disk).
+length, nothing is written but each file's first tensor item; for opening benchmarks at sizes
+whose data would not fit a disk).
 Object items (``step``) are always real bytes at the start of rank 0's file.
 
 Used by ``benchmarks/dcp_open.py`` and the tests of the fast DCP open; not part of the public
@@ -77,7 +78,7 @@ def write_synthetic_dcp(root: str | os.PathLike[str], *, tensors: int, ranks: in
         Simulated world size: one chunk per tensor per rank, one data file per rank.
     data
         ``"real"`` (every chunk's torch.save bytes) or ``"sparse"`` (files of the right length
-        whose chunk bytes are holes).
+        whose chunk bytes are holes, but for each file's first tensor item).
     objects
         Also save a ``step`` object item (rank 0), as a training state would.
 
@@ -122,8 +123,10 @@ def write_synthetic_dcp(root: str | os.PathLike[str], *, tensors: int, ranks: in
             offsets = torch.Size((r * rows, *(0,) * (len(shape) - 1)))
             chunks.append(md.ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(shape)))
             payload = _chunk_bytes(cache, dtype, shape)
+            # sparse: each data file's first tensor item is real (the fast open reads its
+            # first 4 bytes to tell a torch.save zip from a SAFETENSORS blob), the rest holes
             per_rank[r].append((md.MetadataIndex(fqn, offsets, r),
-                                payload if data == "real" else len(payload)))
+                                payload if data == "real" or i == 0 else len(payload)))
         state[fqn] = md.TensorStorageMetadata(properties=props[dtype], size=size, chunks=chunks)
         planner_data[fqn] = ("model", f"layers.{i // 4}.w{i % 4}")
     data_nbytes = 0

@@ -317,3 +317,14 @@ def test_duplicate_storage_keys_take_the_general_path(ranks: Path, tmp_path: Pat
     except CkptlabError:
         return  # the general path refuses it: fine, never the fast path's view of it
     assert not isinstance(ck, DcpCheckpoint)
+
+
+def test_sparse_synthetic_directory_takes_the_fast_open(tmp_path: Path) -> None:
+    """The benchmark's sparse directories (holes for the chunk bytes) open from .metadata
+    alone: each data file's first tensor item is real, which the open's one read checks."""
+    root = tmp_path / "sparse"
+    write_synthetic_dcp(root, tensors=5, ranks=20, data="sparse")
+    ck = cl.open(root)
+    assert isinstance(ck, DcpCheckpoint)
+    assert len(ck.tensors) == 5
+    assert ck.tensors["model.layers.0.w0"].shape == (20,)
