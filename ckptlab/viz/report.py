@@ -111,14 +111,22 @@ def report_html(source: Any, *, hex_bytes: bytes | None = None, hex_file: str | 
     return _checkpoint_report(source, hex_bytes, hex_file, max_file_maps)
 
 
-def _figures_html(figures: Sequence[tuple[str, go.Figure]], start: int = 0) -> str:
-    """The figures' divs, numbered from ``start``; plotly.js goes inline with figure 0."""
+def _figures_html(figures: Sequence[tuple[str, go.Figure]], start: int = 0,
+                  legend: str = "") -> str:
+    """The figures' divs, numbered from ``start``; plotly.js goes inline with figure 0.
+
+    ``legend`` (the byte maps' lane key) goes under the heading of the first byte map.
+    """
     parts = []
     for i, (title, fig) in enumerate(figures, start):
         div = pio.to_html(fig, include_plotlyjs=(i == 0), full_html=False,
                           div_id=f"ckptlab-fig-{i}", default_width="100%",
                           config={"displaylogo": False, "responsive": True})
-        parts.append(f'<h2>{html.escape(title)}</h2><div class="ckptlab-figure">{div}</div>')
+        key = ""
+        if legend and (fig.layout.meta or {}).get("kind") == "bytemap":
+            key, legend = legend, ""
+        parts.append(f'<h2>{html.escape(title)}</h2>{key}'
+                     f'<div class="ckptlab-figure">{div}</div>')
     return "".join(parts)
 
 
@@ -272,10 +280,14 @@ def _dtype_html(source: Any) -> str:
 
 
 def _legend(lanes: Iterable[str]) -> str:
+    """The byte maps' key: a colour chip per lane, in a ``div.legend`` ("" for no lane)."""
     keys = "".join(f'<span style="background:{LANE_COLORS[k]}">{LANE_LABELS[k]}</span>'
                    for k in lanes)
-    return (keys + '<span class="note" style="color:#666">shade: the share of a bin a kind '
-            f"covers; a thin tick: present but under {TINY_FRACTION:.0%} of the bin</span>")
+    if not keys:
+        return ""
+    return ('<div class="legend">' + keys + '<span class="note" style="color:#666">shade: the '
+            f"share of a bin a kind covers; a thin tick: present but under "
+            f"{TINY_FRACTION:.0%} of the bin</span></div>")
 
 
 def _page(name: str, nbytes: int, body: str) -> str:
@@ -349,8 +361,7 @@ def _layout_report(layout: ArchiveLayout, hex_bytes: bytes | None) -> str:
         [("Bytes by module", treemap_figure(table))] if layout.tensors else [])
     body = [html_table(["", ""], facts), _dtype_html(table), _figures_html(head),
             _tensor_section(table, multi=False),
-            f'<div class="legend">{_legend(bm.lanes)}</div>',
-            _figures_html(figures, start=len(head))]
+            _figures_html(figures, start=len(head), legend=_legend(bm.lanes))]
     if zip_:
         records = [[r.short_name, r.header_offset, r.data_offset, r.data_nbytes,
                     r.padding_nbytes, r.zip64_extra_nbytes, r.descriptor_nbytes,
@@ -427,7 +438,7 @@ def _checkpoint_report(ck: Any, hex_bytes: bytes | None, hex_file: str | None,
     head: list[tuple[str, go.Figure]] = (
         [("Bytes by module", treemap_figure(table))] if ck.tensors else [])
     if multi:
-        figures.append(("Files", files_figure(ck, max_files=MAX_PLACEMENT_ROWS)))
+        figures.append(("Bytes per file", files_figure(ck, max_files=MAX_PLACEMENT_ROWS)))
     # the files that hold tensor bytes (an index or .metadata is one run of bytes: the table
     # says all there is), the largest first; any file when none holds tensors
     drawable = [f for f in sorted(ck.files, key=lambda f: (-f.nbytes, f.path))
@@ -486,8 +497,7 @@ def _checkpoint_report(ck: Any, hex_bytes: bytes | None, hex_file: str | None,
               next(r[2] for r in file_rows if r[0] == f.path),
               f"{100 * f.nbytes / max(ck.nbytes, 1):.2f}%"] for f in ck.files][:MAX_TABLE_ROWS])
             + _more(len(ck.files)))
-    body.append(f'<div class="legend">{_legend(k for k in lanes)}</div>')
-    body.append(_figures_html(figures, start=len(head)))
+    body.append(_figures_html(figures, start=len(head), legend=_legend(lanes)))
     body.append(maps_note)
     if zip_layout is not None:
         records = [[r.short_name, r.header_offset, r.data_offset, r.data_nbytes,

@@ -9,7 +9,6 @@ from typing import Any
 
 import ipywidgets as w
 import numpy as np
-import plotly.graph_objects as go
 
 from ckptlab.errors import InvalidArgumentError
 from ckptlab.format import (
@@ -34,6 +33,7 @@ from ckptlab.widgets._common import (
     progress,
     summary_html,
 )
+from ckptlab.widgets._figure import FigureWidget
 
 __all__ = ["AlignmentExplorer", "LayoutExplorer"]
 
@@ -132,7 +132,7 @@ class LayoutExplorer(w.VBox):
             bar.update(1)
         self.selected: int | None = None
         self.selected_tensor: str | None = None
-        self.figure = go.FigureWidget(bytemap_figure(self.bytemap))
+        self.figure = FigureWidget(bytemap_figure(self.bytemap))
         self.figure.layout.on_change(self._on_range, "xaxis.range")
         self.figure.data[0].on_click(self._on_click)
         self._refilling = False
@@ -474,9 +474,9 @@ class AlignmentExplorer(w.VBox):
         self.control = w.SelectionSlider(options=list(alignments), value=start,
                                          description="alignment", continuous_update=False,
                                          layout=w.Layout(width="70%"))
-        self.cost_figure = go.FigureWidget(alignment_figure(self.costs, current=start))
+        self.cost_figure = FigureWidget(alignment_figure(self.costs, current=start))
         self.predicted = realign(base, start)
-        self.figure = go.FigureWidget(bytemap_figure(self.predicted,
+        self.figure = FigureWidget(bytemap_figure(self.predicted,
                                                      title=_bytemap_title(self.predicted)))
         self.summary = w.HTML()
         self.control.observe(self._on_alignment, names="value")

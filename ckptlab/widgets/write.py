@@ -14,6 +14,7 @@ from ckptlab.errors import CkptlabError, InvalidArgumentError
 from ckptlab.plan.simulate import CONFIGS
 from ckptlab.viz._style import html_table, human_nbytes
 from ckptlab.viz.write import bucket_figure, timeline_figure
+from ckptlab.widgets._figure import FigureWidget
 from ckptlab.write.buckets import BucketAssignment, SizedItem, assign_buckets, sized_items
 from ckptlab.write.timeline import Timeline
 
@@ -139,7 +140,7 @@ class BucketExplorer(w.VBox):
         self._sync_controls()
         self.items = self._items()
         self.assignment = assign_buckets(self.items, self.buckets.value, self._hint())
-        self.figure = go.FigureWidget(bucket_figure(self.assignment))
+        self.figure = FigureWidget(bucket_figure(self.assignment))
         self.summary = w.HTML(_assignment_html(self.assignment, self.items))
         for control in (self.source, self.optimizer, self.buckets, self.separate, self.hint):
             control.observe(self._on_change, names="value")
@@ -245,7 +246,7 @@ class TimelineView(w.VBox):
                 f"TimelineView needs a ckptlab.write.Timeline, got {type(timeline).__name__}")
         self.timeline = timeline
         fig = timeline_figure(timeline)
-        self.figure = go.FigureWidget(fig)
+        self.figure = FigureWidget(fig)
         self.summary = w.HTML(_timeline_html(timeline, fig.layout.meta))
         super().__init__([self.figure, self.summary])
         self.add_class("ckptlab-timeline-view")

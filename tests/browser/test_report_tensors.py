@@ -122,12 +122,36 @@ def test_report_search_finds_a_tensor_and_figures_do_not_overlap(page, page_log,
     box.fill("layers.37.mlp")
     screenshot("report-search", full_page=False)
     assert _check_layout_of_figures(page) >= 5  # treemap, byte map, overhead, what-if, storages
+    _check_sections(page, multi=False)
     kinds = page.evaluate("() => Array.from(document.querySelectorAll('.js-plotly-plot'))"
                           ".map(d => d.layout.meta && d.layout.meta.kind)")
     assert kinds[:2] == ["treemap", "bytemap"]
     screenshot("report")
     page_log.assert_offline()
     page_log.assert_no_errors()
+
+
+def _check_sections(page, *, multi: bool) -> None:
+    """Every heading names one section (for several files: "Files" the table, "Bytes per
+    file" the chart), and the byte maps' lane key is drawn under the first byte map's
+    heading, above that map."""
+    heads = page.locator("h2").all_inner_texts()
+    assert len(heads) == len(set(heads)), f"repeated headings: {heads}"
+    if multi:
+        assert heads.index("Files") < heads.index("Bytes per file"), heads
+    else:
+        assert "Files" not in heads and "Bytes per file" not in heads, heads
+    legend = page.locator("div.legend")
+    assert legend.count() == 1, legend.count()
+    first_map = next(h for h in heads if h.startswith("Byte map"))
+    heading = page.get_by_role("heading", name=first_map, exact=True)
+    figure = heading.locator("xpath=following-sibling::div[contains(@class, 'ckptlab-figure')]"
+                             ).first
+    h, key, fig = heading.bounding_box(), legend.bounding_box(), figure.bounding_box()
+    assert h["y"] + h["height"] <= key["y"] + 0.5, (h, key)
+    assert key["y"] + key["height"] <= fig["y"] + 0.5, (key, fig)
+    chips = legend.locator("span:not(.note)").all_inner_texts()
+    assert "data" in chips, chips
 
 
 def test_report_of_a_sharded_directory_maps_each_file(page, page_log, hf_dir, tmp_path,
@@ -154,6 +178,7 @@ def test_report_of_a_sharded_directory_maps_each_file(page, page_log, hf_dir, tm
     text = dict(maps)[t.file]
     assert "model.layers.4.mlp.weight" in text
     assert _check_layout_of_figures(page) >= 3
+    _check_sections(page, multi=True)
     screenshot("report-hf")
     page_log.assert_offline()
     page_log.assert_no_errors()

@@ -9,6 +9,7 @@ traits here runs the same path.
 from __future__ import annotations
 
 import html
+import json
 
 import numpy as np
 import pytest
@@ -347,3 +348,168 @@ def test_alignment_explorer_start_value_must_be_a_choice(tiny_file):
 def test_alignment_explorer_needs_a_torch_zip(safetensors_file):
     with pytest.raises(InvalidArgumentError, match="safetensors"):
         AlignmentExplorer(safetensors_file)
+
+
+# -- the explorers' FigureWidget (ckptlab.widgets._figure) ------------------------------------
+def _opened_states(monkeypatch) -> list[dict]:
+    """Record the state each widget comm opens with (what the front end builds a model from)."""
+    import ipywidgets.widgets.widget as widget_module
+
+    opened: list[dict] = []
+    create = widget_module.comm.create_comm
+
+    def recording(*args, **kwargs):
+        opened.append(kwargs.get("data", {}).get("state", {}))
+        return create(*args, **kwargs)
+
+    monkeypatch.setattr(widget_module.comm, "create_comm", recording)
+    return opened
+
+
+def test_figure_widget_opens_its_comm_once_with_the_whole_figure(monkeypatch) -> None:
+    import plotly.graph_objects as go
+
+    from ckptlab.widgets._figure import FigureWidget
+
+    opened = _opened_states(monkeypatch)
+    fig = FigureWidget(go.Bar(x=["a", "b"], y=[3, 4]), layout={"title": {"text": "t"}})
+    figures = [s for s in opened if "_widget_data" in s]
+    assert len(figures) == 1, [sorted(s) for s in opened]
+    state = figures[0]
+    assert [t["type"] for t in state["_widget_data"]] == ["bar"]
+    assert list(state["_widget_data"][0]["y"]) == [3, 4]
+    assert state["_widget_layout"]["title"]["text"] == "t"
+    # the module the front end imports is the small loader; plotly's bundle travels apart
+    assert len(state["_esm"]) < 10_000 and state["_plotly_bundle"] == ""
+    assert fig.comm is not None and state["_ckptlab_model_id"] == fig.model_id
+
+
+def test_figure_widget_sends_plotly_bundle_when_asked(monkeypatch) -> None:
+    """The loader's request for plotly's bundle is answered with one binary buffer; other
+    custom messages, or a request for another bundle, are not."""
+    import plotly.graph_objects as go
+
+    from ckptlab.widgets._figure import _BUNDLE_MSG, FigureWidget, _loader_key
+
+    fig = FigureWidget(go.Bar(y=[1]))
+    sent: list[tuple[dict, list]] = []
+    monkeypatch.setattr(fig, "send", lambda content, buffers=None: sent.append(
+        (content, buffers)))
+    fig._handle_custom_msg({"type": "something else"}, [])
+    fig._handle_custom_msg({"type": _BUNDLE_MSG, "key": "plotly 0.0 other"}, [])
+    assert sent == []
+    fig._handle_custom_msg({"type": _BUNDLE_MSG, "key": _loader_key()}, [])
+    assert len(sent) == 1
+    content, buffers = sent[0]
+    assert content == {"type": _BUNDLE_MSG, "key": _loader_key()}
+    assert [bytes(b) for b in buffers] == [str(go.FigureWidget._esm).encode()]
+    assert json.dumps(_loader_key()) in fig._esm
+
+
+def test_figure_widget_queues_every_message_plotly_sends() -> None:
+    """The loader holds and replays exactly plotly's _py2js_* messages: a new message type in
+    plotly would otherwise slip past the queue."""
+    import plotly.graph_objects as go
+
+    from ckptlab.widgets._figure import _PY2JS, _loader
+
+    sent = {n for n in go.FigureWidget.class_trait_names() if n.startswith("_py2js_")}
+    assert set(_PY2JS) == sent
+    assert json.dumps(list(_PY2JS)) in _loader()
+
+
+def test_explorers_use_the_figure_widget(sample_file, sample_layout) -> None:
+    from ckptlab.widgets._figure import FigureWidget
+
+    assert isinstance(LayoutExplorer(sample_file).figure, FigureWidget)
+    aligner = AlignmentExplorer(sample_layout)
+    assert isinstance(aligner.figure, FigureWidget)
+    assert isinstance(aligner.cost_figure, FigureWidget)
+
+
+_LOADER_CHECK_JS = r"""
+import loader from "./loader.mjs";
+
+const KEY = process.argv[2];
+const log = [];
+let release;
+// plotly's module, as the loader's cache holds it once imported: a factory of
+// {initialize, render} whose model applies each _py2js_ message it is told of
+const fake = {default: () => ({
+  initialize({ model }) {
+    for (const name of ["_py2js_restyle", "_py2js_relayout"])
+      model.on(`change:${name}`, () => {
+        const v = model.get(name);
+        if (v !== null) log.push([name, v.n]);
+      });
+    globalThis.duringInit();  // a message that arrives while plotly's model is being set up
+  },
+  render({ el }) { log.push(["render", el]); return () => {}; },
+})};
+globalThis.__ckptlabPlotly = new Map([[KEY, new Promise(r => { release = () => r(fake); })]]);
+
+const handlers = new Map();
+const values = new Map();
+const model = {
+  get: (name) => (values.has(name) ? values.get(name) : null),
+  set: () => {}, save_changes: () => {}, send: () => {}, off: () => {},
+  on: (event, cb) => { if (!handlers.has(event)) handlers.set(event, []);
+                       handlers.get(event).push(cb); },
+};
+// ipywidgets' model classes as the loader finds them: anywidget's model holds messages back
+// (its _handle_comm_msg), ipywidgets' own handler applies them
+class WidgetModel { _handle_comm_msg(msg) { log.push(["applied", msg]); } }
+class AnyModel extends WidgetModel { _handle_comm_msg(msg) { log.push(["held", msg]); } }
+const real = new AnyModel();
+real.comm = { on_msg(callback) { this.callback = callback; } };
+values.set("_ckptlab_model_id", "m1");
+model.widget_manager = { get_model: async (id) => (id === "m1" ? real : undefined) };
+const send = (name, value) => {  // a comm message: the value, then (as plotly does) null
+  for (const v of [value, null]) {
+    values.set(name, v);
+    for (const cb of handlers.get(`change:${name}`) ?? []) cb();
+  }
+};
+
+const widget = await loader();
+await widget.initialize({ model });  // returns before plotly is loaded
+send("_py2js_restyle", {n: 1});
+send("_py2js_relayout", {n: 2});
+globalThis.duringInit = () => send("_py2js_restyle", {n: 3});
+const rendering = widget.render({ el: "el" });
+const before = log.length;
+release();
+await rendering;
+send("_py2js_relayout", {n: 4});  // after loading: straight to plotly's model, once
+real.comm.callback("msg");  // the comm hands a message to ipywidgets' handler directly
+console.log(JSON.stringify({before, log}));
+"""
+
+
+def test_figure_widget_loader_replays_early_messages_in_order(tmp_path) -> None:
+    """The loader, run by node: messages sent before plotly's module is loaded, or while
+    plotly's model is set up, reach that model once each and in order, then the view
+    renders, then later messages pass straight through (once each); and the comm hands
+    messages to ipywidgets' handler, past anywidget's 2 s gate."""
+    import re
+    import shutil
+    import subprocess
+
+    from ckptlab.widgets._figure import _loader
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed: the loader's queue is checked in the browser "
+                    "tests (tests/browser/test_jupyterlab.py) only")
+    source = _loader()
+    key = json.loads(re.search(r"^const KEY = (.*);$", source, re.M).group(1))
+    (tmp_path / "loader.mjs").write_text(source)
+    (tmp_path / "check.mjs").write_text(_LOADER_CHECK_JS)
+    done = subprocess.run([node, str(tmp_path / "check.mjs"), key], capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["before"] == 0, result  # nothing applied, nothing rendered, while loading
+    assert result["log"] == [["_py2js_restyle", 1], ["_py2js_relayout", 2],
+                             ["_py2js_restyle", 3], ["render", "el"],
+                             ["_py2js_relayout", 4], ["applied", "msg"]], result
