@@ -960,6 +960,17 @@ class CheckpointApp:
         self._plotly_loader = self._doc = None
 
 
+def _schedule_load(served: ServedCheckpoint) -> None:
+    """Start the full open: now for a small checkpoint (every page gets its byte map with its
+    first paint), else on a timer (the first page's draw usually starts it sooner)."""
+    if len(served.index) <= EAGER_TENSORS:
+        served.load()
+    else:
+        timer = threading.Timer(LOAD_FALLBACK_S, served.start_loading)
+        timer.daemon = True
+        timer.start()
+
+
 class PendingCheckpoint:
     """A :class:`ServedCheckpoint` being made on a thread, so that the port opens first.
 
@@ -997,12 +1008,7 @@ class PendingCheckpoint:
         try:
             served = ServedCheckpoint(self.path, inspection_cache=self._inspection_cache,
                                       layout_cache=self._layout_cache)
-            if len(served.index) <= EAGER_TENSORS:
-                served.load()  # small: every page gets its byte map with its first paint
-            else:
-                timer = threading.Timer(LOAD_FALLBACK_S, served.start_loading)
-                timer.daemon = True
-                timer.start()
+            _schedule_load(served)
             self.served = served
         except Exception as exc:  # any failure (a bug too): every page shows it
             self.error = f"{type(exc).__name__}: {exc}"
@@ -1244,12 +1250,7 @@ def serve(source: LayoutSource | ServedCheckpoint, *, port: int = 5006,
     import panel.models.plotly  # noqa: F401
     origins = [f"{address}:{port}", f"localhost:{port}", f"127.0.0.1:{port}"]
     if isinstance(source, ServedCheckpoint):  # (a path's PendingCheckpoint did this)
-        if len(served.index) <= EAGER_TENSORS:
-            served.load()  # small: every page gets its byte map with its first paint
-        else:
-            timer = threading.Timer(LOAD_FALLBACK_S, served.start_loading)
-            timer.daemon = True
-            timer.start()
+        _schedule_load(served)
     pn.serve({"/": sessions.open}, port=port, address=address, show=show,
              websocket_origin=origins, title="ckptlab", threaded=False, print_url=True,
              warm=True, check_unused_sessions_milliseconds=SESSION_CHECK_MS,
