@@ -60,6 +60,17 @@ def test_global_plan_matches_torch(plans):
     assert torch_items == sorted((it.key for p in mine.plans for it in p.items), key=repr)
 
 
+def lone_plan_volume_checked() -> bool:
+    """Whether this torch checks the volume of a one-rank save's chunks (2.7 does; 2.13, like
+    ckptlab, checks volumes only from two plans on: a lone rank may save part of a tensor)."""
+    item = WriteItem("t", "tensor", Chunk((1,), (1,)), (2,), "float32")
+    try:
+        torch_global([local_plan(0, [item])])
+    except ValueError:
+        return True
+    return False
+
+
 @given(local_plan_sets(broken=True))
 def test_validation_verdict_matches_torch(plans):
     mine = global_plan(plans, validate=False)
@@ -71,7 +82,7 @@ def test_validation_verdict_matches_torch(plans):
     kinds = {p.kind for p in mine.problems}
     if torch_valid:  # ckptlab may only add what torch does not check: differing replicas
         assert kinds <= {"mismatch"}
-    else:
+    elif not (len(plans) == 1 and lone_plan_volume_checked()):
         assert mine.problems
     if mine.problems:
         with pytest.raises(PlanError, match="invalid global plan"):
