@@ -10,7 +10,7 @@ BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.ckptlab-installed
 
-.PHONY: setup chromium nginx lab test test-fast lint bench clean
+.PHONY: setup chromium nginx lab test test-fast test-oldest-torch lint bench clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt Makefile
@@ -63,6 +63,24 @@ test: setup chromium nginx
 
 test-fast: setup
 	$(BIN)/python -m pytest -m "not gpu and not slow" -x -q tests
+
+# The core suite (no widgets, browser or notebooks) on the oldest torch pyproject.toml claims,
+# in a venv of its own. Not part of `make test`: PyPI's torch 2.7.0 wheel pulls ~5 GB of CUDA
+# wheels (it runs on CPU); where PyTorch's CPU index is reachable, pass
+# OLDEST_TORCH_INDEX=https://download.pytorch.org/whl/cpu to take the CPU-only wheel instead.
+OLDEST_TORCH       := 2.7.0
+OLDEST_VENV        ?= .venv-torch$(OLDEST_TORCH)
+OLDEST_TORCH_INDEX ?=
+CORE_TESTS := tests/format tests/checkpoint tests/plan tests/write tests/gds tests/testing \
+	tests/property tests/test_io.py tests/test_torch_compat.py tests/test_samples.py
+test-oldest-torch: nginx
+	@test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip --disable-pip-version-check install --quiet \
+	  $(if $(OLDEST_TORCH_INDEX),--index-url $(OLDEST_TORCH_INDEX),) torch==$(OLDEST_TORCH)
+	echo "torch==$(OLDEST_TORCH)" > $(OLDEST_VENV)/constraints.txt
+	$(OLDEST_VENV)/bin/python -m pip --disable-pip-version-check install --quiet \
+	  -c $(OLDEST_VENV)/constraints.txt -e ".[dev]"
+	$(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not gpu" $(CORE_TESTS)
 
 lint: setup
 	$(BIN)/ruff check ckptlab tests benchmarks
