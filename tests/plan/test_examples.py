@@ -95,6 +95,7 @@ def test_save_writes_what_the_ranks_planned(saved) -> None:
 
 
 def test_shard_map_of_the_real_checkpoint_matches_the_plan(saved) -> None:
+    pytest.importorskip("plotly", reason="the shard map is a figure: the 'widgets' extra")
     from ckptlab.viz import shard_map_figure
 
     path, plans = saved

@@ -77,6 +77,30 @@ def load_meta(path: Path) -> Any:
     return torch.load(path, map_location="meta", weights_only=False)
 
 
+def _meta_load_records_offsets() -> bool:
+    """Whether ``torch.load(map_location="meta")`` records each storage's file offset (2.13
+    does; 2.7 does so only under FakeTensorMode)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(torch.zeros(1), buf)
+    buf.seek(0)
+    return tc.checkpoint_offset(torch.load(buf, map_location="meta").untyped_storage()) \
+        is not None
+
+
+META_OFFSETS = _meta_load_records_offsets()
+
+
+def load_with_offsets(path: Path) -> Any:
+    """A load that reads no storage bytes and records every storage's file offset: a meta
+    load where torch records offsets there, else under FakeTensorMode."""
+    if META_OFFSETS:
+        return load_meta(path)
+    with tc.fake_tensor_mode()():
+        return torch.load(path, weights_only=False)
+
+
 def short(name: str, archive: str) -> str:
     assert name.startswith(archive + "/"), (name, archive)
     return name[len(archive) + 1:]
@@ -211,6 +235,8 @@ def test_storage_offsets_cursor_path_file_bytes(workdir: Path, obj: Any,
     assert [int(k) for k in results["path"].offsets] == list(range(len(layout.storages)))
 
 
+@pytest.mark.skipif(not META_OFFSETS, reason=f"torch {torch.__version__} records no "
+                    "offsets on a meta load (FakeTensorMode below checks them)")
 @given(obj=OBJECTS, config=CONFIGS)
 def test_offsets_match_meta_load_checkpoint_offset(workdir: Path, obj: Any,
                                                    config: cst.SaveConfig) -> None:
@@ -401,7 +427,7 @@ def test_all_dtypes_offsets_and_predictions(workdir: Path, obj: Any,
     with fresh_dir(workdir) as d:
         path = config.save(obj, d)
         layout = ckptlab.inspect(path)
-        loaded = load_meta(path)
+        loaded = load_with_offsets(path)
         reader = tc.pytorch_file_reader()(str(path))
         offsets = ckptlab.storage_offsets(path, scan=True)
     for r in layout.records:
