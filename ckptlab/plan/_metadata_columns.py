@@ -42,10 +42,12 @@ both on real and mutated files).
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
 from array import array
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -756,6 +758,29 @@ def _past_head(p: int, bound: int, reader: _Reader) -> tuple[int, int]:
     return p, bounds[i]
 
 
+def _vector_step(vector: Callable[..., tuple[int, int, int, bool, list[int]]], kind: Any,
+                 data: Any, p: int, p0: int, bound: int, first: int, count: int, nmemo: int,
+                 reader: _Reader, stack: list[Any] | None, marks: list[list[Any]] | None
+                 ) -> tuple[bool, int, int, int, int, int]:
+    """One vectorised window of ``kind`` records (chunks or pairs) from ``p``, for the record
+    loops of :func:`_chunks` and :func:`_pairs` (``p0``: where the loop started): the records
+    ``vector`` takes are counted into the loop's run, split where an APPENDS / SETITEMS and a
+    MARK fall between two of them (as the opcode loop splits them). Returns whether the window
+    ran out with every record taken (the next one goes on from there) and the loop's new
+    ``p, bound, first, count, nmemo``."""
+    window = _window(p - p0, reader)
+    split = stack is not None and all(type(x) is _Run for x in stack)
+    k, end, memos, more, splits = vector(data, p, window, reader=reader, split=split)
+    if not k:
+        return False, p, bound, first, count, nmemo
+    for c in splits:
+        first, count = _split(stack, marks, reader, _Run(kind, first, count + c),
+                              kind == _PAIR), -c
+    p, bound = _past_head(end, bound, reader)
+    reader.window = max(reader.window, p - p0)
+    return more, p, bound, first, count + k, nmemo + memos
+
+
 def _chunks(data: Any, p: int, bound: int, memo: dict[int, Any], nmemo: int,
             reader: _Reader, stack: list[Any] | None = None,
             marks: list[list[Any]] | None = None) -> tuple[int, int, _Run | None]:
@@ -768,18 +793,10 @@ def _chunks(data: Any, p: int, bound: int, memo: dict[int, Any], nmemo: int,
     while True:
         ready = ready or (count >= _VEC_AFTER and reader.vectorised)
         if ready and cool <= 0 and reader.chunk_vec is not None:
-            window = _window(p - p0, reader)
-            split = stack is not None and all(type(x) is _Run for x in stack)
-            k, end, memos, more, splits = _vector_chunks(data, p, window, reader, split)
-            if k:
-                for c in splits:  # APPENDS and MARK between two records: as the loop does
-                    first, count = _split(stack, marks, reader, _Run(_CHUNK, first, count + c),
-                                          False), -c
-                count += k
-                nmemo += memos
-                p, bound = _past_head(end, bound, reader)
-                reader.window = max(reader.window, p - p0)
-            if k and more:  # the window ran out: the next one goes on from there
+            more, p, bound, first, count, nmemo = _vector_step(
+                _vector_chunks, _CHUNK, data, p, p0, bound, first, count, nmemo, reader,
+                stack, marks)
+            if more:  # the window ran out: the next one goes on from there
                 continue
             cool = _VEC_COOL
         cool -= 1
@@ -856,18 +873,10 @@ def _pairs(data: Any, p: int, bound: int, memo: dict[int, Any], nmemo: int,
     while True:
         ready = ready or (count >= _VEC_AFTER and reader.vectorised)
         if ready and cool <= 0 and reader.pair_vec is not None:
-            window = _window(p - p0, reader)
-            split = stack is not None and all(type(x) is _Run for x in stack)
-            k, end, memos, more, splits = _vector_pairs(data, p, window, memo, reader, split)
-            if k:
-                for c in splits:  # SETITEMS and MARK between two records: as the loop does
-                    first, count = _split(stack, marks, reader, _Run(_PAIR, first, count + c),
-                                          True), -c
-                count += k
-                nmemo += memos
-                p, bound = _past_head(end, bound, reader)
-                reader.window = max(reader.window, p - p0)
-            if k and more:  # the window ran out: the next one goes on from there
+            more, p, bound, first, count, nmemo = _vector_step(
+                functools.partial(_vector_pairs, memo=memo), _PAIR, data, p, p0, bound, first,
+                count, nmemo, reader, stack, marks)
+            if more:  # the window ran out: the next one goes on from there
                 continue
             cool = _VEC_COOL
         cool -= 1
