@@ -21,6 +21,7 @@ from ckptlab.write._staging import (
     copy_in,
     copy_pairs,
     in_lanes,
+    pair_nbytes,
     stage_tree,
     tree_nbytes,
 )
@@ -53,7 +54,7 @@ def stage_save(save: SaveState, res: SaveResources, state_dict: dict[str, Any]) 
     try:
         pairs: list[tuple[Any, Any]] = []
         staged, nbytes = stage_tree(res.arena, state_dict, pairs)
-        in_lanes(copy_pairs, pairs, res.copiers, res.lanes)
+        in_lanes(copy_pairs, pairs, res.copiers, res.lanes, pair_nbytes)
     except BaseException:
         save.staged = False
         raise

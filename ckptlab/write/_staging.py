@@ -10,7 +10,9 @@ save, which starts once the previous one is written (the writer waits for it).
 from __future__ import annotations
 
 import copy
+import heapq
 import itertools
+import operator
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +23,7 @@ from ckptlab._io import BLOCK, align_up, aligned_buffer, populate
 from ckptlab.write.timeline import _Recorder
 
 __all__ = ["SLAB_MIN_NBYTES", "StagingArena", "StagingState", "copy_in", "copy_pairs",
-           "in_lanes", "stage_tree", "tree_nbytes"]
+           "in_lanes", "pair_nbytes", "stage_tree", "tree_nbytes"]
 
 SLAB_MIN_NBYTES = 64 << 20  # staging memory grows in slabs at least this big
 T = TypeVar("T")
@@ -143,13 +145,19 @@ class PendingCopy:
 
 
 def in_lanes(work: Callable[[list[T]], R], items: list[T], pool: ThreadPoolExecutor | None,
-             lanes: int) -> list[R]:
-    """Run ``work`` on ``lanes`` shares of ``items`` (dealt round-robin): the first share on
-    the calling thread, the others on ``pool``. Returns each share's result; once every
-    share stopped, the first error is raised."""
+             lanes: int, nbytes: Callable[[T], int] | None = None) -> list[R]:
+    """Run ``work`` on ``lanes`` shares of ``items``: the first share on the calling thread,
+    the others on ``pool``. Returns each share's result; once every share stopped, the first
+    error is raised.
+
+    Items are dealt round-robin, or with ``nbytes`` (an item's size) by size: largest first,
+    each to the share with the fewest bytes so far, so that the shares end together (the
+    return waits for the slowest). Each share keeps the items' order.
+    """
     if pool is None or lanes < 2 or len(items) < 2:
         return [work(items)]
-    shares = [items[i::lanes] for i in range(lanes)]
+    shares = [items[i::lanes] for i in range(lanes)] if nbytes is None else \
+        _balanced(items, lanes, nbytes)
     futures = [pool.submit(work, share) for share in shares[1:] if share]
     results, errors = [], []
     try:
@@ -166,6 +174,22 @@ def in_lanes(work: Callable[[list[T]], R], items: list[T], pool: ThreadPoolExecu
     return results
 
 
+def _balanced(items: list[T], lanes: int, nbytes: Callable[[T], int]) -> list[list[T]]:
+    """``items`` in ``lanes`` shares of about equal bytes (largest first to the lightest
+    share), each share in the items' order."""
+    sizes = list(map(nbytes, items))
+    loads = [(0, lane) for lane in range(lanes)]  # a heap of (bytes so far, lane)
+    lane_of = [0] * len(items)
+    for i in sorted(range(len(items)), key=sizes.__getitem__, reverse=True):
+        load, lane = heapq.heappop(loads)
+        lane_of[i] = lane
+        heapq.heappush(loads, (load + sizes[i], lane))
+    shares: list[list[T]] = [[] for _ in range(lanes)]
+    for item, lane in zip(items, lane_of):
+        shares[lane].append(item)
+    return shares
+
+
 def copy_in(recorder: _Recorder, copies: list[list[PendingCopy]],
             pool: ThreadPoolExecutor | None = None, lanes: int = 1) -> None:
     """Copy the tensors in, one item per bucket in turn.
@@ -175,7 +199,8 @@ def copy_in(recorder: _Recorder, copies: list[list[PendingCopy]],
     every copy is done; the first error is raised after all of them stopped.
     """
     order = [c for batch in itertools.zip_longest(*copies) for c in batch if c is not None]
-    spans = in_lanes(lambda share: _copy_share(recorder, share), order, pool, lanes)
+    spans = in_lanes(lambda share: _copy_share(recorder, share), order, pool, lanes,
+                     _COPY_NBYTES)
     merged: dict[int, list[Any]] = {}
     for part in spans:
         for bucket, (start, end, nbytes, file) in part.items():
@@ -184,6 +209,9 @@ def copy_in(recorder: _Recorder, copies: list[list[PendingCopy]],
             span[2] += nbytes
     for bucket, (start, end, nbytes, file) in merged.items():
         recorder.add_span(bucket, "stage", start, end, nbytes, file)
+
+
+_COPY_NBYTES = operator.attrgetter("nbytes")  # a PendingCopy's bytes
 
 
 def _copy_share(recorder: _Recorder, share: list[PendingCopy]) -> dict[int, list[Any]]:
@@ -215,6 +243,11 @@ def tree_nbytes(obj: Any) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(tree_nbytes(v) for v in obj)
     return 0
+
+
+def pair_nbytes(pair: tuple[Any, Any]) -> int:
+    """The bytes :func:`copy_pairs` copies for one (staging tensor, caller's tensor) pair."""
+    return pair[0].nbytes
 
 
 def copy_pairs(pairs: list[tuple[Any, Any]]) -> None:

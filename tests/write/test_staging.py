@@ -16,6 +16,7 @@ from ckptlab.write._staging import (
     copy_in,
     copy_pairs,
     in_lanes,
+    pair_nbytes,
     stage_tree,
     tree_nbytes,
 )
@@ -129,6 +130,21 @@ def test_stage_tree_can_leave_the_copies_to_several_threads() -> None:
         assert len(in_lanes(copy_pairs, pairs, pool, 2)) == 2  # two shares, two results
     assert torch.equal(staged["a"], sd["a"]) and torch.equal(staged["b"][0], sd["b"][0])
     assert torch.equal(staged["b"][1], sd["b"][1]) and staged["step"] == 4
+
+
+def test_lanes_by_size_end_together_and_keep_the_order() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    sizes = [1, 100, 2, 3, 50, 49, 4]  # round-robin: 1+2+50+4 = 57 against 100+3+49 = 152
+    with ThreadPoolExecutor(2) as pool:
+        shares = in_lanes(list, sizes, pool, 3, nbytes=int)
+        plain = in_lanes(list, sizes, pool, 2)
+    assert sorted(x for share in shares for x in share) == sorted(sizes)  # each item once
+    assert [sum(share) for share in shares] == [100, 55, 54]  # largest first, lightest share
+    assert all(share == sorted(share, key=sizes.index) for share in shares)  # the items' order
+    assert plain == [[1, 2, 50, 4], [100, 3, 49]]  # without sizes: dealt round-robin
+    pair = (torch.empty(6, dtype=torch.float64), torch.zeros(6, dtype=torch.float64))
+    assert pair_nbytes(pair) == 48
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.uint8, torch.bool, torch.complex64])
