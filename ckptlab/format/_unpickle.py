@@ -356,11 +356,79 @@ def _need(stack: list[Any], k: int, code: int) -> None:
                               f"found {len(stack)}")
 
 
+_SPEC_MIN = 16  # entries of one shape in a batch before the next batch is tried as that shape
+_ENTRY_CAPTURED = (*_ENTRY_PUTS, 4)  # the groups a specialised pattern still captures
+_SPEC_STORAGE_KEY = rb"(X[\x01-\x14]\x00\x00\x00[0-9]+)"
+
+
+class _EntrySpec:
+    """:data:`_ENTRY_V2` specialised to the shape of one state dict entry: the bytes of every
+    group but the BINPUTs and the storage key are the template's, literally (the same global,
+    storage class, location, numel, offset, size, stride, requires_grad and hooks); the
+    BINPUTs are LONG_BINPUTs of any index and the storage key any digits. A match is also a
+    match of :data:`_ENTRY_V2` with those same groups (a pickle parses one way), so
+    :meth:`columns` gives the columns :data:`_ENTRY_V2`'s groups would, at the cost of a
+    mostly literal pattern and a few groups. A state dict of one tensor shape (the common
+    large case: 100,000 equal layers) is read this way after its first batch.
+    """
+
+    __slots__ = ("captured", "constants", "last_back", "match")
+
+    def __init__(self, match: Callable[..., Any], captured: tuple[int, ...],
+                 constants: tuple[Any, ...], last_back: int) -> None:
+        self.match = match
+        self.captured = captured  # the general groups the pattern captures, in order
+        self.constants = constants  # every general group's template value
+        self.last_back = last_back  # the last opcode's distance from the entry's end
+
+    def columns(self, cols: list[tuple[Any, ...]], count: int) -> list[Any]:
+        """The general pattern's 22 columns from this pattern's ``cols`` of ``count``
+        entries."""
+        out: list[Any] = [[value] * count for value in self.constants]
+        for general, column in zip(self.captured, cols):
+            out[general] = column
+        return out
+
+
+def _entry_spec(m: re.Match[Any]) -> _EntrySpec | None:
+    """The :class:`_EntrySpec` of the entry ``m`` (an :data:`_ENTRY_V2` match), or None when
+    its BINPUTs are short ones (memo indices under 256: the pickle's first entries) or its
+    storage key is a memo reference (shared storages)."""
+    data = m.string
+    parts = []
+    captured = []
+    at = m.start()
+    for group in range(22):
+        start, end = m.span(group + 1)
+        if start < 0:  # an optional BINPUT the template does not have: neither may a match
+            continue
+        parts.append(re.escape(bytes(data[at:start])))
+        if group in _ENTRY_PUTS:
+            if data[start] != 0x72:
+                return None
+            parts.append(rb"(r.{4})")
+            captured.append(group)
+        elif group == 4:
+            if data[start] != 0x58:
+                return None
+            parts.append(_SPEC_STORAGE_KEY)
+            captured.append(group)
+        else:
+            parts.append(re.escape(bytes(data[start:end])))
+        at = end
+    parts.append(re.escape(bytes(data[at:m.end()])))
+    order = sorted(captured)  # groups are numbered in the pattern's order
+    last_back = 5 if m.group(22) is not None else 1
+    return _EntrySpec(re.compile(b"".join(parts), re.DOTALL).match, tuple(order),
+                      m.groups(), last_back)
+
+
 class _Machine:
     __slots__ = (
         "budget",
         "buildable",
         "data",
+        "entry_spec",
         "fast_global",
         "fast_handler",
         "fast_paths",
@@ -407,6 +475,8 @@ class _Machine:
         self.odict_handler: Handler | None = None
         self.fused: Callable[..., Any] | None = None
         self.fused_batch: Callable[..., Any] | None = None
+        # the last batch's entries as one specialised pattern (see _entry_spec), or None
+        self.entry_spec: _EntrySpec | None = None
         # tuple opcodes -> (value, charge, whether it is a valid size: ints >= 0, <= 64 dims)
         self.tuples: dict[bytes, tuple[tuple[int, ...], int, bool]] = {}
         # the four BINGETs of a tensor (their opcodes) -> (indices, the largest)
@@ -1004,7 +1074,9 @@ class _Machine:
         lengths = []
         keys = []
         matches = []
-        entry = _ENTRY_V2
+        spec = self.entry_spec
+        entry = _ENTRY_V2 if spec is None else spec.match
+        pos0 = pos
         while len(matches) < BULK_BATCH:
             if pos + 5 > n or data[pos] != 0x58:
                 break
@@ -1024,9 +1096,14 @@ class _Machine:
             matches.append(m)
             pos = m.end()
         count = len(matches)
+        if spec is not None and count < 2:  # not the last batch's shape: the general pattern
+            self.entry_spec = None
+            return self.entry_run(pos0, budget, stack)
         if count < 2:
             return count
         cols = list(zip(*map(_GROUPS, matches)))
+        if spec is not None:  # the general pattern's columns: the shape's constants, repeated
+            cols = spec.columns(cols, count)
         # the same BINGETs in every entry, of indices stored before the batch
         shared = [cols[i] for i in (1, 2, 3, 6, 16)]
         if any(len(set(c)) != 1 for c in shared):
@@ -1109,8 +1186,13 @@ class _Machine:
             cols[i][0] is not None for i in _ENTRY_PUTS]))))
         stack.extend(chain.from_iterable(zip(keys, results)))
         last = matches[-1]
-        return pos, budget - cost, last.start(22) if last.group(22) is not None else \
-            last.start(21)
+        if spec is None:
+            if count >= _SPEC_MIN:
+                self.entry_spec = _entry_spec(last)
+            # the last opcode taken: the BINPUT of the result, else its REDUCE
+            return pos, budget - cost, last.start(22) if last.group(22) is not None else \
+                last.start(21)
+        return pos, budget - cost, last.end() - spec.last_back
 
     def rare(self, code: int, stack: list[Any], metastack: list[list[Any]]
              ) -> tuple[list[Any], Any]:

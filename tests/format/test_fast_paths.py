@@ -396,16 +396,22 @@ def outcome_batched(data: bytes, mode: str, **kw: Any) -> Any:
 class _Batches:
     """Small batches from the first byte on, counting the batches taken."""
 
-    def __init__(self, monkeypatch: Any, batch: int = 5, pause: int = 4) -> None:
+    def __init__(self, monkeypatch: Any, batch: int = 5, pause: int = 4,
+                 spec_min: int = 2) -> None:
         monkeypatch.setattr(_unpickle, "BULK_MIN_NBYTES", 0)
         monkeypatch.setattr(_unpickle, "BULK_BATCH", batch)
         monkeypatch.setattr(_unpickle, "BULK_PAUSE", pause)
+        monkeypatch.setattr(_unpickle, "_SPEC_MIN", spec_min)
         self.taken = 0
+        self.specialised = 0  # batches taken through a specialised pattern (_EntrySpec)
         original = _unpickle._Machine.entry_run
 
         def counted(machine: Any, *args: Any) -> Any:
+            spec = machine.entry_spec
             done = original(machine, *args)
             self.taken += type(done) is tuple
+            self.specialised += type(done) is tuple and spec is not None and \
+                machine.entry_spec is spec
             return done
 
         monkeypatch.setattr(_unpickle._Machine, "entry_run", counted)
@@ -420,6 +426,11 @@ def all_ways(data: bytes, **kw: Any) -> Any:
 
 def plain_run(n: int, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     return {f"model.layers.{i}.weight": torch.zeros(2 + i % 3, dtype=dtype) for i in range(n)}
+
+
+def uniform_run(n: int, shape: tuple[int, ...] = (2,)) -> dict[str, Any]:
+    """One tensor shape throughout: batches after the first go through an _EntrySpec."""
+    return {f"layer.{i}.weight": torch.empty(shape) for i in range(n)}
 
 
 def test_batches_agree_and_are_taken(monkeypatch) -> None:
@@ -552,3 +563,52 @@ def test_batches_leave_the_memo_the_loop_leaves(monkeypatch) -> None:
         assert got[0] != "error"
         assert len(got[0][1][1][1]) > 8 * 40  # the memo list: every entry's eight objects
     assert batches.taken > 5  # (the first 32 entries store short BINPUTs: one at a time)
+
+
+# the batches of one tensor shape (_EntrySpec): specialised patterns give what the general
+# one gives, and give way to it where the shape changes
+
+
+def test_specialised_batches_agree_and_are_taken(monkeypatch) -> None:
+    batches = _Batches(monkeypatch, batch=6, pause=0)
+    for protocol in (2, 4):
+        for obj in (uniform_run(400), uniform_run(200, (3, 4)),
+                    {**uniform_run(300), **plain_run(50), "tail": uniform_run(80, (5,))},
+                    {"a": uniform_run(120), "b": {"step": 3}, "c": uniform_run(90, ())}):
+            assert all_ways(data_pkl(save(obj, protocol)))[0] != "error"
+    assert batches.specialised > 100
+
+
+def test_specialised_batches_agree_on_mutated_bytes(monkeypatch) -> None:
+    batches = _Batches(monkeypatch, batch=6, pause=0)
+    data = data_pkl(save(uniform_run(200)))
+    rng = random.Random(29)
+    tail = data.find(b"layer.60.weight")  # past the short BINPUTs: specialised batches here
+    hot = [i for i in range(tail, len(data)) if data[i] in (0x72, 0x58, 0x68, 0x4B, 0x85)]
+    for _ in range(300):
+        mutated = bytearray(data)
+        for _ in range(rng.choice((1, 1, 2))):
+            at = rng.choice(hot) if rng.random() < 0.6 else rng.randrange(tail, len(mutated))
+            if rng.random() < 0.5 and at + 1 < len(mutated):
+                at += 1  # an index, a length or a digit rather than the opcode
+            mutated[at] = rng.choice((rng.randrange(256), mutated[at] ^ 1, mutated[at] + 1 & 255,
+                                      0x71, 0x72, 0x68, 0x6A, 0x58, 0x4B, 0x4D, 0x88, 0x89,
+                                      0x30, 0x39))
+        all_ways(bytes(mutated))
+    assert batches.specialised > 100
+
+
+def test_specialised_batches_agree_on_truncations_budgets_and_the_memo(monkeypatch) -> None:
+    batches = _Batches(monkeypatch, batch=8, pause=0)
+    data = data_pkl(save(uniform_run(150)))
+    for cut in range(0, len(data), max(1, len(data) // 150)):
+        assert all_ways(data[:cut])[0] == "error"
+    for budget in range(0, 400_000, 4_999):
+        monkeypatch.setattr(_unpickle, "MEMORY_FLOOR", budget)
+        got = all_ways(data, memory_per_byte=0)
+        assert got[0] != "error" or got[1] == "PickleBudgetError", got
+    monkeypatch.undo()
+    batches = _Batches(monkeypatch, batch=7, pause=0)
+    got = all_ways(_memo_exposed(data_pkl(save(uniform_run(100)))))
+    assert got[0] != "error" and len(got[0][1][1][1]) > 8 * 90
+    assert batches.specialised > 5
