@@ -356,7 +356,8 @@ def _need(stack: list[Any], k: int, code: int) -> None:
                               f"found {len(stack)}")
 
 
-_SPEC_MIN = 16  # entries of one shape in a batch before the next batch is tried as that shape
+_SPEC_MIN = 16  # entries in a batch before the next batch is tried with their shapes' patterns
+_SPECS = 8  # the shapes (specialised patterns) kept: a layer's few, an MoE expert's three
 _ENTRY_CAPTURED = (*_ENTRY_PUTS, 4)  # the groups a specialised pattern still captures
 _SPEC_STORAGE_KEY = rb"(X[\x01-\x14]\x00\x00\x00[0-9]+)"
 
@@ -372,7 +373,7 @@ class _EntrySpec:
     large case: 100,000 equal layers) is read this way after its first batch.
     """
 
-    __slots__ = ("captured", "constants", "last_back", "match")
+    __slots__ = ("captured", "constants", "expand", "last_back", "match")
 
     def __init__(self, match: Callable[..., Any], captured: tuple[int, ...],
                  constants: tuple[Any, ...], last_back: int) -> None:
@@ -380,6 +381,9 @@ class _EntrySpec:
         self.captured = captured  # the general groups the pattern captures, in order
         self.constants = constants  # every general group's template value
         self.last_back = last_back  # the last opcode's distance from the entry's end
+        # (this pattern's groups + constants) -> the general pattern's 22 groups
+        where = {general: i for i, general in enumerate(captured)}
+        self.expand = itemgetter(*(where.get(g, len(captured) + g) for g in range(22)))
 
     def columns(self, cols: list[tuple[Any, ...]], count: int) -> list[Any]:
         """The general pattern's 22 columns from this pattern's ``cols`` of ``count``
@@ -388,6 +392,33 @@ class _EntrySpec:
         for general, column in zip(self.captured, cols):
             out[general] = column
         return out
+
+    def groups(self, m: re.Match[Any]) -> tuple[Any, ...]:
+        """The general pattern's 22 groups of this pattern's match ``m``."""
+        return self.expand(m.groups() + self.constants)
+
+
+def _entry_specs(matches: list[re.Match[Any]]) -> list[_EntrySpec]:
+    """The patterns of the last :data:`_SPECS` shapes among ``matches`` (entries of a batch,
+    :data:`_ENTRY_V2` matches), latest first."""
+    specs: list[_EntrySpec] = []
+    seen: set[tuple[Any, ...]] = set()
+    for m in reversed(matches):
+        shape = _shape_of(m.groups())
+        if shape in seen:
+            continue
+        seen.add(shape)
+        spec = _entry_spec(m)
+        if spec is not None:
+            specs.append(spec)
+            if len(specs) == _SPECS:
+                break
+    return specs
+
+
+def _shape_of(groups: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What an :class:`_EntrySpec` holds constant, of an :data:`_ENTRY_V2` match's groups."""
+    return tuple(g for i, g in enumerate(groups) if i not in _ENTRY_CAPTURED)
 
 
 def _entry_spec(m: re.Match[Any]) -> _EntrySpec | None:
@@ -428,7 +459,7 @@ class _Machine:
         "budget",
         "buildable",
         "data",
-        "entry_spec",
+        "entry_specs",
         "fast_global",
         "fast_handler",
         "fast_paths",
@@ -475,8 +506,8 @@ class _Machine:
         self.odict_handler: Handler | None = None
         self.fused: Callable[..., Any] | None = None
         self.fused_batch: Callable[..., Any] | None = None
-        # the last batch's entries as one specialised pattern (see _entry_spec), or None
-        self.entry_spec: _EntrySpec | None = None
+        # the shapes of the last batches' entries as specialised patterns (_entry_spec)
+        self.entry_specs: list[_EntrySpec] = []
         # tuple opcodes -> (value, charge, whether it is a valid size: ints >= 0, <= 64 dims)
         self.tuples: dict[bytes, tuple[tuple[int, ...], int, bool]] = {}
         # the four BINGETs of a tensor (their opcodes) -> (indices, the largest)
@@ -1074,8 +1105,8 @@ class _Machine:
         lengths = []
         keys = []
         matches = []
-        spec = self.entry_spec
-        entry = _ENTRY_V2 if spec is None else spec.match
+        specs = self.entry_specs
+        used: list[_EntrySpec] = []  # the pattern of each entry, when specialised
         pos0 = pos
         while len(matches) < BULK_BATCH:
             if pos + 5 > n or data[pos] != 0x58:
@@ -1084,7 +1115,14 @@ class _Machine:
             start = pos + 5
             if start + length > n:
                 break
-            m = entry(data, start + length)
+            if specs:
+                for spec in specs:
+                    m = spec.match(data, start + length)
+                    if m is not None:
+                        used.append(spec)
+                        break
+            else:
+                m = _ENTRY_V2(data, start + length)
             if m is None:
                 break
             try:
@@ -1096,14 +1134,20 @@ class _Machine:
             matches.append(m)
             pos = m.end()
         count = len(matches)
-        if spec is not None and count < 2:  # not the last batch's shape: the general pattern
-            self.entry_spec = None
-            return self.entry_run(pos0, budget, stack)
+        if specs and count < 2:  # not the last batches' shapes: the general pattern
+            self.entry_specs = []
+            ran = self.entry_run(pos0, budget, stack)
+            if not self.entry_specs:  # (the general batch was not taken)
+                self.entry_specs = specs
+            return ran
         if count < 2:
             return count
-        cols = list(zip(*map(_GROUPS, matches)))
-        if spec is not None:  # the general pattern's columns: the shape's constants, repeated
-            cols = spec.columns(cols, count)
+        if not specs:
+            cols = list(zip(*map(_GROUPS, matches)))
+        elif used.count(used[0]) == count:  # one shape: its constants, repeated
+            cols = used[0].columns(list(zip(*map(_GROUPS, matches))), count)
+        else:
+            cols = list(zip(*map(_EntrySpec.groups, used, matches)))
         # the same BINGETs in every entry, of indices stored before the batch
         shared = [cols[i] for i in (1, 2, 3, 6, 16)]
         if any(len(set(c)) != 1 for c in shared):
@@ -1186,13 +1230,13 @@ class _Machine:
             cols[i][0] is not None for i in _ENTRY_PUTS]))))
         stack.extend(chain.from_iterable(zip(keys, results)))
         last = matches[-1]
-        if spec is None:
+        if not specs:
             if count >= _SPEC_MIN:
-                self.entry_spec = _entry_spec(last)
+                self.entry_specs = _entry_specs(matches)
             # the last opcode taken: the BINPUT of the result, else its REDUCE
             return pos, budget - cost, last.start(22) if last.group(22) is not None else \
                 last.start(21)
-        return pos, budget - cost, last.end() - spec.last_back
+        return pos, budget - cost, last.end() - used[-1].last_back
 
     def rare(self, code: int, stack: list[Any], metastack: list[list[Any]]
              ) -> tuple[list[Any], Any]:

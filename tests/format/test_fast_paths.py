@@ -403,15 +403,29 @@ class _Batches:
         monkeypatch.setattr(_unpickle, "BULK_PAUSE", pause)
         monkeypatch.setattr(_unpickle, "_SPEC_MIN", spec_min)
         self.taken = 0
-        self.specialised = 0  # batches taken through a specialised pattern (_EntrySpec)
+        self.specialised = 0  # batches taken through specialised patterns (_EntrySpec)
+        self.shapes = 0  # ... of entries of several shapes
         original = _unpickle._Machine.entry_run
+        spec = _unpickle._EntrySpec
+        seen: list[str] = []
+
+        def noting(name: str) -> Any:
+            method = getattr(spec, name)
+
+            def noted(*args: Any) -> Any:
+                seen.append(name)
+                return method(*args)
+            return noted
+
+        for name in ("columns", "groups"):
+            monkeypatch.setattr(spec, name, noting(name))
 
         def counted(machine: Any, *args: Any) -> Any:
-            spec = machine.entry_spec
+            seen.clear()
             done = original(machine, *args)
             self.taken += type(done) is tuple
-            self.specialised += type(done) is tuple and spec is not None and \
-                machine.entry_spec is spec
+            self.specialised += type(done) is tuple and bool(seen)
+            self.shapes += type(done) is tuple and "groups" in seen
             return done
 
         monkeypatch.setattr(_unpickle._Machine, "entry_run", counted)
@@ -579,9 +593,27 @@ def test_specialised_batches_agree_and_are_taken(monkeypatch) -> None:
     assert batches.specialised > 100
 
 
+def cycling_run(n: int) -> dict[str, Any]:
+    """An MoE layer's experts: three tensors of two shapes, over and over."""
+    out: dict[str, Any] = {}
+    for i in range(n // 3):
+        out[f"experts.{i}.gate_proj"] = torch.empty(4, 2)
+        out[f"experts.{i}.up_proj"] = torch.empty(4, 2)
+        out[f"experts.{i}.down_proj"] = torch.empty(2, 4)
+    return out
+
+
+def test_batches_of_several_shapes_take_their_patterns(monkeypatch) -> None:
+    batches = _Batches(monkeypatch, batch=8, pause=0)
+    for obj in (cycling_run(300), {**cycling_run(90), **uniform_run(90), **plain_run(90)}):
+        assert all_ways(data_pkl(save(obj)))[0] != "error"
+        assert all_ways(_memo_exposed(data_pkl(save(obj))))[0] != "error"
+    assert batches.shapes > 20
+
+
 def test_specialised_batches_agree_on_mutated_bytes(monkeypatch) -> None:
     batches = _Batches(monkeypatch, batch=6, pause=0)
-    data = data_pkl(save(uniform_run(200)))
+    data = data_pkl(save({**uniform_run(150), **cycling_run(150)}))
     rng = random.Random(29)
     tail = data.find(b"layer.60.weight")  # past the short BINPUTs: specialised batches here
     hot = [i for i in range(tail, len(data)) if data[i] in (0x72, 0x58, 0x68, 0x4B, 0x85)]
