@@ -50,8 +50,8 @@ def stage_save(save: SaveState, res: SaveResources, state_dict: dict[str, Any]) 
     start.
     """
     t = save.recorder.now()
-    res.arena.begin(tree_nbytes(state_dict))
     try:
+        res.arena.begin(tree_nbytes(state_dict))
         pairs: list[tuple[Any, Any]] = []
         staged, nbytes = stage_tree(res.arena, state_dict, pairs)
         in_lanes(copy_pairs, pairs, res.copiers, res.lanes, pair_nbytes)

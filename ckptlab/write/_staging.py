@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ckptlab._io import BLOCK, align_up, aligned_buffer, populate
+from ckptlab.errors import WriterError
 from ckptlab.write.timeline import _Recorder
 
 __all__ = ["SLAB_MIN_NBYTES", "StagingArena", "StagingState", "copy_in", "copy_pairs",
@@ -36,7 +37,12 @@ class _Slab:
     def __init__(self, nbytes: int) -> None:
         import torch
 
-        self.view = aligned_buffer(nbytes, huge_pages=True)  # page aligned, zero filled
+        try:
+            self.view = aligned_buffer(nbytes, huge_pages=True)  # page aligned, zero filled
+        except (OSError, MemoryError) as exc:
+            reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+            raise WriterError(f"cannot map {nbytes:,} bytes of staging memory for the "
+                              f"save: {reason}") from exc
         self.tensor = torch.frombuffer(self.view, dtype=torch.uint8)  # keeps the mapping alive
         self.base = self.tensor.data_ptr()
         populate(self.base, nbytes)  # fault the pages in one call, not page by page in the copy

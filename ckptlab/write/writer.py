@@ -281,7 +281,8 @@ class AsyncWriter(StorageWriter, AsyncStager):  # type: ignore[misc,valid-type]
                 prefix = SavePrefix(data_prefix(self.rank, generation), uuid.uuid4().hex, 1)
             save.prefix = prefix
             if self._rank_from_plan and prefix.rank is not None:
-                self.rank = save.rank = prefix.rank
+                self.rank = prefix.rank
+                save.move(rank=prefix.rank)  # the timeline's rank too
             save.metadata_name = self._metadata_name()
             save.owner_rank = self._owner_rank()
             placed = run_save(save, plan, planner, self._res, directory=self.path,

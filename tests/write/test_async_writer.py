@@ -343,3 +343,47 @@ def test_fsync_is_the_switch_and_sync_files_its_earlier_name(tmp_path: Path) -> 
         assert w.fsync is True
     with AsyncWriter(tmp_path / "b", sync_files=False) as w:
         assert w.fsync is False
+
+
+def test_staging_memory_that_cannot_be_mapped_fails_this_save_only(tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    """No memory for staging: a WriterError saying so, and the writer takes the next save
+    (before, the half-begun save stayed in flight and every later save waited for it)."""
+    import errno
+
+    from ckptlab.write import _staging
+
+    def no_memory(nbytes: int, **kw: object) -> memoryview:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    state = {"w": torch.arange(1000.0)}
+    with AsyncWriter(tmp_path / "ckpt", commit_timeout_s=5, on_busy="raise") as writer:
+        with monkeypatch.context() as m:
+            m.setattr(_staging, "aligned_buffer", no_memory)
+            with pytest.raises(WriterError, match=r"cannot map [\d,]+ bytes of staging memory.*"
+                                                  r"Cannot allocate memory"):
+                writer.stage(state)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            async_workers.single_process_async_save(state, writer).result(timeout=60)
+    assert torch.equal(_load(tmp_path / "ckpt", state)["w"], state["w"])
+
+
+def test_a_rank_told_by_its_plan_shows_in_the_timeline(tmp_path: Path) -> None:
+    """torch 2.7 calls set_up_storage_writer without a rank; the coordinator's plan carries it,
+    and the save's timeline says it too."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    writer = AsyncWriter(tmp_path / "ckpt")
+    try:
+        writer.set_up_storage_writer(False)  # torch 2.7's call
+        planner = DefaultSavePlanner()
+        planner.set_up_planner({"x": torch.ones(4)}, is_coordinator=False)
+        plan = writer.prepare_local_plan(planner.create_local_plan())
+        plans = writer.prepare_global_plan([plan, plan])
+        writer.write_data(plans[1], planner).wait()
+        save = writer._current
+        assert save is not None and save.rank == 1 and save.snapshot().rank == 1
+    finally:
+        writer._current = None  # the other rank never comes: nothing to wait for
+        writer.close()
