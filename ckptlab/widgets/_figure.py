@@ -50,6 +50,7 @@ _PY2JS = ("_py2js_addTraces", "_py2js_deleteTraces", "_py2js_moveTraces", "_py2j
 # and _QUIET_MS later (see settled() below)
 _WAIT_MS = 10_000
 _QUIET_MS = 300
+_BUNDLE_TIMEOUT_MS = 60_000  # no answer from the kernel by then: the figure says why it is empty
 _BUNDLE_MSG = "ckptlab:plotly-bundle"  # the custom message that asks for (and brings) it
 
 _LOADER = """\
@@ -58,6 +59,7 @@ const PY2JS = %(py2js)s;
 const WAIT_MS = %(wait_ms)d;
 const BUNDLE = %(bundle_msg)s;
 const QUIET_MS = %(quiet_ms)d;
+const BUNDLE_TIMEOUT_MS = %(bundle_timeout_ms)d;
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
@@ -82,12 +84,23 @@ function bundle(model) {
   // 5 MB binary buffer, once per page rather than 5 MB of JSON with every figure)
   const inline = model.get("_plotly_bundle");
   if (inline) return Promise.resolve(new Blob([inline], {type: "text/javascript"}));
-  return new Promise((resolve) => {
+  const manager = model.widget_manager;
+  if (manager && "kernel" in manager && !manager.kernel) {
+    return Promise.reject(new Error("no kernel to ask for plotly's code"));
+  }
+  return new Promise((resolve, reject) => {
     const answer = (content, buffers) => {
       if (!content || content.type !== BUNDLE || content.key !== KEY || !buffers?.length) return;
+      clearTimeout(timer);
       model.off("msg:custom", answer);
       resolve(new Blob([buffers[0]], {type: "text/javascript"}));
     };
+    // no answer (a kernel restarted or gone, a saved page): give up, so that the next
+    // figure asks again and this one says why it is empty
+    const timer = setTimeout(() => {
+      model.off("msg:custom", answer);
+      reject(new Error(`the kernel did not send plotly's code within ${BUNDLE_TIMEOUT_MS / 1000} s`));
+    }, BUNDLE_TIMEOUT_MS);
     model.on("msg:custom", answer);
     model.send({type: BUNDLE, key: KEY});
   });
@@ -178,7 +191,20 @@ export default () => {
       loaded.catch((error) => console.error("[ckptlab] plotly widget bundle failed to load", error));
     },
     async render({ el }) {
-      const widget = await loaded;
+      let widget;
+      try {
+        widget = await loaded;
+      } catch (error) {
+        // say so where the figure would be, instead of an empty output
+        const note = document.createElement("div");
+        note.className = "ckptlab-figure-unavailable";
+        note.style.cssText = "padding:8px;border:1px dashed #999;color:#666;font:13px sans-serif";
+        note.textContent = "This figure is drawn by plotly's code, which comes from the running "
+          + `kernel, and it could not be loaded (${error?.message ?? error}). Run the cell `
+          + "again in a live kernel.";
+        el.appendChild(note);
+        return;
+      }
       return widget.render({ el });
     },
   };
@@ -203,6 +229,7 @@ def _loader_key() -> str:
 def _loader() -> str:
     return _LOADER % {"key": json.dumps(_loader_key()), "py2js": json.dumps(list(_PY2JS)),
                       "wait_ms": _WAIT_MS, "quiet_ms": _QUIET_MS,
+                      "bundle_timeout_ms": _BUNDLE_TIMEOUT_MS,
                       "bundle_msg": json.dumps(_BUNDLE_MSG)}
 
 
