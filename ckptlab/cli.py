@@ -15,7 +15,8 @@ Verbs (``ckptlab VERB --help`` tells each one's arguments):
 - ``readiness PATH [--json]``: is a checkpoint ready for GPUDirect Storage / O_DIRECT reads?
   What is 4 KiB aligned and what would align the rest, in the format's own terms.
 - ``serve [PATH] [--port N] [--address A] [--show]``: the interactive workbench (panel), for
-  any checkpoint file or directory on this machine.
+  any checkpoint file or directory on this machine; the port opens at once on a quick page
+  with the tensor table (:mod:`ckptlab.widgets.quick`), which becomes the workbench.
 
 Every verb but ``sample`` and ``serve`` also takes an fsspec URL (``https://``, ``s3://``,
 ``hf://``; the ``remote`` extra), read with ranged requests only.
@@ -1104,8 +1105,13 @@ def _run(args: argparse.Namespace) -> None:
         else:
             print(_render_readiness(r))
     elif verb == "serve":
-        try:
-            from ckptlab.widgets.app import serve
+        import importlib.util
+
+        try:  # the quick page first (tornado only); the workbench (panel) comes after it
+            from ckptlab.widgets.quick import serve
+            for module in ("panel", "pandas"):
+                if importlib.util.find_spec(module) is None:
+                    raise ModuleNotFoundError(f"No module named {module!r}", name=module)
         except ImportError as exc:
             _needs("widgets", exc)
         serve(_input_path(args.path, verb, directory=True), port=args.port,

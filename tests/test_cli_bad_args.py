@@ -364,15 +364,27 @@ def test_a_server_that_cannot_bind_is_one_line(monkeypatch, small_file, capsys) 
     def busy(*args, **kwargs):
         raise OSError(98, "Address already in use")
 
-    app = types.ModuleType("ckptlab.widgets.app")  # stands in for the panel app: no panel
-    app.serve = busy
-    monkeypatch.setitem(sys.modules, "ckptlab.widgets.app", app)
+    quick = types.ModuleType("ckptlab.widgets.quick")  # stands in for the server: no bind
+    quick.serve = busy
+    monkeypatch.setitem(sys.modules, "ckptlab.widgets.quick", quick)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     assert main(["serve", str(small_file), "--port", str(port)]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line == "ckptlab: error: Address already in use"
+
+
+def test_the_servers_own_bind_failing_is_one_line(monkeypatch, small_file, capsys) -> None:
+    """The real bind (ckptlab.widgets.quick.serve), on a port taken after the check."""
+    monkeypatch.setattr(cli, "_check_listen", lambda address, port: None)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", str(small_file), "--port", str(port)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == f"ckptlab: error: cannot listen on 127.0.0.1:{port}: Address already in use"
 
 
 def test_an_unexpected_error_is_one_line_unless_asked(monkeypatch, small_file, capsys) -> None:

@@ -395,10 +395,10 @@ def free_port() -> str:
 @pytest.mark.parametrize("kind", ["torch", "safetensors", "hf", "dcp"])
 def test_serve_serves_every_format(monkeypatch, made, kind) -> None:
     from ckptlab import cli
-    from ckptlab.widgets import app
+    from ckptlab.widgets import quick
 
     calls = []
-    monkeypatch.setattr(app, "serve", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(quick, "serve", lambda *a, **k: calls.append(a))
     monkeypatch.setattr(cli, "_check_listen", lambda address, port: None)
     assert main(["serve", str(made[kind])]) == 0
     assert calls == [(str(made[kind]),)]

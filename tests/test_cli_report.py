@@ -109,10 +109,10 @@ def test_report_of_a_bad_file_exits_2(tmp_path, capsys, content, words):
 
 def test_serve_verb_passes_its_options(monkeypatch, sample_file):
     from ckptlab import cli
-    from ckptlab.widgets import app
+    from ckptlab.widgets import quick
 
     calls = []
-    monkeypatch.setattr(app, "serve", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(quick, "serve", lambda *a, **k: calls.append((a, k)))
     # the ports may be taken on this machine: the free-port check has tests of its own
     monkeypatch.setattr(cli, "_check_listen", lambda address, port: None)
     assert main(["serve", str(sample_file), "--port", "6001", "--address", "0.0.0.0",

@@ -28,6 +28,13 @@ explorers, and ipywidgets with them, only on first use); panel's plotly pane imp
 figure widget module (nbformat, jsonschema: seconds) on the loading thread, not before the
 port opens.
 
+``ckptlab serve`` comes sooner still: :func:`ckptlab.widgets.quick.serve` answers the port
+with a quick page of the table (the same rows, :class:`~ckptlab.widgets.quick.CheckpointRows`)
+before panel is even imported, then hands the port to the server of :func:`workbench_server`,
+which listens on no port of its own. :func:`serve` here is the workbench alone (panel's own
+server on the port), for a layout, a :class:`ServedCheckpoint`, or a caller that wants no
+quick page.
+
 Many sessions, one server. Panel runs every session's callbacks on one thread, so what a
 session costs is what the next visitor waits for. Work that depends only on the file and an
 alignment (the what-if layout, its byte map arrays, its summary, the alignment costs) is done
@@ -79,16 +86,15 @@ from ckptlab.widgets._common import (
 )
 from ckptlab.widgets._tensor_table import (
     TABLE_CSS,
-    NameSearch,
     TensorTable,
     index_summary_html,
     objects_html,
     tensor_details_html,
-    tensor_frame,
 )
+from ckptlab.widgets.quick import CheckpointRows, checkpoint_nbytes
 
 __all__ = ["CheckpointApp", "IndexProgress", "LayoutApp", "LayoutCache", "LayoutView",
-           "PendingCheckpoint", "PlotlyLoader", "ServedCheckpoint", "serve"]
+           "PendingCheckpoint", "PlotlyLoader", "ServedCheckpoint", "serve", "workbench_server"]
 
 PROMPT = "<i>Click the byte map or pick an item.</i>"
 TENSOR_PROMPT = "<i>Pick a tensor in the table to see its parts, its bytes on the map and hex.</i>"
@@ -110,6 +116,7 @@ EAGER_TENSORS = 20_000
 # it, pages show a progress state until the index is there
 INDEX_WAIT_S = 1.0
 MAX_FILES_LISTED = 1000  # file picker entries (the largest files, and the one shown)
+MAX_SEARCH = 1000  # characters of a search carried over from the quick page (``?q=``)
 
 
 class PlotlyLoader(pn.reactive.ReactiveHTML):
@@ -505,11 +512,13 @@ class ServedCheckpoint:
     """One checkpoint as a server shows it to every session: the index now, the rest later.
 
     ``index`` (a :class:`~ckptlab.checkpoint._cache.CheckpointIndex`) and ``frame`` (the
-    tensor table's rows) are there from the start: read from ``inspection_cache`` when the
-    checkpoint was seen before, else from opening it (then stored). ``checkpoint`` (the
-    opened :class:`~ckptlab.checkpoint.Checkpoint`) and the byte maps come from
-    :meth:`load`, which :meth:`start_loading` runs on a thread; ``ready`` is set when they are
-    there (or ``error`` says why they are not). Shared by sessions: holds frozen data only.
+    tensor table's rows) are there from the start: those of ``rows`` (the
+    :class:`~ckptlab.widgets.quick.CheckpointRows` the quick page served), else read from
+    ``inspection_cache`` when the checkpoint was seen before, else from opening it (then
+    stored). ``checkpoint`` (the opened :class:`~ckptlab.checkpoint.Checkpoint`) and the byte
+    maps come from :meth:`load`, which :meth:`start_loading` runs on a thread; ``ready`` is
+    set when they are there (or ``error`` says why they are not). Shared by sessions: holds
+    frozen data only.
 
     Parameters
     ----------
@@ -519,29 +528,29 @@ class ServedCheckpoint:
         The on-disk cache of indexes; None opens the checkpoint without one.
     layout_cache
         The torch.save what-if views shared by sessions (a new :class:`LayoutCache` if None).
+    rows
+        The checkpoint's rows, made already (then ``inspection_cache`` is not read).
     """
 
     def __init__(self, path: str | os.PathLike[str], *,
                  inspection_cache: InspectionCache | None = None,
-                 layout_cache: LayoutCache | None = None) -> None:
+                 layout_cache: LayoutCache | None = None,
+                 rows: CheckpointRows | None = None) -> None:
         self.path = os.fspath(path)
         self.layout_cache = layout_cache if layout_cache is not None else LayoutCache()
         self.inspection_cache = inspection_cache
         start = time.perf_counter()
-        if inspection_cache is not None:
-            self.index, self.checkpoint = inspection_cache.index_of(self.path)
-            self.from_cache = self.checkpoint is None
-        else:
-            from ckptlab.checkpoint.open import open_checkpoint
-
-            self.checkpoint = open_checkpoint(self.path)
-            self.index = CheckpointIndex.from_checkpoint(self.checkpoint)
-            self.from_cache = False
-        self.frame = tensor_frame(self.index)
-        self.name_search = NameSearch(self.frame["name"])
+        if rows is None:
+            rows = CheckpointRows(self.path, inspection_cache=inspection_cache)
+        self.rows = rows
+        self.index = rows.index
+        self.checkpoint = rows.checkpoint
+        self.from_cache = rows.from_cache
+        self.frame = rows.frame
+        self.name_search = rows.name_search
         self.summary_html = index_summary_html(self.index)  # what every session shows first
         self.objects_html = objects_html(self.index.objects)
-        self.index_s = time.perf_counter() - start
+        self.index_s = rows.index_s + time.perf_counter() - start
         self.ready = threading.Event()
         self.error: str | None = None
         self._lock = threading.Lock()
@@ -559,6 +568,12 @@ class ServedCheckpoint:
         if os.path.isdir(self.path):
             return os.path.join(self.path, rel)
         return self.path
+
+    def schedule_load(self) -> None:
+        """Start the full open: now for a small checkpoint (up to ``EAGER_TENSORS`` tensors:
+        every page gets its byte map with its first paint), else on a timer
+        (``LOAD_FALLBACK_S``; the first page's draw usually starts it sooner)."""
+        _schedule_load(self)
 
     def start_loading(self) -> None:
         """Run :meth:`load` on a thread, then import what panel's plotly pane imports on
@@ -997,7 +1012,7 @@ class PendingCheckpoint:
         self.done = threading.Event()
         self.started = time.perf_counter()
         try:
-            self.nbytes = _checkpoint_nbytes(self.path)
+            self.nbytes = checkpoint_nbytes(self.path)
         except OSError:
             self.nbytes = 0
         self._inspection_cache = inspection_cache
@@ -1018,13 +1033,6 @@ class PendingCheckpoint:
     def wait(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds for ``done``; True if it is set."""
         return self.done.wait(timeout)
-
-
-def _checkpoint_nbytes(path: str) -> int:
-    if os.path.isdir(path):
-        with os.scandir(path) as entries:
-            return sum(e.stat().st_size for e in entries if e.is_file())
-    return os.stat(path).st_size
 
 
 class IndexProgress:
@@ -1121,6 +1129,16 @@ def _release_memory(trim: Callable[[int], int] | None) -> None:
         trim(0)
 
 
+def _query_argument(name: str) -> str:
+    """Query argument ``name`` of the page the current session is for ("" if none)."""
+    try:
+        values = pn.state.session_args.get(name) or []
+    except Exception:  # no session (a warm-up, a notebook)
+        return ""
+    value = values[0] if values else b""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
 class _Sessions:
     """The server's sessions: one app each (a :class:`CheckpointApp` over a
     :class:`ServedCheckpoint`, or a :class:`LayoutApp` for a layout without a file) over the
@@ -1151,6 +1169,9 @@ class _Sessions:
                 app: CheckpointApp | LayoutApp | IndexProgress = IndexProgress(pending)
         if self.served is not None:
             app = CheckpointApp(self.served)
+            search = _query_argument("q")
+            if search.strip():  # the quick page's search, carried over
+                app.tensors.find(search[:MAX_SEARCH])
         elif pending is None:
             app = LayoutApp(self.layout, cache=self.cache)
         doc = pn.state.curdoc
@@ -1248,20 +1269,63 @@ def serve(source: LayoutSource | ServedCheckpoint, *, port: int = 5006,
     # plotly's panel model, so that a page panel cannot send without plotly.js (no
     # _page_without_plotly) carries it
     import panel.models.plotly  # noqa: F401
-    origins = [f"{address}:{port}", f"localhost:{port}", f"127.0.0.1:{port}"]
     if isinstance(source, ServedCheckpoint):  # (a path's PendingCheckpoint did this)
         _schedule_load(served)
     pn.serve({"/": sessions.open}, port=port, address=address, show=show,
-             websocket_origin=origins, title="ckptlab", threaded=False, print_url=True,
-             warm=True, check_unused_sessions_milliseconds=SESSION_CHECK_MS,
-             unused_session_lifetime_milliseconds=SESSION_LIFETIME_MS)
+             websocket_origin=_origins(address, port), title="ckptlab", threaded=False,
+             print_url=True, warm=True, **_SESSION_OPTIONS)
+
+
+# bokeh's session bookkeeping, the same for every server of the app
+_SESSION_OPTIONS = {"check_unused_sessions_milliseconds": SESSION_CHECK_MS,
+                    "unused_session_lifetime_milliseconds": SESSION_LIFETIME_MS}
+
+
+def _origins(address: str, port: int) -> list[str]:
+    """The pages whose websocket the server accepts: those of ``address:port``."""
+    return [f"{address}:{port}", f"localhost:{port}", f"127.0.0.1:{port}"]
+
+
+def workbench_server(served: ServedCheckpoint, *, port: int, address: str) -> Any:
+    """Panel's server of the workbench over ``served``, for a front on ``address:port``.
+
+    The server of :func:`ckptlab.widgets.quick.serve`: the same sessions and options as
+    :func:`serve` (one warm-up session built here, session lifetimes, websockets of pages of
+    ``address:port`` only), started, but listening on no port of its own: the front
+    (:class:`~ckptlab.widgets.quick.QuickServer`) hands it its requests, through its tornado
+    application (bokeh's ``Server._tornado``). Call it on the IOLoop's thread.
+
+    Parameters
+    ----------
+    served
+        The checkpoint every session shows (its full open scheduled already).
+    port, address
+        Where the front listens: the pages' origin.
+
+    Returns
+    -------
+    bokeh.server.server.Server
+        Started; its own port (an ephemeral one on 127.0.0.1) closed.
+    """
+    from panel.io.server import get_server
+
+    sessions = _Sessions(None, served.layout_cache, served=served)
+    pn.extension("tabulator", inline=True)  # pages come without plotly.js (see serve)
+    import panel.models.plotly  # noqa: F401
+    server = get_server({"/": sessions.open}, port=0, address="127.0.0.1",
+                        websocket_origin=_origins(address, port), title="ckptlab",
+                        start=False, warm=True, **_SESSION_OPTIONS)
+    server.unlisten()  # bokeh bound a port of its own: requests come through the front
+    server.start()  # bokeh's periodic work (unused sessions), not the IOLoop
+    return server
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m ckptlab.widgets.app PATH [--port N] [--address A]``: serve any checkpoint.
 
-    The same as ``ckptlab serve`` without its format check (for the browser tests and the
-    first-paint benchmark while the CLI refuses formats other than torch.save files).
+    The same as ``ckptlab serve`` (:func:`ckptlab.widgets.quick.serve`: the quick page, then
+    the workbench) without its format check (for the browser tests and the first-paint
+    benchmark while the CLI refuses formats other than torch.save files).
     """
     import argparse
 
@@ -1270,7 +1334,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=5006)
     parser.add_argument("--address", default="127.0.0.1")
     args = parser.parse_args(argv)
-    serve(args.path, port=args.port, address=args.address)
+    from ckptlab.widgets.quick import serve as serve_quick
+
+    serve_quick(args.path, port=args.port, address=args.address)
     return 0
 
 

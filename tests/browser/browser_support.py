@@ -170,6 +170,27 @@ def serve_process(
         shutil.rmtree(log_dir, ignore_errors=True)
 
 
+def wait_for_workbench(url: str, timeout: float = 120.0) -> None:
+    """Wait until ``ckptlab serve`` at ``url`` answers ``/`` with the panel workbench (it
+    answers the quick page first: ckptlab.widgets.quick), for clients that are no browser
+    (a browser's quick page reloads itself into the workbench)."""
+    import json
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/ckptlab/quick/state", timeout=10) as r:
+                state = json.load(r)
+        except OSError:
+            state = {}
+        if state.get("workbench"):
+            return
+        if state.get("error") or state.get("workbench_error") or time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not become the workbench: {state}")
+        time.sleep(0.1)
+
+
 @dataclass
 class PageLog:
     """What a `page` did that a test may want to assert on.

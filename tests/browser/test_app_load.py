@@ -43,6 +43,7 @@ from browser_support import (
     free_port,
     is_external_url,
     serve_process,
+    wait_for_workbench,
 )
 
 from ckptlab.format.predict import DEFAULT_ALIGNMENTS
@@ -100,6 +101,7 @@ def server(big_file: Path) -> Iterator[ServedProcess]:
     port = free_port()
     cmd = [sys.executable, "-m", "ckptlab", "serve", str(big_file), "--port", str(port)]
     with serve_process(cmd, port, timeout=120) as proc:
+        wait_for_workbench(proc.url)  # the protocol sessions GET the workbench's page
         yield proc
 
 
