@@ -14,10 +14,15 @@ is one compact columnar file (:func:`encode_index`): a magic line, a JSON header
 :data:`CACHE_VERSION`, the identity, the small fields, the string tables and where each column
 is) and the columns as little-endian int64/int32 arrays and UTF-8 text, read back with
 ``numpy.frombuffer`` (a 100,000-tensor index in tens of milliseconds, where the same columns as
-per-entry JSON took 0.3 s). The header carries the SHA-256 of the columns. Entries are written
-atomically (a temporary file in the same directory, then ``os.replace``) and are bounded in
-total size (the least recently used go first). An entry that does not parse, fails its
-checksum or any column check, is of another version, or describes another identity is ignored
+per-entry JSON took 0.3 s). A SHA-256 of everything else in the entry (magic, header, columns)
+sits before the header, and the columns are checked against each other (each tensor's bytes
+are its parts' bytes, its offset and file its first part's, the columns laid out one after the
+other in a fixed order). Entries are written atomically (a temporary file in the same
+directory, then ``os.replace``) and are bounded in total size (the least recently used go
+first; temporary files count too, and those a killed writer left behind are removed). An entry
+is read from one descriptor (never following a link, never blocking on a FIFO, never past the
+size bound): one that is not a regular file, is too large, does not parse, fails its checksum
+or any column check, is of another version, or describes another identity is a miss, removed
 and rebuilt; a cache directory that cannot be written makes the cache a no-op.
 """
 
@@ -27,8 +32,8 @@ import contextlib
 import hashlib
 import itertools
 import json
-import operator
 import os
+import stat
 import tempfile
 import time
 from collections.abc import Callable
@@ -41,14 +46,19 @@ from ckptlab.errors import InvalidArgumentError
 __all__ = ["CACHE_VERSION", "CheckpointIndex", "InspectionCache", "cache_dir", "decode_index",
            "encode_index", "identity_of"]
 
-# 2: one columnar file per entry (``.ckix``); 1 was one JSON document (``.json``)
-CACHE_VERSION = 2
+# 3: the SHA-256 covers the header too and sits before it, the columns are cross-checked;
+# 2: the SHA-256 covered the columns only; 1: one JSON document per entry (``.json``)
+CACHE_VERSION = 3
 EDGE_NBYTES = 64 * 1024  # bytes hashed at each end of a file
 DEFAULT_MAX_NBYTES = 256 * 2**20  # the whole cache directory's entries
 _SUFFIX = ".ckix"
 _OLD_SUFFIXES = (".json",)  # earlier versions' entries: never read, pruned like the others
 _MAGIC = b"CKPTLAB-INDEX\n"
 _HEADER_MAX = 64 * 2**20  # a header longer than this is damage, not an index
+_LEN_END = len(_MAGIC) + 8  # the header's length field ends here
+_DIGEST_END = _LEN_END + 32  # then the SHA-256 of the rest of the entry (raw bytes)
+_TMP_PREFIX = ".tmp-"  # a temporary entry, renamed into place once written
+_TMP_MAX_AGE_NS = 10 * 60 * 10**9  # a temporary file untouched this long is a dead writer's
 # the int64 columns, in the order they are stored; "parts" columns have one item per part
 _INT_COLUMNS = (("nbytes", "tensors"), ("parameters", "tensors"), ("file", "tensors"),
                 ("offset", "tensors"), ("part_start", "tensors+1"), ("part_file", "parts"),
@@ -56,6 +66,11 @@ _INT_COLUMNS = (("nbytes", "tensors"), ("parameters", "tensors"), ("file", "tens
 # the string columns kept as a table of distinct values and an int32 code per row
 _CODED_COLUMNS = (("dtypes", "tensors"), ("shapes", "tensors"), ("kinds", "tensors"),
                   ("part_role", "parts"))
+# every column of the body, in the order it is stored, with its item size (0: the names'
+# UTF-8 text, which takes the rest of the body)
+_LAYOUT = (*((name, 8, size) for name, size in _INT_COLUMNS),
+           *((name, 4, size) for name, size in _CODED_COLUMNS),
+           ("name_ends", 8, "tensors"), ("names", 0, ""))
 
 
 def cache_dir() -> Path:
@@ -118,9 +133,11 @@ class CheckpointIndex:
     """What a checkpoint holds, as columns: one row per tensor, its parts flattened.
 
     Built from a :class:`~ckptlab.checkpoint.Checkpoint` (:meth:`from_checkpoint`) or read
-    back from JSON (:meth:`from_dict`); it needs no file access to be shown. Row ``i`` is the
-    checkpoint's ``i``-th tensor; its parts are ``part_*[part_start[i]:part_start[i + 1]]``.
-    ``file`` and ``part_file`` index ``files``; ``offset`` is -1 for a tensor without bytes.
+    back from a cache entry (:func:`decode_index`); it needs no file access to be shown. Row
+    ``i`` is the checkpoint's ``i``-th tensor; its parts are
+    ``part_*[part_start[i]:part_start[i + 1]]``. ``file`` and ``part_file`` index ``files``;
+    ``nbytes[i]`` is the sum of its parts' ``part_nbytes``; ``offset[i]`` and ``file[i]`` are
+    its first part's (-1 for a tensor without parts).
     """
 
     format: str
@@ -221,7 +238,7 @@ class CheckpointIndex:
 
     # -- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready columns (the cache's entry body)."""
+        """The columns as JSON-ready lists (to compare indexes, or to show one as JSON)."""
         return {"format": self.format, "path": self.path,
                 "files": [list(f) for f in self.files],
                 "names": list(self.names), "dtypes": list(self.dtypes),
@@ -233,60 +250,6 @@ class CheckpointIndex:
                 "part_nbytes": list(self.part_nbytes), "objects": self.objects,
                 "notes": list(self.notes)}
 
-    @classmethod
-    def from_dict(cls, data: Any) -> CheckpointIndex:
-        """Read :meth:`to_dict`'s output back, checking every column's type and length.
-
-        Raises
-        ------
-        InvalidArgumentError
-            ``data`` is not such a dict (a damaged or foreign cache entry).
-        """
-        def fail(what: str) -> InvalidArgumentError:
-            return InvalidArgumentError(f"inspection cache entry: {what}")
-
-        if not isinstance(data, dict):
-            raise fail(f"expected a JSON object, got {type(data).__name__}")
-
-        def column(key: str, kind: type, n: int | None) -> tuple[Any, ...]:
-            value = data.get(key)
-            if not isinstance(value, list) or (n is not None and len(value) != n):
-                raise fail(f"column {key!r}: expected a list of {n} items")
-            if value and set(map(type, value)) != {kind}:  # every item exactly a kind
-                raise fail(f"column {key!r}: expected {kind.__name__} items")
-            return tuple(value)
-
-        names = column("names", str, None)
-        n = len(names)
-        files = data.get("files")
-        if not isinstance(files, list) or not all(
-                isinstance(f, list) and len(f) == 3 and type(f[0]) is str and type(f[1]) is str
-                and type(f[2]) is int for f in files):
-            raise fail("files: expected [path, format, nbytes] lists")
-        start = column("part_start", int, n + 1)
-        nparts = start[-1] if start else 0
-        if start[0] != 0 or not all(map(operator.le, start, itertools.islice(start, 1, None))):
-            raise fail("part_start: expected ascending offsets from 0")
-        file = column("file", int, n)
-        part_file = column("part_file", int, nparts)
-        if any(column and not (-1 <= min(column) and max(column) < len(files))
-               for column in (file, part_file)):
-            raise fail("file index out of range")
-        objects = data.get("objects")
-        notes = column("notes", str, None)
-        for key in ("format", "path"):
-            if type(data.get(key)) is not str:
-                raise fail(f"{key!r}: expected a string")
-        if not isinstance(objects, dict):
-            raise fail("objects: expected a JSON object")
-        index = cls(data["format"], data["path"], tuple(tuple(f) for f in files), names,
-                    column("dtypes", str, n), column("shapes", str, n), column("kinds", str, n),
-                    column("nbytes", int, n), column("parameters", int, n), file,
-                    column("offset", int, n), start, column("part_role", str, nparts),
-                    part_file, column("part_offset", int, nparts),
-                    column("part_nbytes", int, nparts), objects, notes)
-        return index
-
 
 def _text_column(values: tuple[str, ...]) -> tuple[bytes, list[int]]:
     """``values`` as one UTF-8 text and each value's end, counted in characters."""
@@ -294,19 +257,89 @@ def _text_column(values: tuple[str, ...]) -> tuple[bytes, list[int]]:
     return "".join(values).encode("utf-8", "surrogatepass"), ends
 
 
+def _entry_digest(view: memoryview) -> bytes:
+    """The SHA-256 of an entry's bytes other than the digest itself (magic, header length,
+    header, body)."""
+    digest = hashlib.sha256(view[:_LEN_END])
+    digest.update(view[_DIGEST_END:])
+    return digest.digest()
+
+
+def _check_columns(ints: dict[str, Any], n: int, nparts: int, nfiles: int,
+                   fail: Callable[[str], Exception], at: Callable[[str, int], str]) -> None:
+    """Check the int64 columns against each other (see :class:`CheckpointIndex`).
+
+    ``ints`` maps each of :data:`_INT_COLUMNS` to an int64 array of its length; ``at(name,
+    row)`` says where item ``row`` of column ``name`` is (for the message); ``fail`` makes the
+    error raised.
+    """
+    import numpy as np
+
+    start = ints["part_start"]
+    down = start[1:] < start[:-1]
+    bad: tuple[int, str] | None = None
+    if int(start[0]) != 0:
+        bad = (0, "0")
+    elif bool(down.any()):
+        row = int(np.flatnonzero(down)[0]) + 1
+        bad = (row, f">= {int(start[row - 1]):,}")
+    elif int(start[-1]) != nparts:
+        bad = (n, f"{nparts:,}")
+    if bad is not None:
+        row, want = bad
+        raise fail(f"column 'part_start' item {row:,}{at('part_start', row)}: expected "
+                   f"{want} (ascending from 0 to the {nparts:,} parts), got {int(start[row]):,}")
+    for name in ("file", "part_file"):
+        col = ints[name]
+        if col.size and not (-1 <= int(col.min()) and int(col.max()) < nfiles):
+            raise fail(f"column {name!r}: expected file indexes in [-1, {nfiles}), got "
+                       f"[{int(col.min())}, {int(col.max())}]")
+
+    def first_bad(bad: Any) -> int:
+        return int(np.flatnonzero(bad)[0])
+
+    part_nbytes = ints["part_nbytes"]
+    if part_nbytes.size and int(part_nbytes.min()) < 0:
+        row = first_bad(part_nbytes < 0)
+        raise fail(f"column 'part_nbytes' part {row:,}{at('part_nbytes', row)}: expected a "
+                   f"size >= 0, got {int(part_nbytes[row]):,}")
+    ends = np.cumsum(part_nbytes)  # int64: a sum past int64 wraps below the one before it
+    if ends.size > 1 and bool((ends[1:] < ends[:-1]).any()):
+        raise fail("column 'part_nbytes': expected parts' sizes that sum within int64")
+    # start is ascending within [0, nparts]: every index below is in range
+    sums = np.concatenate((np.zeros(1, dtype=np.int64), ends))
+    lo, hi = start[:-1], start[1:]
+    expected = {"nbytes": (sums[hi] - sums[lo], "the sum of its parts' part_nbytes")}
+    has = hi > lo
+    for name, part_name in (("offset", "part_offset"), ("file", "part_file")):
+        firsts = np.full(n, -1, dtype=np.int64)
+        firsts[has] = ints[part_name][lo[has]]
+        expected[name] = (firsts, f"its first part's {part_name} (-1 without parts)")
+    for name, (want, what) in expected.items():
+        bad = ints[name] != want
+        if bool(bad.any()):
+            row = first_bad(bad)
+            raise fail(f"column {name!r} row {row:,}{at(name, row)}: expected {int(want[row]):,} "
+                       f"({what}), got {int(ints[name][row]):,}")
+
+
 def encode_index(index: CheckpointIndex, identity: dict[str, Any]) -> bytes:
     """One cache entry: ``index`` of the checkpoint with ``identity``, in the columnar format.
 
-    The layout: :data:`_MAGIC`, the header's length (8 bytes, little-endian), the header (JSON:
-    ``version``, ``identity``, the small fields, ``tensors``, ``parts``, the string tables,
-    ``columns``: ``name -> [start, nbytes]`` within the body, ``body_sha256``), then the body:
-    the int64 columns, the int32 codes of the string columns, the names' character ends
-    (int64) and the names as one UTF-8 text.
+    The layout: :data:`_MAGIC`, the header's length (8 bytes, little-endian), the SHA-256 (32
+    raw bytes) of everything else in the entry, the header (JSON: ``version``, ``identity``,
+    the small fields, ``tensors``, ``parts``, the string tables, ``columns``: ``name -> [start,
+    nbytes]`` within the body), then the body: the int64 columns, the int32 codes of the string
+    columns, the names' character ends (int64) and the names as one UTF-8 text, one after the
+    other in the order of :data:`_LAYOUT`.
 
     Raises
     ------
     OverflowError
         A number does not fit int64 (the entry is then not stored).
+    InvalidArgumentError
+        The columns break one of :class:`CheckpointIndex`'s invariants (such an entry would
+        never be read back, so it is not stored).
     """
     import numpy as np
 
@@ -321,8 +354,18 @@ def encode_index(index: CheckpointIndex, identity: dict[str, Any]) -> bytes:
         chunks.append(data)
         at += len(data)
 
+    counts = {"tensors": n, "tensors+1": n + 1, "parts": nparts}
+    for name, size in (*_INT_COLUMNS, *_CODED_COLUMNS):
+        if len(getattr(index, name)) != counts[size]:
+            raise InvalidArgumentError(f"index of {index.path}: column {name!r}: expected "
+                                       f"{counts[size]:,} items, got "
+                                       f"{len(getattr(index, name)):,}")
+    ints = {name: np.array(getattr(index, name), dtype="<i8") for name, _ in _INT_COLUMNS}
+    _check_columns(ints, n, nparts, len(index.files),
+                   lambda what: InvalidArgumentError(f"index of {index.path}: {what}"),
+                   lambda name, row: "")
     for name, _ in _INT_COLUMNS:
-        put(name, np.array(getattr(index, name), dtype="<i8").tobytes())
+        put(name, ints[name].tobytes())
     tables: dict[str, list[str]] = {}
     for name, _ in _CODED_COLUMNS:
         values = getattr(index, name)
@@ -334,24 +377,30 @@ def encode_index(index: CheckpointIndex, identity: dict[str, Any]) -> bytes:
     text, ends = _text_column(index.names)
     put("name_ends", np.array(ends, dtype="<i8").tobytes())
     put("names", text)
-    body = b"".join(chunks)
     header = json.dumps({
         "version": CACHE_VERSION, "identity": identity, "format": index.format,
         "path": index.path, "files": [list(f) for f in index.files], "objects": index.objects,
         "notes": list(index.notes), "tensors": n, "parts": nparts, "tables": tables,
-        "columns": where, "body_sha256": hashlib.sha256(body).hexdigest(),
+        "columns": where,
     }, separators=(",", ":"), allow_nan=True).encode()
-    return _MAGIC + len(header).to_bytes(8, "little") + header + body
+    entry = bytearray(_MAGIC + len(header).to_bytes(8, "little") + bytes(32) + header)
+    for chunk in chunks:
+        entry += chunk
+    view = memoryview(entry)
+    view[_LEN_END:_DIGEST_END] = _entry_digest(view)
+    view.release()
+    return bytes(entry)
 
 
-def decode_index(data: bytes, identity: dict[str, Any] | None = None, *,
-                 where: str = "inspection cache entry") -> CheckpointIndex:
+def decode_index(data: bytes | bytearray | memoryview, identity: dict[str, Any] | None = None,
+                 *, where: str = "inspection cache entry") -> CheckpointIndex:
     """Read :func:`encode_index`'s output back, checking everything before it is used.
 
-    The checks: the magic, the version, ``identity`` (when given), the body's SHA-256, every
-    column's length, the string codes within their tables, ``part_start`` ascending from 0 to
-    the part count, file indexes within ``files`` (or -1), the names' ends ascending within
-    their text.
+    The checks: the magic, the SHA-256 (of the header and the body), the version, ``identity``
+    (when given), every column's place (the order of :data:`_LAYOUT`, each right after the one
+    before, of its length), the string codes within their tables, ``part_start`` ascending from
+    0 to the part count, file indexes within ``files`` (or -1), each tensor's ``nbytes``,
+    ``offset`` and ``file`` against its parts, the names' ends ascending within their text.
 
     Raises
     ------
@@ -364,14 +413,17 @@ def decode_index(data: bytes, identity: dict[str, Any] | None = None, *,
     def fail(what: str) -> InvalidArgumentError:
         return InvalidArgumentError(f"{where}: {what}")
 
-    view = memoryview(data)
-    head = len(_MAGIC) + 8
+    view = memoryview(data).cast("B")
     if bytes(view[:len(_MAGIC)]) != _MAGIC:
         raise fail(f"offset 0: expected the magic {_MAGIC!r}, got {bytes(view[:len(_MAGIC)])!r}")
-    hlen = int.from_bytes(view[len(_MAGIC):head], "little")
-    if len(view) < head or hlen > min(_HEADER_MAX, len(view) - head):
+    hlen = int.from_bytes(view[len(_MAGIC):_LEN_END], "little")
+    if len(view) < _DIGEST_END or hlen > min(_HEADER_MAX, len(view) - _DIGEST_END):
         raise fail(f"offset {len(_MAGIC)}: a header of {hlen:,} bytes does not fit the "
                    f"{len(view):,}-byte entry")
+    if _entry_digest(view) != bytes(view[_LEN_END:_DIGEST_END]):
+        raise fail(f"offset {_LEN_END}: expected the SHA-256 of the header and the body, "
+                   f"got {bytes(view[_LEN_END:_DIGEST_END]).hex()[:16]}... (damaged or edited)")
+    head = _DIGEST_END
     try:
         header = json.loads(bytes(view[head:head + hlen]))
     except (ValueError, RecursionError) as exc:
@@ -383,61 +435,60 @@ def decode_index(data: bytes, identity: dict[str, Any] | None = None, *,
     if identity is not None and header.get("identity") != identity:
         raise fail("identity: the entry describes another checkpoint")
     body = view[head + hlen:]
-    if hashlib.sha256(body).hexdigest() != header.get("body_sha256"):
-        raise fail(f"offset {head + hlen}: the body's SHA-256 does not match the header's")
     n, nparts = header.get("tensors"), header.get("parts")
     if type(n) is not int or type(nparts) is not int or n < 0 or nparts < 0:
         raise fail(f"tensors/parts: expected counts, got {n!r}/{nparts!r}")
     counts = {"tensors": n, "tensors+1": n + 1, "parts": nparts}
     columns = header.get("columns")
-    if not isinstance(columns, dict):
-        raise fail("columns: expected a JSON object")
+    if not isinstance(columns, dict) or set(columns) != {name for name, _, _ in _LAYOUT}:
+        raise fail(f"columns: expected a JSON object of the {len(_LAYOUT)} columns "
+                   f"{[name for name, _, _ in _LAYOUT]}")
+    # the columns lie one after the other in _LAYOUT's order, the names' text last
+    spans: dict[str, tuple[int, int]] = {}
+    at = 0
+    for name, itemsize, size in _LAYOUT:
+        nbytes = counts[size] * itemsize if itemsize else len(body) - at
+        span = columns[name]
+        if span != [at, nbytes] or at + nbytes > len(body) or nbytes < 0:
+            raise fail(f"column {name!r}: expected [{at:,}, {max(nbytes, 0):,}] (start and "
+                       f"length in the {len(body):,}-byte body at entry offset "
+                       f"{head + hlen:,}), got {span!r}")
+        spans[name] = (at, nbytes)
+        at += nbytes
 
-    def raw(name: str, itemsize: int, count: int | None) -> memoryview:
-        span = columns.get(name)
-        if not (isinstance(span, list) and len(span) == 2 and all(type(v) is int for v in span)
-                and 0 <= span[0] and 0 <= span[1] and span[0] + span[1] <= len(body)):
-            raise fail(f"column {name!r}: expected [start, nbytes] within the "
-                       f"{len(body):,}-byte body, got {span!r}")
-        if count is not None and span[1] != count * itemsize:
-            raise fail(f"column {name!r} at body offset {span[0]:,}: expected {count:,} items "
-                       f"({count * itemsize:,} bytes), got {span[1]:,} bytes")
-        return body[span[0]:span[0] + span[1]]
+    def raw(name: str) -> memoryview:
+        start, nbytes = spans[name]
+        return body[start:start + nbytes]
 
-    ints = {name: np.frombuffer(raw(name, 8, counts[size]), dtype="<i8")
-            for name, size in _INT_COLUMNS}
+    def place(name: str, row: int) -> str:
+        return f" (entry offset {head + hlen + spans[name][0] + 8 * row:,})"
+
+    ints = {name: np.frombuffer(raw(name), dtype="<i8") for name, _ in _INT_COLUMNS}
     files = header.get("files")
     if not isinstance(files, list) or not all(
             isinstance(f, list) and len(f) == 3 and type(f[0]) is str and type(f[1]) is str
             and type(f[2]) is int for f in files):
         raise fail("files: expected [path, format, nbytes] lists")
-    start = ints["part_start"]
-    if start[0] != 0 or start[-1] != nparts or (n and bool((np.diff(start) < 0).any())):
-        raise fail(f"part_start: expected ascending offsets from 0 to {nparts:,}")
-    for name in ("file", "part_file"):
-        col = ints[name]
-        if col.size and not (-1 <= int(col.min()) and int(col.max()) < len(files)):
-            raise fail(f"column {name!r}: expected file indexes in [-1, {len(files)}), got "
-                       f"[{int(col.min())}, {int(col.max())}]")
+    _check_columns(ints, n, nparts, len(files), fail, place)
     tables = header.get("tables")
     if not isinstance(tables, dict):
         raise fail("tables: expected a JSON object")
     coded: dict[str, tuple[str, ...]] = {}
-    for name, size in _CODED_COLUMNS:
+    for name, _ in _CODED_COLUMNS:
         table = tables.get(name)
         if not isinstance(table, list) or (table and set(map(type, table)) != {str}):
             raise fail(f"table {name!r}: expected a list of strings")
-        codes = np.frombuffer(raw(name, 4, counts[size]), dtype="<i4")
+        codes = np.frombuffer(raw(name), dtype="<i4")
         if codes.size and not (0 <= int(codes.min()) and int(codes.max()) < len(table)):
             raise fail(f"column {name!r}: codes outside its table of {len(table)} values")
         coded[name] = tuple(np.array(table, dtype=object)[codes].tolist()) if codes.size else ()
-    ends = np.frombuffer(raw("name_ends", 8, n), dtype="<i8")
+    ends = np.frombuffer(raw("name_ends"), dtype="<i8")
     try:
-        text = bytes(raw("names", 1, None)).decode("utf-8", "surrogatepass")
+        text = bytes(raw("names")).decode("utf-8", "surrogatepass")
     except UnicodeDecodeError as exc:
         raise fail(f"column 'names': not UTF-8 at byte {exc.start:,}") from None
     if n and (int(ends[0]) < 0 or int(ends[-1]) != len(text)
-              or bool((np.diff(ends) < 0).any())):
+              or bool((ends[1:] < ends[:-1]).any())):
         raise fail(f"column 'name_ends': expected ascending ends up to {len(text):,}")
     bounds = ends.tolist()
     names = tuple(map(text.__getitem__, map(slice, [0, *bounds[:-1]], bounds)))
@@ -486,20 +537,27 @@ class InspectionCache:
 
     def load(self, path: str | os.PathLike[str],
              identity: dict[str, Any] | None = None) -> CheckpointIndex | None:
-        """The cached index of the checkpoint at ``path``, or None (absent, damaged, stale)."""
+        """The cached index of the checkpoint at ``path``, or None (absent, damaged, stale).
+
+        Never raises for the entry and never blocks on it: one that is not a regular file (a
+        link, a FIFO, a device), larger than ``max_nbytes``, unreadable or not a valid entry of
+        this checkpoint is a miss (counted in ``rejected``) and is removed.
+        """
         identity = identity if identity is not None else identity_of(path)
         entry = self._entry_path(identity)
+        seen: list[os.stat_result] = []
         try:
-            if entry.stat().st_size > self.max_nbytes:
-                raise ValueError("larger than the cache")
-            index = decode_index(entry.read_bytes(), identity, where=str(entry))
+            data = _read_entry(entry, self.max_nbytes, seen)
+            index = decode_index(data, identity, where=str(entry))
         except FileNotFoundError:
             self.misses += 1
             return None
-        except (OSError, ValueError, RecursionError, UnicodeDecodeError):
-            # damaged, foreign or stale: ignored, and replaced by the next store
+        except (OSError, ValueError, LookupError, TypeError, ArithmeticError, RecursionError):
+            # damaged, foreign, stale or not a file at all: ignored, removed, rebuilt by the
+            # next store (decode_index raises InvalidArgumentError only; the rest is defence)
             self.rejected += 1
             self.misses += 1
+            _discard(entry, seen[0] if seen else None)
             return None
         _touch(entry)  # recently used: the last to be removed
         self.hits += 1
@@ -520,7 +578,7 @@ class InspectionCache:
         tmp = None
         try:
             entry.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=".tmp-", suffix=_SUFFIX)
+            fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=_TMP_PREFIX, suffix=_SUFFIX)
             with os.fdopen(fd, "wb") as f:
                 f.write(body)
             os.replace(tmp, entry)
@@ -536,20 +594,34 @@ class InspectionCache:
         return True
 
     def _prune(self, keep: Path) -> None:
-        """Remove the least recently used entries until the rest fit ``max_nbytes``."""
-        try:
-            entries = [(p.stat().st_mtime_ns, p.stat().st_size, p)
-                       for p in _entry_files(self.directory)]
-        except OSError:
-            return
-        total = sum(e[1] for e in entries)
+        """Remove the least recently used entries until the rest fit ``max_nbytes``.
+
+        Temporary files count toward the bound; one untouched for ten minutes (its writer was
+        killed between writing it and renaming it into place) is removed first, a younger one
+        (a writer at work) is left alone. A file another process removes meanwhile is skipped.
+        """
+        now = time.time_ns()
+        entries: list[tuple[int, int, Path]] = []
+        total = 0
+        for p in _entry_files(self.directory):
+            try:
+                st = p.lstat()
+            except OSError:  # removed by another process since it was listed
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                continue
+            nbytes = st.st_size if stat.S_ISREG(st.st_mode) else 0
+            if p.name.startswith(_TMP_PREFIX):
+                if now - st.st_mtime_ns > _TMP_MAX_AGE_NS and _unlink(p):
+                    continue
+                total += nbytes  # a writer at work: counted, never removed
+                continue
+            entries.append((st.st_mtime_ns, nbytes, p))
+            total += nbytes
         for _, nbytes, p in sorted(entries, key=lambda e: e[0]):
             if total <= self.max_nbytes:
                 break
-            if p == keep:
-                continue
-            with contextlib.suppress(OSError):
-                p.unlink()
+            if p != keep and _unlink(p):
                 total -= nbytes
 
     def index_of(self, path: str | os.PathLike[str],
@@ -582,14 +654,90 @@ def _touch(path: Path) -> None:
         os.utime(path, ns=(now, now))
 
 
+def _unlink(path: Path) -> bool:
+    """Remove ``path``; True where it is gone (also when another process removed it first)."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+_OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
+               | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+               | getattr(os, "O_BINARY", 0))
+
+
+def _read_entry(entry: Path, max_nbytes: int, seen: list[os.stat_result]) -> bytearray:
+    """The bytes of the cache entry ``entry``, read from one descriptor.
+
+    The entry is opened without following a link and without blocking (a FIFO), then must be
+    a regular file of at most ``max_nbytes`` bytes by ``fstat`` of that descriptor; at most
+    its size plus one byte are read (a file that grew meanwhile is refused, never read on).
+    What ``fstat`` said is appended to ``seen`` (so that a caller removes that file only).
+
+    Raises
+    ------
+    FileNotFoundError
+        There is no entry.
+    OSError
+        It cannot be opened or read (a link, where ``O_NOFOLLOW`` exists: ``ELOOP``).
+    InvalidArgumentError
+        It is not a regular file, is larger than ``max_nbytes``, or changed while read.
+    """
+    if not hasattr(os, "O_NOFOLLOW") and entry.is_symlink():
+        raise InvalidArgumentError(f"{entry}: expected a regular file, got a symbolic link")
+    fd = os.open(entry, _OPEN_FLAGS)
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        st = os.fstat(fd)
+        seen.append(st)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidArgumentError(f"{entry}: expected a regular file, got mode "
+                                       f"{stat.filemode(st.st_mode)}")
+        if st.st_size > max_nbytes:
+            raise InvalidArgumentError(f"{entry}: expected at most {max_nbytes:,} bytes (the "
+                                       f"cache's bound), got {st.st_size:,}")
+        data = bytearray(st.st_size + 1)  # one byte more: to see a file that grew
+        view = memoryview(data)
+        got = 0
+        while got < len(data):
+            step = f.readinto(view[got:])
+            if not step:  # the end (0), or a read that would block (None)
+                break
+            got += step
+        view.release()
+    if got > st.st_size:
+        raise InvalidArgumentError(f"{entry} at offset {st.st_size:,}: expected the end of "
+                                   f"the {st.st_size:,}-byte entry, got more (it changed while "
+                                   f"read)")
+    del data[got:]
+    return data
+
+
+def _discard(entry: Path, seen: os.stat_result | None) -> None:
+    """Remove a rejected cache entry where it is ours to remove: not a directory, owned by
+    this user, and (where it was opened) still the file that was read, not one another process
+    renamed into place since."""
+    with contextlib.suppress(OSError):
+        now = entry.lstat()
+        if stat.S_ISDIR(now.st_mode):
+            return
+        if hasattr(os, "getuid") and now.st_uid != os.getuid():
+            return
+        if seen is not None and (now.st_dev, now.st_ino) != (seen.st_dev, seen.st_ino):
+            return
+        entry.unlink()
+
+
 def _entry_files(directory: Path) -> list[Path]:
-    """The entries of every version under a cache directory."""
+    """The entries of every version under a cache directory, and their temporary files."""
     out: list[Path] = []
-    if not directory.is_dir():
-        return out
-    for sub in directory.iterdir():
-        if sub.is_dir() and sub.name.startswith("v"):
-            out.extend(p for p in sub.iterdir()
-                       if p.suffix in (_SUFFIX, *_OLD_SUFFIXES)
-                       and not p.name.startswith(".tmp-"))
+    with contextlib.suppress(OSError):
+        subs = [sub for sub in directory.iterdir()
+                if sub.name.startswith("v") and sub.is_dir()]
+        for sub in subs:
+            with contextlib.suppress(OSError):  # another process removed it meanwhile
+                out.extend(p for p in sub.iterdir() if p.suffix in (_SUFFIX, *_OLD_SUFFIXES))
     return out

@@ -38,6 +38,7 @@ def model_file(tmp_path):
 
 
 MAGIC = b"CKPTLAB-INDEX\n"
+HEAD = len(MAGIC) + 8 + 32  # the magic, the header's length, the SHA-256 of the rest
 
 
 def _entries(cache: InspectionCache) -> list:
@@ -48,17 +49,22 @@ def _split(raw: bytes) -> tuple[dict, bytearray]:
     """An entry's header and body (the format of ``encode_index``)."""
     assert raw.startswith(MAGIC)
     hlen = int.from_bytes(raw[len(MAGIC):len(MAGIC) + 8], "little")
-    start = len(MAGIC) + 8
-    return json.loads(raw[start:start + hlen]), bytearray(raw[start + hlen:])
+    return json.loads(raw[HEAD:HEAD + hlen]), bytearray(raw[HEAD + hlen:])
 
 
-def _join(header: dict, body: bytes, *, checksum: bool = True) -> bytes:
-    """An entry from a header and a body; ``checksum``: the header states the body's real
-    SHA-256 (so that the entry's other checks are the ones that must catch a damage)."""
-    if checksum:
-        header = {**header, "body_sha256": hashlib.sha256(body).hexdigest()}
-    text = json.dumps(header).encode()
-    return MAGIC + len(text).to_bytes(8, "little") + text + bytes(body)
+def _entry(text: bytes, body: bytes, digest: bytes | None = None) -> bytes:
+    """An entry of header ``text`` and ``body``; its SHA-256 the real one unless ``digest``."""
+    head = MAGIC + len(text).to_bytes(8, "little")
+    if digest is None:
+        digest = hashlib.sha256(head + text + bytes(body)).digest()
+    return head + digest + text + bytes(body)
+
+
+def _join(header: dict, body: bytes, *, checksum: bool = True, raw: bytes = b"") -> bytes:
+    """An entry from a header and a body; ``checksum``: the entry states its real SHA-256 (so
+    that the entry's other checks are the ones that must catch a damage), else ``raw``'s."""
+    return _entry(json.dumps(header).encode(), body,
+                  None if checksum else raw[len(MAGIC) + 8:HEAD])
 
 
 def _edit_column(name: str, row: int, value: int, dtype: str = "<i8"):
@@ -84,7 +90,39 @@ def _edit_header(**fields):
 def _flip_body_byte(raw: bytes) -> bytes:
     header, body = _split(raw)
     body[len(body) // 2] ^= 0x40
-    return _join(header, body, checksum=False)
+    return _join(header, body, checksum=False, raw=raw)
+
+
+def _edit_header_keeping_the_checksum(raw: bytes) -> bytes:
+    """A hand edit of the header (a dtype renamed) with the entry's old SHA-256 kept."""
+    header, body = _split(raw)
+    header["tables"]["dtypes"] = ["float16" if t == "float32" else t
+                                  for t in header["tables"]["dtypes"]]
+    return _join(header, body, checksum=False, raw=raw)
+
+
+def _swap_spans(first: str, second: str):
+    """A damage: two columns' [start, nbytes] swapped in the header, the checksum made right
+    (the fixture's 3 tensors have 3 parts: the spans are of one length)."""
+    def damage(raw: bytes) -> bytes:
+        header, body = _split(raw)
+        cols = header["columns"]
+        cols[first], cols[second] = cols[second], cols[first]
+        return _join(header, body)
+    return damage
+
+
+def _swap_items(name: str, dtype: str = "<i8"):
+    """A damage: items 0 and 1 of column ``name`` swapped, the checksum made right."""
+    def damage(raw: bytes) -> bytes:
+        header, body = _split(raw)
+        start, nbytes = header["columns"][name]
+        col = np.frombuffer(body, dtype=dtype, count=nbytes // np.dtype(dtype).itemsize,
+                            offset=start).copy()
+        col[[0, 1]] = col[[1, 0]]
+        body[start:start + nbytes] = col.tobytes()
+        return _join(header, body)
+    return damage
 
 
 def test_index_matches_the_checkpoint(model_file):
@@ -143,10 +181,13 @@ def test_a_rewritten_file_is_another_entry(model_file, tmp_path):
     lambda raw: b"",
     lambda raw: raw[: len(raw) // 2],
     lambda raw: raw[:-1],
-    lambda raw: raw[: len(MAGIC) + 8] + b"[" * 100_000,
+    lambda raw: _entry(b"[" * 100_000, b""),
     lambda raw: raw[: len(MAGIC)] + (2**62).to_bytes(8, "little") + raw[len(MAGIC) + 8:],
     _flip_body_byte,
+    _edit_header_keeping_the_checksum,
+    lambda raw: raw[:HEAD - 1] + bytes([raw[HEAD - 1] ^ 1]) + raw[HEAD:],
     _edit_header(version=CACHE_VERSION + 1),
+    _edit_header(version=2),
     _edit_header(identity={"path": "/elsewhere"}),
     _edit_header(tensors=2),
     _edit_header(tensors=-1),
@@ -164,11 +205,24 @@ def test_a_rewritten_file_is_another_entry(model_file, tmp_path):
     _edit_column("dtypes", 0, 7, "<i4"),
     _edit_column("name_ends", 0, 10**6),
     _edit_column("name_ends", 0, 23),  # past the second name's end (22)
+    _swap_spans("offset", "part_nbytes"),
+    _swap_spans("nbytes", "parameters"),
+    _edit_header(columns={"extra": [0, 0]}),
+    _edit_column("nbytes", 0, 16),
+    _edit_column("part_nbytes", 0, 16),
+    _edit_column("part_nbytes", 0, -24),
+    _edit_column("offset", 1, 64),
+    _edit_column("part_offset", 2, 64),
+    _edit_column("file", 0, -1),
+    _swap_items("part_offset"),
 ], ids=["garbage", "empty", "truncated", "last-byte", "deep-header", "huge-header",
-        "bit-flip", "version", "identity", "tensor-count", "negative-count", "bool-count",
-        "columns", "files", "tables", "objects", "notes", "format", "part_start",
-        "part-start-descends", "file-index", "part-file-below", "dtype-code", "name-end-past",
-        "name-ends-descend"])
+        "bit-flip", "header-edit", "digest-flip", "version", "version-2", "identity",
+        "tensor-count", "negative-count", "bool-count", "columns", "files", "tables",
+        "objects", "notes", "format", "part_start", "part-start-descends", "file-index",
+        "part-file-below", "dtype-code", "name-end-past", "name-ends-descend", "swapped-spans",
+        "swapped-int-spans", "extra-column", "nbytes-not-parts", "part-nbytes-not-nbytes",
+        "part-nbytes-negative", "offset-not-first-part", "part-offset-not-offset",
+        "file-not-first-part", "part-offsets-swapped"])
 def test_a_damaged_entry_is_ignored_and_rebuilt(model_file, tmp_path, damage):
     cache = InspectionCache(tmp_path / "cache")
     good, _ = cache.index_of(model_file)
