@@ -32,12 +32,15 @@ import contextlib
 import hashlib
 import itertools
 import json
+import math
 import os
 import stat
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +127,11 @@ def _key(identity: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:40]
 
 
+_PARTS, _KIND = attrgetter("parts"), attrgetter("kind")
+_ENTRY_FIELDS = attrgetter("name", "dtype", "shape", "kind")
+_PART_FIELDS = attrgetter("role", "file", "offset", "nbytes")
+
+
 def _shape_text(shape: tuple[int, ...] | None) -> str:
     return "?" if shape is None else "[" + ", ".join(map(str, shape)) + "]"
 
@@ -163,6 +171,13 @@ class CheckpointIndex:
     def from_checkpoint(cls, ck: Any) -> CheckpointIndex:
         """The index of an opened :class:`~ckptlab.checkpoint.Checkpoint`."""
         file_ids = {f.path: i for i, f in enumerate(ck.files)}
+        entries = list(ck.tensors.values())
+        if entries and set(map(len, map(_PARTS, entries))) == {1} and \
+                set(map(_KIND, entries)) <= {"dense", "quantized"}:
+            from ckptlab.format._bulk import gc_paused
+
+            with gc_paused():  # a few hundred thousand tuples, none garbage
+                return cls._one_part_each(ck, entries, file_ids)
         names, dtypes, shapes, kinds, nbytes, params, file, offset = ([] for _ in range(8))
         start = [0]
         roles, pfile, poff, pnb = [], [], [], []
@@ -189,6 +204,26 @@ class CheckpointIndex:
                    tuple(names), tuple(dtypes), tuple(shapes), tuple(kinds), tuple(nbytes),
                    tuple(params), tuple(file), tuple(offset), tuple(start), tuple(roles),
                    tuple(pfile), tuple(poff), tuple(pnb), dict(ck.objects), tuple(ck.notes))
+
+    @classmethod
+    def _one_part_each(cls, ck: Any, entries: list[Any], file_ids: dict[str, int]
+                       ) -> CheckpointIndex:
+        """:meth:`from_checkpoint` of dense (or quantized) tensors of one part each (the
+        common case), column by column: the same index as the loop makes."""
+        names, dtypes, shape_values, kinds = zip(*map(_ENTRY_FIELDS, entries))
+        parts = list(map(itemgetter(0), map(_PARTS, entries)))
+        roles, part_files, offsets, nbytes = zip(*map(_PART_FIELDS, parts))
+        files = tuple(map(file_ids.get, part_files, repeat(-1)))
+        texts: dict[Any, tuple[str, int]] = {}  # shape -> (its text, its elements)
+        for shape in set(shape_values):
+            numel = None if shape is None or any(d < 0 for d in shape) else math.prod(shape)
+            texts[shape] = (_shape_text(shape), numel or 0)
+        shapes, params = zip(*map(texts.__getitem__, shape_values))
+        return cls(ck.format, str(ck.path),
+                   tuple((f.path, f.format, f.nbytes) for f in ck.files),
+                   names, dtypes, shapes, kinds, nbytes, params, files, offsets,
+                   tuple(range(len(entries) + 1)), roles, files, offsets, nbytes,
+                   dict(ck.objects), tuple(ck.notes))
 
     # -- totals -------------------------------------------------------------------------------
     def __len__(self) -> int:

@@ -78,6 +78,7 @@ class LazyEntries(Sequence[TensorEntry]):
         self._prefix = prefix
         self._value: list[TensorEntry] | None = None
         self._names: list[str] | None = None
+        self._deferrable: bool | None = None  # deferrable()'s answer, once asked
 
     @property
     def built(self) -> bool:
@@ -86,6 +87,11 @@ class LazyEntries(Sequence[TensorEntry]):
 
     def deferrable(self) -> bool:
         """Whether :meth:`entry` and :meth:`value` cannot fail (checked once, on columns)."""
+        if self._deferrable is None:
+            self._deferrable = self._check_deferrable()
+        return self._deferrable
+
+    def _check_deferrable(self) -> bool:
         logical = self._logical
         if not logical:
             return True
@@ -157,9 +163,43 @@ class LazyEntries(Sequence[TensorEntry]):
     def value(self) -> list[TensorEntry]:
         """Every entry (made on the first call, as :func:`entries_from_logical` makes them)."""
         if self._value is None:
-            self._value = entries_from_logical(self._logical, self._storages, self._file,
-                                               prefix=self._prefix)
+            if self._cols is not None and self._deferrable:
+                # the entries :meth:`entry` makes, all at once from the columns (the scanned
+                # objects are never made)
+                from ckptlab.format._bulk import gc_paused
+
+                with gc_paused():
+                    self._value = self._from_columns()
+            else:
+                self._value = entries_from_logical(self._logical, self._storages, self._file,
+                                                   prefix=self._prefix)
         return self._value
+
+    def _from_columns(self) -> list[TensorEntry]:
+        """Every entry from the dense columns (checked by :meth:`deferrable`)."""
+        from ckptlab.format._bulk import build
+
+        cols = self._cols
+        count = len(self._logical)
+        storages = self._storages
+        itemsizes = list(map(DTYPE_ITEMSIZE.__getitem__, cols.dtypes))
+        spans: dict[tuple[Any, ...], int] = {}
+        nbytes = []
+        for shape, stride, itemsize in zip(cols.shapes, cols.strides, itemsizes):
+            span = spans.get((shape, stride, itemsize))
+            if span is None:
+                span = spans[shape, stride, itemsize] = span_nbytes(shape, stride, itemsize)
+            nbytes.append(span)
+        starts = [storages[key].data_offset for key in cols.keys]
+        parts = build(Part, count, repeat("data"), repeat(self._file),
+                      list(map(int.__add__, starts, map(int.__mul__, cols.offsets, itemsizes))),
+                      nbytes, cols.dtypes, cols.shapes, cols.strides, cols.offsets, cols.keys)
+        prefix = self._prefix
+        paths = [(*prefix, *p) for p in cols.paths] if prefix else cols.paths
+        kinds = ["subclass" if sub else "dense" for sub in cols.subclasses]
+        return build(TensorEntry, count, self.names(), paths, cols.dtypes, cols.shapes,
+                     cols.strides, kinds, [(p,) for p in parts], repeat("strided"), cols.grads,
+                     cols.params, cols.subclasses, repeat(()))
 
     def __len__(self) -> int:
         return len(self._logical) if self._value is None else len(self._value)
@@ -186,36 +226,42 @@ def _dense_entries(logical: list[Any], storages: dict[str, StorageInfo], file: s
     tensors, the common case), built all at once; None for anything else."""
     from ckptlab.format._bulk import build, gc_paused
 
+    with gc_paused():  # hundreds of thousands of tuples and objects, none garbage
+        return _dense_columns(logical, storages, file, prefix, build)
+
+
+def _dense_columns(logical: list[Any], storages: dict[str, StorageInfo], file: str,
+                   prefix: tuple[Any, ...], build: Any) -> list[TensorEntry] | None:
+    """:func:`_dense_entries`' work (the collector paused by the caller)."""
     count = len(logical)
     roles, infos = zip(*map(itemgetter(0), map(_PARTS, logical)))
     keys, dtypes, shapes, strides, offsets = zip(*map(_INFO_FIELDS, infos))
     if not all(keys):
         return None  # a meta tensor among them: no part
-    with gc_paused():
-        located = list(map(storages.__getitem__, keys))
-        itemsizes = list(map(DTYPE_ITEMSIZE.__getitem__, dtypes))
-        spans: dict[tuple[Any, ...], int] = {}
-        nbytes = []
-        for shape, stride, itemsize in zip(shapes, strides, itemsizes):
-            span = spans.get((shape, stride, itemsize))
-            if span is None:
-                span = spans[shape, stride, itemsize] = span_nbytes(shape, stride, itemsize)
-            nbytes.append(span)
-        parts = build(Part, count, roles, repeat(file),
-                      [s.data_offset + o * i for s, o, i in zip(located, offsets, itemsizes)],
-                      nbytes, dtypes, shapes, strides, offsets, keys)
-        (paths, t_dtypes, t_shapes, t_strides, kinds, layouts, grads, params, subclasses,
-         extras) = zip(*map(_TENSOR_FIELDS, logical))
-        if prefix:
-            paths = tuple((*prefix, *p) for p in paths)
-        try:  # tensor_name of every path; when they are all strings, in one map
-            if () in paths:
-                raise TypeError
-            names = list(map(".".join, paths))
-        except TypeError:
-            names = [".".join(map(str, p)) if p else "<root>" for p in paths]
-        return build(TensorEntry, count, names, paths, t_dtypes, t_shapes, t_strides, kinds,
-                     [(p,) for p in parts], layouts, grads, params, subclasses, extras)
+    located = list(map(storages.__getitem__, keys))
+    itemsizes = list(map(DTYPE_ITEMSIZE.__getitem__, dtypes))
+    spans: dict[tuple[Any, ...], int] = {}
+    nbytes = []
+    for shape, stride, itemsize in zip(shapes, strides, itemsizes):
+        span = spans.get((shape, stride, itemsize))
+        if span is None:
+            span = spans[shape, stride, itemsize] = span_nbytes(shape, stride, itemsize)
+        nbytes.append(span)
+    parts = build(Part, count, roles, repeat(file),
+                  [s.data_offset + o * i for s, o, i in zip(located, offsets, itemsizes)],
+                  nbytes, dtypes, shapes, strides, offsets, keys)
+    (paths, t_dtypes, t_shapes, t_strides, kinds, layouts, grads, params, subclasses,
+     extras) = zip(*map(_TENSOR_FIELDS, logical))
+    if prefix:
+        paths = tuple((*prefix, *p) for p in paths)
+    try:  # tensor_name of every path; when they are all strings, in one map
+        if () in paths:
+            raise TypeError
+        names = list(map(".".join, paths))
+    except TypeError:
+        names = [".".join(map(str, p)) if p else "<root>" for p in paths]
+    return build(TensorEntry, count, names, paths, t_dtypes, t_shapes, t_strides, kinds,
+                 [(p,) for p in parts], layouts, grads, params, subclasses, extras)
 
 
 def unique_names(entries: Iterable[TensorEntry]) -> dict[str, TensorEntry]:

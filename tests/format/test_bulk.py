@@ -209,11 +209,24 @@ def test_entries_from_columns_equal_entries_from_scanned_tensors() -> None:
     assert lazy.deferrable() and not layout.logical.built
     singles = [lazy.entry(i) for i in range(len(lazy))]
     assert not layout.logical.built
+    every = lazy.value()  # from the columns too: the scanned objects are still not made
+    assert not layout.logical.built
     plain = LazyEntries(list(layout.logical), storages, "f.pt")
     assert plain.deferrable()
-    assert singles == [plain.entry(i) for i in range(len(plain))] == lazy.value() == \
+    assert singles == [plain.entry(i) for i in range(len(plain))] == every == \
         entries_from_logical(layout.logical, storages, "f.pt")
     assert lazy.names() == plain.names() == [e.name for e in singles]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(obj=state_dicts())
+def test_every_entry_from_columns_equals_the_scanned_tensors_entries(obj: Any) -> None:
+    layout = ckptlab.inspect(save(obj))
+    storages = {s.key: s for s in layout.storages}
+    lazy = LazyEntries(layout.logical, storages, "f.pt", prefix=("model",))
+    if lazy.deferrable():
+        assert lazy.value() == entries_from_logical(
+            ckptlab.inspect(save(obj)).logical, storages, "f.pt", prefix=("model",))
 
 
 # --------------------------------------------------------------------------------------------
