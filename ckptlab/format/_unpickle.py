@@ -1146,10 +1146,12 @@ class _Machine:
             return ran
         if count < 2:
             return count
+        one: _EntrySpec | None = None  # the shape of every entry, when they have one
         if not specs:
             cols = list(zip(*map(_GROUPS, matches)))
         elif used.count(used[0]) == count:  # one shape: its constants, repeated
-            cols = used[0].columns(list(zip(*map(_GROUPS, matches))), count)
+            one = used[0]
+            cols = one.columns(list(zip(*map(_GROUPS, matches))), count)
         else:
             cols = list(zip(*map(_EntrySpec.groups, used, matches)))
         # the same BINGETs in every entry, of indices stored before the batch
@@ -1191,29 +1193,43 @@ class _Machine:
                 (ops["index"] == np.arange(size0, size0 + puts, dtype=np.int64)).all()):
             return count
         # ints, sizes and strides, and what the loop would charge for them
-        ints: dict[bytes, tuple[int, int]] = {}
-        for op in set(cols[7]) | set(cols[10]):
-            ints[op] = _small_int(op)
-        numel_ints = list(map(ints.__getitem__, cols[7]))
-        offset_ints = list(map(ints.__getitem__, cols[10]))
-        numels = list(map(_FIRST, numel_ints))
-        offsets = list(map(_FIRST, offset_ints))
-        if min(offsets) < 0:
-            return count
         tuples = self.tuples
-        for op in set(cols[11]) | set(cols[13]):
-            if op not in tuples:
-                tuples[op] = _int_tuple_op(op)
-        size_ops = list(map(tuples.__getitem__, cols[11]))
-        stride_ops = list(map(tuples.__getitem__, cols[13]))
-        for size_op, stride_op in set(zip(cols[11], cols[13])):  # each pair of opcodes once
-            (size, _, size_ok), (stride, _, stride_ok) = tuples[size_op], tuples[stride_op]
-            if not (size_ok and stride_ok and len(size) == len(stride)):
+        if one is not None:  # the shape's own: the same in every entry, worked out once
+            (numel, numel_cost), (offset, offset_cost) = (_small_int(one.constants[7]),
+                                                          _small_int(one.constants[10]))
+            for op in (one.constants[11], one.constants[13]):
+                if op not in tuples:
+                    tuples[op] = _int_tuple_op(op)
+            (size, size_cost, size_ok), (stride, stride_cost, stride_ok) = (
+                tuples[one.constants[11]], tuples[one.constants[13]])
+            if offset < 0 or not (size_ok and stride_ok and len(size) == len(stride)):
                 return count
+            numels, offsets = [numel] * count, [offset] * count
+            size_ops, stride_ops = repeat((size,), count), repeat((stride,), count)
+            charged = count * (numel_cost + offset_cost + size_cost + stride_cost)
+        else:
+            ints: dict[bytes, tuple[int, int]] = {}
+            for op in set(cols[7]) | set(cols[10]):
+                ints[op] = _small_int(op)
+            numel_ints = list(map(ints.__getitem__, cols[7]))
+            offset_ints = list(map(ints.__getitem__, cols[10]))
+            numels = list(map(_FIRST, numel_ints))
+            offsets = list(map(_FIRST, offset_ints))
+            if min(offsets) < 0:
+                return count
+            for op in set(cols[11]) | set(cols[13]):
+                if op not in tuples:
+                    tuples[op] = _int_tuple_op(op)
+            size_ops = list(map(tuples.__getitem__, cols[11]))
+            stride_ops = list(map(tuples.__getitem__, cols[13]))
+            for size_op, stride_op in set(zip(cols[11], cols[13])):  # each pair of opcodes once
+                (size, _, size_ok), (stride, _, stride_ok) = tuples[size_op], tuples[stride_op]
+                if not (size_ok and stride_ok and len(size) == len(stride)):
+                    return count
+            charged = (sum(map(_SECOND, numel_ints)) + sum(map(_SECOND, offset_ints))
+                       + sum(map(_SECOND, size_ops)) + sum(map(_SECOND, stride_ops)))
         cost = (count * (96 + 16 + 1304 + 16 * len(present)) + 4 * sum(lengths)
-                + 96 * count + 4 * sum(map(len, storage_keys))
-                + sum(map(_SECOND, numel_ints)) + sum(map(_SECOND, offset_ints))
-                + sum(map(_SECOND, size_ops)) + sum(map(_SECOND, stride_ops)))
+                + 96 * count + 4 * sum(map(len, storage_keys)) + charged)
         if cost > budget:
             return count  # one at a time: the loop says where it runs out
         # the persistent ids and the handler, all at once or not at all
@@ -1221,7 +1237,8 @@ class _Machine:
         pids = list(zip(repeat(tag), repeat(storage_type), names, repeat(location), numels))
         sizes = [(*t[0],) for t in size_ops]  # tuples of their own, as the loop builds
         strides = [(*t[0],) for t in stride_ops]
-        grads = list(map(b"\x88".__eq__, cols[15]))
+        grads = [one.constants[15] == b"\x88"] * count if one is not None else \
+            list(map(b"\x88".__eq__, cols[15]))
         both = self.fused_batch(pids, offsets, sizes, strides, grads)  # type: ignore[misc]
         if both is None:
             return count
