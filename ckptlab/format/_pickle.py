@@ -383,15 +383,18 @@ class _TorchHandlers:
         itemsize = known[2]
         storages = self.storages
         new: dict[str, int] = {}
-        for key, numel in zip(keys, numels):  # every size agrees before anything is stored
-            nbytes = numel * itemsize
-            ref = storages.get(key)
-            if ref is not None:
-                if ref.nbytes != nbytes:
+        # every key new, none twice (the common case): no size to agree with
+        fresh = storages.keys().isdisjoint(keys) and len(set(keys)) == len(keys)
+        if not fresh:
+            for key, numel in zip(keys, numels):  # every size agrees before anything is stored
+                nbytes = numel * itemsize
+                ref = storages.get(key)
+                if ref is not None:
+                    if ref.nbytes != nbytes:
+                        return None
+                elif new.setdefault(key, nbytes) != nbytes:
                     return None
-            elif new.setdefault(key, nbytes) != nbytes:
-                return None
-        if new and len(new) == len(keys):  # every key new, none twice (the common case)
+        if fresh:
             made: list[Any] = list(map(_StorageRefTwin, keys, repeat(storage_type.name),
                                        repeat(known[1]), locations, numels,
                                        map(itemsize.__mul__, numels)))

@@ -333,13 +333,14 @@ class CentralDirectory:
     when :func:`vectorise` says no); ``entries`` (:class:`CentralEntry`) built on first use."""
 
     __slots__ = ("_entries", "compressed_nbytes", "crc32", "entry_nbytes", "entry_offset",
-                 "exact", "flags", "header_offset", "method", "name_nbytes", "name_starts",
-                 "names", "raw_names", "uncompressed_nbytes")
+                 "exact", "flags", "folded", "header_offset", "method", "name_nbytes",
+                 "name_starts", "names", "raw_names", "uncompressed_nbytes")
 
     def __init__(self, entries: list[CentralEntry] | None, names: list[str],
                  columns: dict[str, Any] | None = None) -> None:
         self._entries = entries
         self.names = names
+        self.folded: list[str] | None = None  # the names ASCII-lowercased, once computed
         # columns built without entries hold every value exactly (no zip64 field, none
         # clipped to fit an int64): records can be built from them
         self.exact = entries is None

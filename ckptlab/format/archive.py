@@ -92,7 +92,7 @@ def archive_prefix(entries: list[_zip.CentralEntry] | _zip.CentralDirectory, pat
     else:
         names = [e.name for e in entries]
         cdir = _zip.CentralDirectory(entries, names)
-    folded = fold_names(names)
+    folded = cdir.folded = fold_names(names)
     if len(set(folded)) != len(folded):
         _refuse_duplicates(cdir.entries, path)
     # the names one per line (when none holds a newline): the checks below are substring
@@ -476,7 +476,9 @@ def _scan_torch_zip(src: ByteSource) -> ArchiveLayout:
         else:
             segments = record_segments(records, maybe_headers, trailer, src.nbytes, src.name)
     # looked up as torch does, ignoring ASCII case (archive_prefix refused names that collide)
-    by_name = dict(zip(fold_names([r.name for r in records]), records))
+    folded = cdir.folded if cdir.folded is not None and len(cdir.folded) == len(records) \
+        else fold_names([r.name for r in records])  # (records come in directory order)
+    by_name = dict(zip(folded, records))
     prefix = f"{archive}/" if archive else ""
 
     def small(name: str) -> str | None:
