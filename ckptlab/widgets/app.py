@@ -64,7 +64,7 @@ import panel as pn
 import param
 
 from ckptlab.checkpoint._cache import CheckpointIndex, InspectionCache
-from ckptlab.errors import CkptlabError, InvalidArgumentError
+from ckptlab.errors import ArchiveError, CkptlabError, InvalidArgumentError
 from ckptlab.format import AlignmentCost, ArchiveLayout, alignment_costs, read_range, realign
 from ckptlab.format.predict import DEFAULT_ALIGNMENTS
 from ckptlab.viz import (
@@ -117,6 +117,16 @@ EAGER_TENSORS = 20_000
 INDEX_WAIT_S = 1.0
 MAX_FILES_LISTED = 1000  # file picker entries (the largest files, and the one shown)
 MAX_SEARCH = 1000  # characters of a search carried over from the quick page (``?q=``)
+
+
+def _index_differs(seen: CheckpointIndex, now: CheckpointIndex) -> str:
+    """What differs between two indexes of one checkpoint in what the pages show (names,
+    dtypes, shapes, parts and their places), in words; "" when nothing does."""
+    for what in ("names", "dtypes", "shapes", "part_start", "part_file", "part_offset",
+                 "part_nbytes", "files"):
+        if tuple(getattr(seen, what)) != tuple(getattr(now, what)):
+            return f"its {what.replace('_', ' ')} differ"
+    return ""
 
 
 class PlotlyLoader(pn.reactive.ReactiveHTML):
@@ -603,7 +613,13 @@ class ServedCheckpoint:
             if self.checkpoint is None:
                 from ckptlab.checkpoint.open import open_checkpoint
 
-                self.checkpoint = open_checkpoint(self.path)
+                opened = open_checkpoint(self.path)
+                changed = _index_differs(self.index, CheckpointIndex.from_checkpoint(opened))
+                if changed:  # the table (a cached index) and the maps would disagree
+                    raise ArchiveError(f"the checkpoint changed since its index was read "
+                                       f"({changed}); restart the server to see it as it is",
+                                       path=self.path)
+                self.checkpoint = opened
             if self.is_zip:
                 layout = self.checkpoint.files[0].layout
                 self.layout_cache.view(layout, _own_alignment(layout))

@@ -173,3 +173,26 @@ def test_a_large_checkpoint_paints_its_table_before_it_is_opened(monkeypatch, sa
     assert "Reading the byte layout" in view.objects[-1].objects[0].object
     assert served.ready.wait(60) and served.error is None
     assert served.checkpoint is not None and len(served.layout_cache) == 1
+
+
+def test_a_checkpoint_rewritten_after_its_cached_index_is_not_mapped(tmp_path) -> None:
+    """The table comes from the cached index; the byte maps from the file opened later. If the
+    file was rewritten in between, the maps would show other bytes than the table: the load
+    says so instead (review finding)."""
+    import torch
+
+    from ckptlab.checkpoint._cache import InspectionCache
+
+    path = tmp_path / "latest.pt"
+    torch.save({"a": torch.zeros(4), "b": torch.ones(2)}, path)
+    cache = InspectionCache(tmp_path / "cache")
+    app_module.ServedCheckpoint(path, inspection_cache=cache)  # stores the index
+    served = app_module.ServedCheckpoint(path, inspection_cache=cache)
+    assert served.from_cache and served.checkpoint is None
+    torch.save({"a": torch.zeros(40), "c": torch.ones(2)}, path)  # the next save lands
+    served.load()
+    assert served.ready.is_set() and served.checkpoint is None
+    assert "changed since its index was read" in served.error and "names differ" in served.error
+    fresh = app_module.ServedCheckpoint(path, inspection_cache=cache)  # a new server: fine
+    fresh.load()
+    assert fresh.error is None and list(fresh.index.names) == ["a", "c"]
