@@ -1106,37 +1106,52 @@ class _Machine:
         n = self.n
         memo = self.memo
         size0 = len(memo)
-        lengths = []
-        keys = []
-        matches = []
+        lengths: list[int] = []
+        matches: list[Any] = []
         specs = self.entry_specs
-        used: list[_EntrySpec] = []  # the pattern of each entry, when specialised
+        first = specs[0].match if specs else _ENTRY_V2  # the last shape seen, tried first
+        others = specs[1:]
+        other: dict[int, _EntrySpec] = {}  # entries matched by another shape's pattern
+        starts = []
         pos0 = pos
-        while len(matches) < BULK_BATCH:
+        for i in range(BULK_BATCH):
             if pos + 5 > n or data[pos] != 0x58:
                 break
             (length,) = _unpack_I(data, pos + 1)
             start = pos + 5
             if start + length > n:
                 break
-            if specs:
-                for spec in specs:
+            m = first(data, start + length)
+            if m is None:
+                for spec in others:
                     m = spec.match(data, start + length)
                     if m is not None:
-                        used.append(spec)
+                        other[i] = spec
                         break
-            else:
-                m = _ENTRY_V2(data, start + length)
-            if m is None:
-                break
-            try:
-                key = str(data[start:start + length], "utf-8", "surrogatepass")
-            except UnicodeDecodeError:
-                break
+                else:
+                    break
+            starts.append(start)
             lengths.append(length)
-            keys.append(key)
             matches.append(m)
             pos = m.end()
+        try:  # the keys, as BINUNICODE takes them
+            keys = list(map(str, map(data.__getitem__, map(slice, starts, map(
+                int.__add__, starts, lengths))), repeat("utf-8"), repeat("surrogatepass")))
+        except UnicodeDecodeError:  # up to the first that is not UTF-8
+            keys = []
+            for start, length in zip(starts, lengths):
+                try:
+                    keys.append(str(data[start:start + length], "utf-8", "surrogatepass"))
+                except UnicodeDecodeError:
+                    break
+            del matches[len(keys):], lengths[len(keys):]
+            pos = matches[-1].end() if matches else pos0
+        used: list[_EntrySpec] = []  # the pattern of each entry, when specialised
+        if specs:
+            used = [specs[0]] * len(matches)
+            for i, spec in other.items():
+                if i < len(used):
+                    used[i] = spec
         count = len(matches)
         if specs and count < 2:  # not the last batches' shapes: the general pattern
             self.entry_specs = []

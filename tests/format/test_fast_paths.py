@@ -644,3 +644,19 @@ def test_specialised_batches_agree_on_truncations_budgets_and_the_memo(monkeypat
     got = all_ways(_memo_exposed(data_pkl(save(uniform_run(100)))))
     assert got[0] != "error" and len(got[0][1][1][1]) > 8 * 90
     assert batches.specialised > 5
+
+
+def test_batches_stop_at_a_key_that_is_not_utf8(monkeypatch) -> None:
+    """A key of bytes that are not UTF-8 inside a batch: the entries before it are taken, the
+    loop says what is wrong with it (at its offset), as one at a time."""
+    batches = _Batches(monkeypatch, batch=16, pause=0)
+    data = bytearray(data_pkl(save(uniform_run(120))))
+    for name in (b"layer.70.weight", b"layer.71.weight", b"layer.100.weight"):
+        mutated = bytearray(data)
+        at = mutated.find(name)
+        mutated[at + 2] = 0xFF  # a lone continuation byte
+        got = all_ways(bytes(mutated))
+        assert got[0] != "error" or "utf" in got[2].lower(), got
+        mutated[at + 2:at + 4] = b"\xed\xa0"  # a surrogate's first bytes: surrogatepass takes
+        all_ways(bytes(mutated))  # a whole one only
+    assert batches.specialised > 5
