@@ -91,7 +91,7 @@ from ckptlab.widgets._tensor_table import (
     objects_html,
     tensor_details_html,
 )
-from ckptlab.widgets.quick import CheckpointRows, checkpoint_nbytes
+from ckptlab.widgets.quick import CheckpointRows, Pending
 
 __all__ = ["CheckpointApp", "IndexProgress", "LayoutApp", "LayoutCache", "LayoutView",
            "PendingCheckpoint", "PlotlyLoader", "ServedCheckpoint", "serve", "workbench_server"]
@@ -1002,8 +1002,9 @@ def _schedule_load(served: ServedCheckpoint) -> None:
         timer.start()
 
 
-class PendingCheckpoint:
-    """A :class:`ServedCheckpoint` being made on a thread, so that the port opens first.
+class PendingCheckpoint(Pending):
+    """A :class:`ServedCheckpoint` being made on a thread, so that the port opens first (a
+    :class:`~ckptlab.widgets.quick.Pending`).
 
     At 100,000 tensors without a cached index, the index is the file's open (seconds): the
     server listens meanwhile and every page shows a progress state (:class:`IndexProgress`)
@@ -1022,33 +1023,17 @@ class PendingCheckpoint:
     def __init__(self, path: str | os.PathLike[str], *,
                  inspection_cache: InspectionCache | None = None,
                  layout_cache: LayoutCache | None = None) -> None:
-        self.path = os.fspath(path)
+        super().__init__(path)
         self.served: ServedCheckpoint | None = None
-        self.error: str | None = None
-        self.done = threading.Event()
-        self.started = time.perf_counter()
-        try:
-            self.nbytes = checkpoint_nbytes(self.path)
-        except OSError:
-            self.nbytes = 0
         self._inspection_cache = inspection_cache
         self._layout_cache = layout_cache
-        threading.Thread(target=self._make, name="ckptlab-index", daemon=True).start()
+        self.start()
 
-    def _make(self) -> None:
-        try:
-            served = ServedCheckpoint(self.path, inspection_cache=self._inspection_cache,
-                                      layout_cache=self._layout_cache)
-            _schedule_load(served)
-            self.served = served
-        except Exception as exc:  # any failure (a bug too): every page shows it
-            self.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            self.done.set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait up to ``timeout`` seconds for ``done``; True if it is set."""
-        return self.done.wait(timeout)
+    def make(self) -> None:
+        served = ServedCheckpoint(self.path, inspection_cache=self._inspection_cache,
+                                  layout_cache=self._layout_cache)
+        _schedule_load(served)
+        self.served = served
 
 
 class IndexProgress:

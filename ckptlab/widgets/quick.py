@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # pandas and numpy come with the index, on its thread
 
     from ckptlab.widgets._table_rows import NameSearch
 
-__all__ = ["MAX_ROWS", "PAGE_ROWS", "QUICK_PREFIX", "CheckpointRows", "PendingRows",
+__all__ = ["MAX_ROWS", "PAGE_ROWS", "QUICK_PREFIX", "CheckpointRows", "Pending", "PendingRows",
            "QuickServer", "serve"]
 
 QUICK_PREFIX = "/ckptlab/quick/"  # the quick page's JSON routes, kept after the switch
@@ -215,10 +215,57 @@ class CheckpointRows:
                 "rows": [list(row) for row in zip(*values)]}
 
 
-class PendingRows:
-    """:class:`CheckpointRows` being made on a thread, so that the port opens first.
+class Pending:
+    """Something a server shows, made on a thread (``ckptlab-index``) so that the port opens
+    first: ``done`` is set when it is there, or ``error`` (and ``exception``) say why it is
+    not. Subclasses make it in :meth:`make` (which returns nothing; it stores what it made);
+    :meth:`finished` runs on the thread once ``done`` is set.
 
-    ``done`` is set when ``rows`` is there, or ``error`` says why there is none.
+    Parameters
+    ----------
+    path
+        A checkpoint file or directory.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self.name = display_name(self.path)
+        self.error: str | None = None
+        self.exception: BaseException | None = None  # what ``error`` says
+        self.done = threading.Event()
+        self.started = time.perf_counter()
+        try:
+            self.nbytes = checkpoint_nbytes(self.path)
+        except OSError:
+            self.nbytes = 0
+
+    def start(self) -> None:
+        """Start making it, on its thread."""
+        threading.Thread(target=self._run, name="ckptlab-index", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.make()
+        except Exception as exc:  # any failure (a bug too): the pages show it
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.exception = exc
+        finally:
+            self.done.set()
+            self.finished()
+
+    def make(self) -> None:
+        raise NotImplementedError
+
+    def finished(self) -> None:
+        """Called on the thread once ``done`` is set (nothing here)."""
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for ``done``; True if it is set."""
+        return self.done.wait(timeout)
+
+
+class PendingRows(Pending):
+    """:class:`CheckpointRows` being made on a thread (a :class:`Pending`): ``rows``.
 
     Parameters
     ----------
@@ -233,38 +280,21 @@ class PendingRows:
     def __init__(self, path: str | os.PathLike[str], *,
                  inspection_cache: InspectionCache | None = None,
                  on_done: Callable[[], None] | None = None) -> None:
-        self.path = os.fspath(path)
-        self.name = display_name(self.path)
+        super().__init__(path)
         self.rows: CheckpointRows | None = None
-        self.error: str | None = None
-        self.exception: BaseException | None = None  # what ``error`` says
-        self.done = threading.Event()
-        self.started = time.perf_counter()
-        try:
-            self.nbytes = checkpoint_nbytes(self.path)
-        except OSError:
-            self.nbytes = 0
         self._inspection_cache = inspection_cache
         self._on_done = on_done
-        threading.Thread(target=self._make, name="ckptlab-index", daemon=True).start()
+        self.start()
 
-    def _make(self) -> None:
-        try:
-            rows = CheckpointRows(self.path, inspection_cache=self._inspection_cache)
-            rows.summary()  # and the first page's columns: here, not on the IOLoop
-            rows.page(limit=1)
-            self.rows = rows
-        except Exception as exc:  # any failure (a bug too): the page shows it
-            self.error = f"{type(exc).__name__}: {exc}"
-            self.exception = exc
-        finally:
-            self.done.set()
-            if self._on_done is not None:
-                self._on_done()
+    def make(self) -> None:
+        rows = CheckpointRows(self.path, inspection_cache=self._inspection_cache)
+        rows.summary()  # and the first page's columns: here, not on the IOLoop
+        rows.page(limit=1)
+        self.rows = rows
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait up to ``timeout`` seconds for ``done``; True if it is set."""
-        return self.done.wait(timeout)
+    def finished(self) -> None:
+        if self._on_done is not None:
+            self._on_done()
 
 
 class QuickServer(httputil.HTTPServerConnectionDelegate):

@@ -7,6 +7,7 @@ tests/browser/test_quick_page.py.)
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -286,6 +287,13 @@ def test_the_port_switches_to_the_workbench_but_the_quick_routes(rows_file: Path
 
 
 # -- ckptlab serve: the quick page, then panel's workbench on the same port ------------------
+def _run_async(coro: Any) -> Any:
+    """``asyncio.run(coro)`` on a thread of its own: the suite may have left an event loop
+    running on this one (a notebook kernel's, tornado's)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -334,9 +342,9 @@ def test_serve_becomes_the_workbench_on_the_same_port(sample_file: Path, tmp_pat
             ws.close()
             return message
 
-        assert "ACK" in asyncio.run(connect(f"http://127.0.0.1:{port}"))  # bokeh's hello
+        assert "ACK" in _run_async(connect(f"http://127.0.0.1:{port}"))  # bokeh's hello
         with pytest.raises(HTTPClientError, match="403"):
-            asyncio.run(connect(f"http://127.0.0.1:{_free_port()}"))
+            _run_async(connect(f"http://127.0.0.1:{_free_port()}"))
         assert proc.poll() is None
     finally:
         with contextlib.suppress(ProcessLookupError):
