@@ -6,6 +6,7 @@ import functools
 import operator
 import string
 import zlib
+from collections.abc import Sequence
 from operator import attrgetter
 from typing import Any
 
@@ -316,7 +317,7 @@ _RECORD_KINDS = (SegmentKind.LOCAL_HEADER, SegmentKind.NAME, SegmentKind.ZIP64_E
                  SegmentKind.PADDING, SegmentKind.DATA, SegmentKind.DESCRIPTOR)
 
 
-def _fast_segments(records: list[Record], cdir: _zip.CentralDirectory, cols: Any,
+def _fast_segments(records: Sequence[Record], cdir: _zip.CentralDirectory, cols: Any,
                    trailer: _zip.Trailer, file_nbytes: int, path: str) -> tuple[Segment, ...]:
     """:func:`_segments` from columns, when every record's extra fields are none, a zip64
     extra and/or torch's 'FB' field in that order (what :func:`_zip.local_headers` reads)."""
@@ -346,7 +347,7 @@ def _fast_segments(records: list[Record], cdir: _zip.CentralDirectory, cols: Any
     sizes = sizes.ravel()[keep]
     kinds = kinds.ravel()[keep]
     owner = owner.ravel()[keep]
-    names = [r.name for r in records]
+    names = cdir.names  # the records' names, in directory order
     count = len(offsets) + len(tail)
 
     def make() -> list[Segment]:
@@ -374,7 +375,7 @@ def scan_torch_zip(src: ByteSource) -> ArchiveLayout:
 
 
 def _records(src: ByteSource, trailer: _zip.Trailer, cdir: _zip.CentralDirectory
-             ) -> tuple[list[Record], dict[str, _zip.LocalHeader] | None, Any]:
+             ) -> tuple[RecordTuple, dict[str, _zip.LocalHeader] | None, Any]:
     """Every record, from the local headers read at once (:func:`_zip.local_headers`).
 
     A record those checks do not pass is read on its own, in central directory order, by the
@@ -418,9 +419,49 @@ def _records(src: ByteSource, trailer: _zip.Trailer, cdir: _zip.CentralDirectory
             "uncompressed_nbytes"))
     else:
         _, name_nbytes, _, method, crc32, comp, uncomp, hdr, _, _ = zip(*cdir.entries)
-    records = build(Record, len(names), names, hdr, name_nbytes, extra, zip64, padding,
-                    data_offset, comp, descriptor, crc32, uncomp, method)
-    return records, headers, cols
+    columns = (names, hdr, name_nbytes, extra, zip64, padding, data_offset, comp, descriptor,
+               crc32, uncomp, method)
+    return RecordTuple(columns), headers, cols
+
+
+class RecordTuple(LazyTuple[Record]):
+    """A layout's records, made when first used (a :class:`LazyTuple`), from ``columns`` (one
+    list per :class:`Record` field, in field order); :meth:`at` makes one record alone."""
+
+    __slots__ = ("columns",)
+
+    def __init__(self, columns: tuple[Sequence[Any], ...]) -> None:
+        super().__init__(len(columns[0]), lambda: build(Record, len(columns[0]), *columns))
+        self.columns = columns
+
+    def at(self, i: int) -> Record:
+        """Record ``i`` (the tuple's, once it is made)."""
+        if self.built:
+            return self.value()[i]
+        return Record(*(column[i] for column in self.columns))
+
+
+class _ByName:
+    """Folded record name -> :class:`Record` of a :class:`RecordTuple` (or a list), each made
+    alone when looked up (the few small records, ``data.pkl``); :func:`storage_infos` reads
+    the storages' columns through it instead."""
+
+    def __init__(self, folded: list[str], records: Sequence[Record]) -> None:
+        self.index = dict(zip(folded, range(len(folded))))
+        self.records = records
+
+    def get(self, name: str) -> Record | None:
+        i = self.index.get(name)
+        if i is None:
+            return None
+        records = self.records
+        return records.at(i) if isinstance(records, RecordTuple) else records[i]
+
+    def __getitem__(self, name: str) -> Record:
+        found = self.get(name)
+        if found is None:
+            raise KeyError(name)
+        return found
 
 
 def read_local_record(src: ByteSource, e: _zip.CentralEntry, cd_offset: int
@@ -478,7 +519,7 @@ def _scan_torch_zip(src: ByteSource) -> ArchiveLayout:
     # looked up as torch does, ignoring ASCII case (archive_prefix refused names that collide)
     folded = cdir.folded if cdir.folded is not None and len(cdir.folded) == len(records) \
         else fold_names([r.name for r in records])  # (records come in directory order)
-    by_name = dict(zip(folded, records))
+    by_name = _ByName(folded, records)
     prefix = f"{archive}/" if archive else ""
 
     def small(name: str) -> str | None:
@@ -528,12 +569,13 @@ def torch_zip_layout(src: ByteSource, archive: str, records: list[Record] | tupl
         path=src.name,
         file_nbytes=src.nbytes,
         archive_name=archive,
-        records=tuple(records),
+        records=records if isinstance(records, RecordTuple) else tuple(records),
         storages=storages,
         tensors=scan.tensors,
         segments=segments,
         alignment=largest_alignment([s.data_offset for s in storages if s.nbytes]),
-        zip64=any(map(_ZIP64_EXTRA, records)),
+        zip64=any(records.columns[4]) if isinstance(records, RecordTuple)
+        else any(map(_ZIP64_EXTRA, records)),
         central_directory_offset=trailer.cd_offset,
         central_directory_nbytes=trailer.cd_nbytes,
         zip64_eocd_offset=trailer.zip64_eocd_offset,
@@ -554,7 +596,7 @@ _UNCOMPRESSED, _DATA_OFFSET = attrgetter("uncompressed_nbytes"), attrgetter("dat
 _ZIP64_EXTRA = attrgetter("zip64_extra_nbytes")
 
 
-def storage_infos(scan: PickleScan, records: dict[str, Record], prefix: str,
+def storage_infos(scan: PickleScan, records: dict[str, Record] | _ByName, prefix: str,
                   path: str, pkl: Record, *, fold: bool = False) -> tuple[StorageInfo, ...]:
     """Join the pickle's storages with their records (each must exist with the right size).
 
@@ -565,7 +607,18 @@ def storage_infos(scan: PickleScan, records: dict[str, Record], prefix: str,
         keys, dtypes, nbytes, locations, types = zip(*map(_STORAGE_FIELDS, storages))
         start = f"{prefix}data/"
         names = [start + key for key in keys]
-        found = list(map(records.get, fold_names(names) if fold else names))
+        looked_up = fold_names(names) if fold else names
+        if isinstance(records, _ByName) and isinstance(records.records, RecordTuple):
+            # the records' columns, never the records
+            rows = list(map(records.index.get, looked_up))
+            if None not in rows and "UntypedStorage" not in types:
+                columns = records.records.columns
+                if tuple(map(columns[10].__getitem__, rows)) == nbytes:
+                    return tuple(build(StorageInfo, len(storages), keys,
+                                       list(map(columns[0].__getitem__, rows)), dtypes, nbytes,
+                                       list(map(columns[6].__getitem__, rows)), locations,
+                                       types))
+        found = list(map(records.get, looked_up))
         if len(list(filter(None, found))) == len(found) and "UntypedStorage" not in types \
                 and tuple(map(_UNCOMPRESSED, found)) == nbytes:
             # every storage has its record, of its size: all at once
