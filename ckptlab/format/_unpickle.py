@@ -463,6 +463,7 @@ class _Machine:
         "budget",
         "buildable",
         "data",
+        "entry_after",
         "entry_specs",
         "fast_global",
         "fast_handler",
@@ -512,6 +513,7 @@ class _Machine:
         self.fused_batch: Callable[..., Any] | None = None
         # the shapes of the last batches' entries as specialised patterns (_entry_spec)
         self.entry_specs: list[_EntrySpec] = []
+        self.entry_after: dict[_EntrySpec, _EntrySpec] = {}  # see entry_run
         # tuple opcodes -> (value, charge, whether it is a valid size: ints >= 0, <= 64 dims)
         self.tuples: dict[bytes, tuple[tuple[int, ...], int, bool]] = {}
         # the four BINGETs of a tensor (their opcodes) -> (indices, the largest)
@@ -1109,27 +1111,38 @@ class _Machine:
         lengths: list[int] = []
         matches: list[Any] = []
         specs = self.entry_specs
-        first = specs[0].match if specs else _ENTRY_V2  # the last shape seen, tried first
-        others = specs[1:]
-        other: dict[int, _EntrySpec] = {}  # entries matched by another shape's pattern
+        used: list[_EntrySpec] = []  # the pattern of each entry, when specialised
+        after = self.entry_after  # a shape -> the shape of the entry after it, last time
         starts = []
         pos0 = pos
-        for i in range(BULK_BATCH):
+        prev: _EntrySpec | None = None
+        for _ in range(BULK_BATCH):
             if pos + 5 > n or data[pos] != 0x58:
                 break
             (length,) = _unpack_I(data, pos + 1)
             start = pos + 5
             if start + length > n:
                 break
-            m = first(data, start + length)
-            if m is None:
-                for spec in others:
-                    m = spec.match(data, start + length)
-                    if m is not None:
-                        other[i] = spec
-                        break
-                else:
+            if not specs:
+                m = _ENTRY_V2(data, start + length)
+                if m is None:
                     break
+            else:  # the shape that came next last time first (a layer's shapes repeat)
+                guess = after.get(prev, specs[0]) if prev is not None else specs[0]
+                m = guess.match(data, start + length)
+                if m is None:
+                    tried = guess
+                    for guess in specs:
+                        if guess is not tried:
+                            m = guess.match(data, start + length)
+                            if m is not None:
+                                break
+                    if m is None:
+                        break
+                    if prev is not None:
+                        after[prev] = guess
+                used.append(guess)
+                prev = guess
             starts.append(start)
             lengths.append(length)
             matches.append(m)
@@ -1144,14 +1157,8 @@ class _Machine:
                     keys.append(str(data[start:start + length], "utf-8", "surrogatepass"))
                 except UnicodeDecodeError:
                     break
-            del matches[len(keys):], lengths[len(keys):]
+            del matches[len(keys):], lengths[len(keys):], used[len(keys):]
             pos = matches[-1].end() if matches else pos0
-        used: list[_EntrySpec] = []  # the pattern of each entry, when specialised
-        if specs:
-            used = [specs[0]] * len(matches)
-            for i, spec in other.items():
-                if i < len(used):
-                    used[i] = spec
         count = len(matches)
         if specs and count < 2:  # not the last batches' shapes: the general pattern
             self.entry_specs = []
@@ -1269,6 +1276,7 @@ class _Machine:
         if not specs:
             if count >= _SPEC_MIN:
                 self.entry_specs = _entry_specs(matches)
+                self.entry_after = {}
             # the last opcode taken: the BINPUT of the result, else its REDUCE
             return pos, budget - cost, last.start(22) if last.group(22) is not None else \
                 last.start(21)
