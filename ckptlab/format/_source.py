@@ -144,6 +144,34 @@ class ByteSource:
             )
         return data
 
+    def read_into(self, offset: int, out: memoryview, *, what: str = "data",
+                  record: str | None = None) -> None:
+        """:meth:`read` of ``len(out)`` bytes at ``offset``, into ``out`` (a writable byte
+        view): from a file, straight into it (``os.preadv``), with the same checks, counts and
+        errors as :meth:`read`."""
+        nbytes = len(out)
+        if self._fd is None or self._cache is not None or not hasattr(os, "preadv") or \
+                offset < 0 or offset + nbytes > self.nbytes or nbytes == 0:
+            out[:] = self.read(offset, nbytes, what=what, record=record)
+            return
+        got = 0
+        while got < nbytes:  # pread may return less than asked: loop until EOF
+            self.reads += 1
+            n = os.preadv(self._fd, [out[got:]], offset + got)
+            if not n:
+                break
+            got += n
+        self.bytes_read += got
+        if got != nbytes:
+            raise TruncatedArchiveError(
+                f"short read of the {what}",
+                path=self.name,
+                record=record,
+                offset=offset,
+                expected=f"{nbytes} bytes",
+                actual=f"{got} bytes",
+            )
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)

@@ -679,11 +679,12 @@ def local_headers(src: ByteSource, cdir: CentralDirectory, cd_offset: int) -> Lo
     span_lo = lo_sorted[firsts]
     span_hi = np.maximum.reduceat(hi_sorted, firsts)
     reads_before = src.reads
-    chunks = [src.read(s, e - s, what="local headers")
-              for s, e in zip(span_lo.tolist(), span_hi.tolist())]
     span_len = span_hi - span_lo
     span_base = np.cumsum(span_len) - span_len
-    a = np.frombuffer(b"".join(chunks), np.uint8)
+    a = np.empty(int(span_len.sum()), np.uint8)  # every span, back to back: one copy
+    view = memoryview(a)
+    for s, n, base in zip(span_lo.tolist(), span_len.tolist(), span_base.tolist()):
+        src.read_into(s, view[base:base + n], what="local headers")
 
     def where(offset: Any, nbytes: Any) -> tuple[Any, Any]:
         """Buffer positions of file ``offset``s, and whether ``nbytes`` from there were read."""
