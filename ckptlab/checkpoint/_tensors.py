@@ -183,13 +183,7 @@ class LazyEntries(Sequence[TensorEntry]):
         count = len(self._logical)
         storages = self._storages
         itemsizes = list(map(DTYPE_ITEMSIZE.__getitem__, cols.dtypes))
-        spans: dict[tuple[Any, ...], int] = {}
-        nbytes = []
-        for shape, stride, itemsize in zip(cols.shapes, cols.strides, itemsizes):
-            span = spans.get((shape, stride, itemsize))
-            if span is None:
-                span = spans[shape, stride, itemsize] = span_nbytes(shape, stride, itemsize)
-            nbytes.append(span)
+        nbytes = _span_sizes(cols.shapes, cols.strides, itemsizes)
         starts = [storages[key].data_offset for key in cols.keys]
         parts = build(Part, count, repeat("data"), repeat(self._file),
                       list(map(int.__add__, starts, map(int.__mul__, cols.offsets, itemsizes))),
@@ -220,6 +214,20 @@ _TENSOR_FIELDS = attrgetter("path", "dtype", "shape", "stride", "kind", "layout"
                             "requires_grad", "is_parameter", "subclass", "extra")
 
 
+def _span_sizes(shapes: Iterable[Any], strides: Iterable[Any], itemsizes: Iterable[int]
+                ) -> list[int]:
+    """:func:`span_nbytes` of each (shape, stride, itemsize), each distinct one worked out
+    once (a checkpoint has few)."""
+    spans: dict[tuple[Any, ...], int] = {}
+    out = []
+    for shape, stride, itemsize in zip(shapes, strides, itemsizes):
+        span = spans.get((shape, stride, itemsize))
+        if span is None:
+            span = spans[shape, stride, itemsize] = span_nbytes(shape, stride, itemsize)
+        out.append(span)
+    return out
+
+
 def _dense_entries(logical: list[Any], storages: dict[str, StorageInfo], file: str,
                    prefix: tuple[Any, ...]) -> list[TensorEntry] | None:
     """:func:`entries_from_logical` when every tensor has one part with a storage (dense
@@ -240,13 +248,7 @@ def _dense_columns(logical: list[Any], storages: dict[str, StorageInfo], file: s
         return None  # a meta tensor among them: no part
     located = list(map(storages.__getitem__, keys))
     itemsizes = list(map(DTYPE_ITEMSIZE.__getitem__, dtypes))
-    spans: dict[tuple[Any, ...], int] = {}
-    nbytes = []
-    for shape, stride, itemsize in zip(shapes, strides, itemsizes):
-        span = spans.get((shape, stride, itemsize))
-        if span is None:
-            span = spans[shape, stride, itemsize] = span_nbytes(shape, stride, itemsize)
-        nbytes.append(span)
+    nbytes = _span_sizes(shapes, strides, itemsizes)
     parts = build(Part, count, roles, repeat(file),
                   [s.data_offset + o * i for s, o, i in zip(located, offsets, itemsizes)],
                   nbytes, dtypes, shapes, strides, offsets, keys)

@@ -134,14 +134,7 @@ class ByteSource:
         if self._cache is not None:
             self._cache.append((offset, data))
         if len(data) != nbytes:
-            raise TruncatedArchiveError(
-                f"short read of the {what}",
-                path=self.name,
-                record=record,
-                offset=offset,
-                expected=f"{nbytes} bytes",
-                actual=f"{len(data)} bytes",
-            )
+            raise self._short_read(what, record, offset, nbytes, len(data))
         return data
 
     def read_into(self, offset: int, out: memoryview, *, what: str = "data",
@@ -163,14 +156,14 @@ class ByteSource:
             got += n
         self.bytes_read += got
         if got != nbytes:
-            raise TruncatedArchiveError(
-                f"short read of the {what}",
-                path=self.name,
-                record=record,
-                offset=offset,
-                expected=f"{nbytes} bytes",
-                actual=f"{got} bytes",
-            )
+            raise self._short_read(what, record, offset, nbytes, got)
+
+    def _short_read(self, what: str, record: str | None, offset: int, nbytes: int,
+                    got: int) -> TruncatedArchiveError:
+        """The error of a read that ended early (the file shrank after it was opened)."""
+        return TruncatedArchiveError(f"short read of the {what}", path=self.name, record=record,
+                                     offset=offset, expected=f"{nbytes} bytes",
+                                     actual=f"{got} bytes")
 
     def close(self) -> None:
         if self._fd is not None:
