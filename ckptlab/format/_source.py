@@ -6,12 +6,21 @@ import contextlib
 import io
 import os
 import re
+from itertools import accumulate, chain
 from typing import BinaryIO, Union
 
 from ckptlab.errors import ArchiveError, TruncatedArchiveError
 from ckptlab.format._paths import check_regular, open_regular
 
 Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, BinaryIO]
+
+GATHER_GAP = 64 * 1024  # local file: a gap up to this is read into a scratch buffer, same call
+READ_GAP = 4096  # other sources (a request each): a gap up to this is read through
+
+try:  # the most buffers one preadv call takes
+    _IOV_MAX = max(2, min(os.sysconf("SC_IOV_MAX"), 1024))
+except (AttributeError, OSError, ValueError):
+    _IOV_MAX = 16
 
 # a scheme of two or more letters then "://": "C://x" (a drive letter) stays a path
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+://")
@@ -157,6 +166,67 @@ class ByteSource:
         self.bytes_read += got
         if got != nbytes:
             raise self._short_read(what, record, offset, nbytes, got)
+
+    def gather_into(self, starts: list[int], lengths: list[int], out: memoryview, *,
+                    what: str = "data") -> None:
+        """Read the spans ``starts[i]``, ``lengths[i]`` (sorted, not overlapping) back to back into ``out`` (a writable byte view of their total length),
+        with the checks and errors of :meth:`read`.
+
+        From a file, many spans take one ``os.preadv`` call: the gaps between them (up to
+        :data:`GATHER_GAP` each) are read into one small scratch buffer, so neither a call
+        per span nor a buffer the size of the file is paid. From other sources (where each
+        call is a request), spans less than :data:`READ_GAP` apart are read as one request.
+        """
+        if not starts:
+            return
+        last = len(starts) - 1
+        for i in (0, last):  # sorted: the first and the last span bound all the others
+            if starts[i] < 0 or starts[i] + lengths[i] > self.nbytes:
+                self.read(starts[i], lengths[i], what=what)  # raises what read() raises
+        if self._fd is not None and self._cache is None and hasattr(os, "preadv"):
+            self._gather_fd(starts, lengths, out, what)
+            return
+        i, pos = 0, 0
+        while i <= last:  # clusters of spans less than READ_GAP apart, a read each
+            first, lo, end = i, starts[i], starts[i] + lengths[i]
+            i += 1
+            while i <= last and starts[i] - end <= READ_GAP:
+                end = starts[i] + lengths[i]
+                i += 1
+            chunk = memoryview(self.read(lo, end - lo, what=what))
+            for j in range(first, i):
+                at = starts[j] - lo
+                out[pos:pos + lengths[j]] = chunk[at:at + lengths[j]]
+                pos += lengths[j]
+
+    def _gather_fd(self, starts: list[int], lengths: list[int], out: memoryview,
+                   what: str) -> None:
+        fd = self._fd
+        assert fd is not None
+        scratch = memoryview(bytearray(GATHER_GAP))
+        ends = list(map(int.__add__, starts, lengths))
+        gaps = [0, *map(int.__sub__, starts[1:], ends[:-1])]
+        bases = list(accumulate(lengths, initial=0))
+        # the buffers of every span, each after the scratch buffer its gap is read into
+        spans = list(map(out.__getitem__, map(slice, bases[:-1], bases[1:])))
+        views = {gap: scratch[:gap] for gap in set(gaps) if gap <= GATHER_GAP}  # a few sizes
+        fills = list(map(views.get, gaps))  # (None past GATHER_GAP: such a gap starts a call)
+        n = len(starts)
+        i = 0
+        while i < n:  # a call per run of spans no more than GATHER_GAP apart, up to _IOV_MAX
+            first = i
+            i += 1
+            stop = min(n, first + _IOV_MAX // 2)
+            while i < stop and gaps[i] <= GATHER_GAP:
+                i += 1
+            iovs = list(chain.from_iterable(zip(fills[first + 1:i], spans[first + 1:i])))
+            iovs.insert(0, spans[first])
+            self.reads += 1
+            got = os.preadv(fd, iovs, starts[first])
+            self.bytes_read += got
+            if got != ends[i - 1] - starts[first]:  # cut short (did the file shrink?):
+                for j in range(first, i):  # span by span, which says where
+                    self.read_into(starts[j], spans[j], what=what)
 
     def _short_read(self, what: str, record: str | None, offset: int, nbytes: int,
                     got: int) -> TruncatedArchiveError:

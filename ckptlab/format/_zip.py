@@ -640,7 +640,7 @@ class LocalHeaders(NamedTuple):
     reads: int
 
 
-_HEADER_GAP = 4096  # bytes between two needed ranges read through rather than read apart
+_SPAN_GAP = 512  # needed ranges this close are kept as one span of the buffer
 _LOCAL_SIG = int.from_bytes(LOCAL_SIG, "little")
 _DESCRIPTOR_SIG = int.from_bytes(DESCRIPTOR_SIG, "little")
 
@@ -660,9 +660,9 @@ def local_headers(src: ByteSource, cdir: CentralDirectory, cd_offset: int) -> Lo
 
     The ranges needed (each header with its name and up to 96 bytes of extra fields, and the
     24 bytes before it, where the previous record's descriptor ends in a torch file) are read
-    with one read per cluster: ranges less than 4 KiB apart are read as one, so the headers of
-    small records cost one read together and those of large ones one read each, never the
-    data in between. Memory: at most the file's size.
+    back to back into one buffer by :meth:`ByteSource.gather_into`: from a file, hundreds of
+    ranges a call with the data between them dropped; from a file object, ranges less than
+    4 KiB apart as one request. Memory: the ranges, at most the file's size.
     """
     import numpy as np
 
@@ -670,21 +670,20 @@ def local_headers(src: ByteSource, cdir: CentralDirectory, cd_offset: int) -> Lo
     name_nbytes = cdir.name_nbytes
     lo = np.append(np.maximum(hdr - 24, 0), max(cd_offset - 24, 0))
     hi = np.append(np.minimum(hdr + LOCAL_HEADER.size + name_nbytes + 96, src.nbytes), cd_offset)
+    hi = np.maximum(hi, lo)
     order = np.argsort(lo, kind="stable")
     lo_sorted, hi_sorted = lo[order], hi[order]
     reach = np.maximum.accumulate(hi_sorted)
     first = np.ones(len(lo_sorted), bool)
-    first[1:] = lo_sorted[1:] > reach[:-1] + _HEADER_GAP
+    first[1:] = lo_sorted[1:] > reach[:-1] + _SPAN_GAP
     firsts = np.flatnonzero(first)
     span_lo = lo_sorted[firsts]
     span_hi = np.maximum.reduceat(hi_sorted, firsts)
     reads_before = src.reads
     span_len = span_hi - span_lo
     span_base = np.cumsum(span_len) - span_len
-    a = np.empty(int(span_len.sum()), np.uint8)  # every span, back to back: one copy
-    view = memoryview(a)
-    for s, n, base in zip(span_lo.tolist(), span_len.tolist(), span_base.tolist()):
-        src.read_into(s, view[base:base + n], what="local headers")
+    a = np.empty(int(span_len.sum()), np.uint8)  # every span, back to back
+    src.gather_into(span_lo.tolist(), span_len.tolist(), memoryview(a), what="local headers")
 
     def where(offset: Any, nbytes: Any) -> tuple[Any, Any]:
         """Buffer positions of file ``offset``s, and whether ``nbytes`` from there were read."""
