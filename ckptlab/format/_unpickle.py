@@ -363,6 +363,7 @@ def _need(stack: list[Any], k: int, code: int) -> None:
 _SPEC_MIN = 16  # entries in a batch before the next batch is tried with their shapes' patterns
 _SPECS = 8  # the shapes (specialised patterns) kept: a layer's few, an MoE expert's three
 _ENTRY_CAPTURED = (*_ENTRY_PUTS, 4)  # the groups a specialised pattern still captures
+_ENTRY_SHARED = (1, 2, 3, 6, 16)  # BINGETs the same in every entry of a batch (global, ...)
 _SPEC_STORAGE_KEY = rb"(X[\x01-\x14]\x00\x00\x00[0-9]+)"
 
 
@@ -371,13 +372,14 @@ class _EntrySpec:
     group but the BINPUTs and the storage key are the template's, literally (the same global,
     storage class, location, numel, offset, size, stride, requires_grad and hooks); the
     BINPUTs are LONG_BINPUTs of any index and the storage key any digits. A match is also a
-    match of :data:`_ENTRY_V2` with those same groups (a pickle parses one way), so
-    :meth:`columns` gives the columns :data:`_ENTRY_V2`'s groups would, at the cost of a
-    mostly literal pattern and a few groups. A state dict of one tensor shape (the common
-    large case: 100,000 equal layers) is read this way after its first batch.
+    match of :data:`_ENTRY_V2` with those same groups (a pickle parses one way): a batch
+    reads the captured groups entry by entry and the rest once per shape (:meth:`values`),
+    at the cost of a mostly literal pattern and a few groups. A state dict of a few tensor
+    shapes (100,000 equal layers; an MoE layer's norms, projections and experts) is read
+    this way after its first batch.
     """
 
-    __slots__ = ("captured", "constants", "expand", "last_back", "match")
+    __slots__ = ("_values", "captured", "constants", "expand", "last_back", "match")
 
     def __init__(self, match: Callable[..., Any], captured: tuple[int, ...],
                  constants: tuple[Any, ...], last_back: int) -> None:
@@ -388,17 +390,25 @@ class _EntrySpec:
         # (this pattern's groups + constants) -> the general pattern's 22 groups
         where = {general: i for i, general in enumerate(captured)}
         self.expand = itemgetter(*(where.get(g, len(captured) + g) for g in range(22)))
+        self._values: Any = _NOTHING
 
-    def columns(self, cols: list[tuple[Any, ...]], count: int) -> list[Any]:
-        """The general pattern's 22 columns from this pattern's ``cols`` of ``count``
-        entries."""
-        out: list[Any] = [[value] * count for value in self.constants]
-        for general, column in zip(self.captured, cols):
-            out[general] = column
-        return out
+    def values(self) -> tuple[int, int, tuple[int, ...], tuple[int, ...], bool, int] | None:
+        """The shape's numel, storage offset, size, stride, requires_grad and what the loop
+        charges for the four ints, worked out once; None when they are not a valid tensor's
+        (a negative offset, sizes and strides that are not ints >= 0 of equal length)."""
+        if self._values is _NOTHING:
+            c = self.constants
+            (numel, numel_cost), (offset, offset_cost) = _small_int(c[7]), _small_int(c[10])
+            (size, size_cost, size_ok), (stride, stride_cost, stride_ok) = (
+                _int_tuple_op(c[11]), _int_tuple_op(c[13]))
+            valid = offset >= 0 and size_ok and stride_ok and len(size) == len(stride)
+            self._values = (numel, offset, size, stride, c[15] == b"\x88",
+                            numel_cost + offset_cost + size_cost + stride_cost) if valid else None
+        return self._values
 
     def groups(self, m: re.Match[Any]) -> tuple[Any, ...]:
-        """The general pattern's 22 groups of this pattern's match ``m``."""
+        """The general pattern's 22 groups of this pattern's match ``m`` (for a batch whose
+        shapes' patterns capture different groups)."""
         return self.expand(m.groups() + self.constants)
 
 
@@ -513,7 +523,7 @@ class _Machine:
         self.fused_batch: Callable[..., Any] | None = None
         # the shapes of the last batches' entries as specialised patterns (_entry_spec)
         self.entry_specs: list[_EntrySpec] = []
-        self.entry_after: dict[_EntrySpec, _EntrySpec] = {}  # see entry_run
+        self.entry_after: dict[tuple[Any, Any], _EntrySpec] = {}  # see entry_run
         # tuple opcodes -> (value, charge, whether it is a valid size: ints >= 0, <= 64 dims)
         self.tuples: dict[bytes, tuple[tuple[int, ...], int, bool]] = {}
         # the four BINGETs of a tensor (their opcodes) -> (indices, the largest)
@@ -1112,37 +1122,37 @@ class _Machine:
         matches: list[Any] = []
         specs = self.entry_specs
         used: list[_EntrySpec] = []  # the pattern of each entry, when specialised
-        after = self.entry_after  # a shape -> the shape of the entry after it, last time
+        after = self.entry_after  # two shapes -> the shape of the entry after them, last time
         starts = []
         pos0 = pos
-        prev: _EntrySpec | None = None
+        context: tuple[_EntrySpec | None, _EntrySpec | None] = (None, None)
         for _ in range(BULK_BATCH):
             if pos + 5 > n or data[pos] != 0x58:
                 break
             (length,) = _unpack_I(data, pos + 1)
             start = pos + 5
-            if start + length > n:
+            end = start + length
+            if end > n:
                 break
             if not specs:
-                m = _ENTRY_V2(data, start + length)
+                m = _ENTRY_V2(data, end)
                 if m is None:
                     break
-            else:  # the shape that came next last time first (a layer's shapes repeat)
-                guess = after.get(prev, specs[0]) if prev is not None else specs[0]
-                m = guess.match(data, start + length)
+            else:  # the shape that came after the last two last time first (layers repeat)
+                guess = after.get(context, specs[0])
+                m = guess.match(data, end)
                 if m is None:
                     tried = guess
                     for guess in specs:
                         if guess is not tried:
-                            m = guess.match(data, start + length)
+                            m = guess.match(data, end)
                             if m is not None:
                                 break
                     if m is None:
                         break
-                    if prev is not None:
-                        after[prev] = guess
+                    after[context] = guess
                 used.append(guess)
-                prev = guess
+                context = (context[1], guess)
             starts.append(start)
             lengths.append(length)
             matches.append(m)
@@ -1168,68 +1178,55 @@ class _Machine:
             return ran
         if count < 2:
             return count
-        one: _EntrySpec | None = None  # the shape of every entry, when they have one
-        if not specs:
-            cols = list(zip(*map(_GROUPS, matches)))
-        elif used.count(used[0]) == count:  # one shape: its constants, repeated
-            one = used[0]
-            cols = one.columns(list(zip(*map(_GROUPS, matches))), count)
-        else:
-            cols = list(zip(*map(_EntrySpec.groups, used, matches)))
-        # the same BINGETs in every entry, of indices stored before the batch
-        shared = [cols[i] for i in (1, 2, 3, 6, 16)]
-        if any(len(set(c)) != 1 for c in shared):
-            return count
-        where = [_memo_index(c[0]) for c in shared]
-        if max(where) >= size0 or memo[where[0]] is not self.fast_global or \
-                memo[where[4]] is not self.odict_global or self.odict_handler is None:
-            return count
-        tag, storage_type, location = memo[where[1]], memo[where[2]], memo[where[3]]
-        # storage keys: written out (X) in every entry, each of its declared length
-        key_ops = cols[4]
-        if bytes(map(_FIRST, key_ops)) != b"X" * count:
-            return count
-        storage_keys = list(map(_AFTER_LENGTH, key_ops))
-        if list(map(_SECOND, key_ops)) != list(map(len, storage_keys)) or \
-                set(map(_LENGTH_REST, key_ops)) != {b"\x00\x00\x00"}:
-            return count
-        # the BINPUTs: the same ones in every entry, appending to the memo in order
-        present = []
-        for i in _ENTRY_PUTS:
-            column = cols[i]
-            if column[0] is None:
-                if any(column):
-                    return count
-            elif None in column:
-                return count
-            else:
-                present.append(column)
-        puts = len(present) * count
-        joined = b"".join(chain.from_iterable(zip(*present)))
-        if len(joined) != 5 * puts:
-            return count
-        import numpy as np
-
-        ops = np.frombuffer(joined, dtype=np.dtype([("op", "u1"), ("index", "<u4")]))
-        if not ((ops["op"] == 0x72).all() and
-                (ops["index"] == np.arange(size0, size0 + puts, dtype=np.int64)).all()):
-            return count
-        # ints, sizes and strides, and what the loop would charge for them
         tuples = self.tuples
-        if one is not None:  # the shape's own: the same in every entry, worked out once
-            (numel, numel_cost), (offset, offset_cost) = (_small_int(one.constants[7]),
-                                                          _small_int(one.constants[10]))
-            for op in (one.constants[11], one.constants[13]):
-                if op not in tuples:
-                    tuples[op] = _int_tuple_op(op)
-            (size, size_cost, size_ok), (stride, stride_cost, stride_ok) = (
-                tuples[one.constants[11]], tuples[one.constants[13]])
-            if offset < 0 or not (size_ok and stride_ok and len(size) == len(stride)):
+        kinds = dict.fromkeys(used)  # the shapes of this batch's entries, when specialised
+        if kinds and len({kind.captured for kind in kinds}) == 1:
+            # each shape's constants worked out once; the captured groups (BINPUTs, storage
+            # keys) are the only columns read entry by entry
+            captured = used[0].captured
+            cap = dict(zip(captured, zip(*map(_GROUPS, matches))))
+            shared = {tuple(kind.constants[i] for i in _ENTRY_SHARED) for kind in kinds}
+            if len(shared) != 1:
                 return count
-            numels, offsets = [numel] * count, [offset] * count
-            size_ops, stride_ops = repeat((size,), count), repeat((stride,), count)
-            charged = count * (numel_cost + offset_cost + size_cost + stride_cost)
+            shared_ops = next(iter(shared))
+            key_ops = cap[4]
+            present = [cap[i] for i in _ENTRY_PUTS if i in cap]
+            put_mask = [i in cap for i in _ENTRY_PUTS]
+            shape_values = {kind: kind.values() for kind in kinds}
+            if None in shape_values.values():
+                return count
+            if len(kinds) == 1:  # one shape: its values, repeated
+                numel, offset, size, stride, grad, charge = shape_values[used[0]]  # type: ignore[misc]
+                numels, offsets, grads = [numel] * count, [offset] * count, [grad] * count
+                sizes = [(*size,) for _ in range(count)]  # tuples of their own, as the loop
+                strides = [(*stride,) for _ in range(count)]  # builds
+                charged = count * charge
+            else:
+                numels, offsets, size_t, stride_t, grads, charges = map(list, zip(*map(
+                    shape_values.__getitem__, used)))
+                sizes = [(*t,) for t in size_t]
+                strides = [(*t,) for t in stride_t]
+                charged = sum(charges)
         else:
+            cols = list(zip(*map(_GROUPS, matches))) if not specs else \
+                list(zip(*map(_EntrySpec.groups, used, matches)))
+            # the same BINGETs in every entry
+            if any(len(set(cols[i])) != 1 for i in _ENTRY_SHARED):
+                return count
+            shared_ops = tuple(cols[i][0] for i in _ENTRY_SHARED)
+            key_ops = cols[4]
+            put_mask = [cols[i][0] is not None for i in _ENTRY_PUTS]
+            present = []
+            for i in _ENTRY_PUTS:  # the BINPUTs: the same ones in every entry
+                column = cols[i]
+                if column[0] is None:
+                    if any(column):
+                        return count
+                elif None in column:
+                    return count
+                else:
+                    present.append(column)
+            # ints, sizes and strides, and what the loop would charge for them
             ints: dict[bytes, tuple[int, int]] = {}
             for op in set(cols[7]) | set(cols[10]):
                 ints[op] = _small_int(op)
@@ -1250,6 +1247,33 @@ class _Machine:
                     return count
             charged = (sum(map(_SECOND, numel_ints)) + sum(map(_SECOND, offset_ints))
                        + sum(map(_SECOND, size_ops)) + sum(map(_SECOND, stride_ops)))
+            sizes = [(*t[0],) for t in size_ops]  # tuples of their own, as the loop builds
+            strides = [(*t[0],) for t in stride_ops]
+            grads = list(map(b"\x88".__eq__, cols[15]))
+        # the shared BINGETs: of indices stored before the batch
+        where = list(map(_memo_index, shared_ops))
+        if max(where) >= size0 or memo[where[0]] is not self.fast_global or \
+                memo[where[4]] is not self.odict_global or self.odict_handler is None:
+            return count
+        tag, storage_type, location = memo[where[1]], memo[where[2]], memo[where[3]]
+        # storage keys: written out (X) in every entry, each of its declared length
+        if bytes(map(_FIRST, key_ops)) != b"X" * count:
+            return count
+        storage_keys = list(map(_AFTER_LENGTH, key_ops))
+        if list(map(_SECOND, key_ops)) != list(map(len, storage_keys)) or \
+                set(map(_LENGTH_REST, key_ops)) != {b"\x00\x00\x00"}:
+            return count
+        # the BINPUTs: appending to the memo in order
+        puts = len(present) * count
+        joined = b"".join(chain.from_iterable(zip(*present)))
+        if len(joined) != 5 * puts:
+            return count
+        import numpy as np
+
+        ops = np.frombuffer(joined, dtype=np.dtype([("op", "u1"), ("index", "<u4")]))
+        if not ((ops["op"] == 0x72).all() and
+                (ops["index"] == np.arange(size0, size0 + puts, dtype=np.int64)).all()):
+            return count
         cost = (count * (96 + 16 + 1304 + 16 * len(present)) + 4 * sum(lengths)
                 + 96 * count + 4 * sum(map(len, storage_keys)) + charged)
         if cost > budget:
@@ -1257,10 +1281,6 @@ class _Machine:
         # the persistent ids and the handler, all at once or not at all
         names = list(map(bytes.decode, storage_keys, repeat("ascii")))
         pids = list(zip(repeat(tag), repeat(storage_type), names, repeat(location), numels))
-        sizes = [(*t[0],) for t in size_ops]  # tuples of their own, as the loop builds
-        strides = [(*t[0],) for t in stride_ops]
-        grads = [one.constants[15] == b"\x88"] * count if one is not None else \
-            list(map(b"\x88".__eq__, cols[15]))
         both = self.fused_batch(pids, offsets, sizes, strides, grads)  # type: ignore[misc]
         if both is None:
             return count
@@ -1269,8 +1289,7 @@ class _Machine:
         hooks = [odict() for _ in range(count)]
         args = list(zip(refs, offsets, sizes, strides, grads, hooks))
         values = (keys, names, pids, sizes, strides, hooks, args, results)
-        memo.extend(chain.from_iterable(zip(*compress(values, [
-            cols[i][0] is not None for i in _ENTRY_PUTS]))))
+        memo.extend(chain.from_iterable(zip(*compress(values, put_mask))))
         stack.extend(chain.from_iterable(zip(keys, results)))
         last = matches[-1]
         if not specs:
