@@ -11,7 +11,8 @@ the ratios the targets of issue 13 are about:
     torch.empty(2)}``, as in the issue) and ``mix`` (a quarter each Parameters of 4x4, two
     views of one storage, bfloat16 vectors, inside a nested dict with an optimizer-like part);
     ``--kinds moe`` adds a mixture-of-experts transformer's shapes (24 bf16 tensors a layer,
-    5 shapes; not run by default: its 100,000-tensor file is 430 MB).
+    5 shapes; not run by default: its 100,000-tensor file is 430 MB), ``--kinds optim`` a
+    training checkpoint (a model's state dict and its Adam optimizer's state).
     Targets: 10,000 tensors >= 5x faster than torch; 100,000 tensors in < 1 s.
 (b) ``ckptlab.storage_offsets(path)`` against torch's C++ reader,
     ``torch._C.PyTorchFileReader(path)`` + ``get_record_offset`` of every ``data/*`` record,
@@ -100,8 +101,23 @@ def moe_state(n: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def optim_state(n: int) -> dict[str, Any]:
+    """A training checkpoint: a model's state dict (8x8 fp32 weights) and the state dict of
+    an Adam optimizer over it (a scalar ``step`` and two moments per parameter, under int
+    keys, as ``torch.optim.Adam.state_dict()`` gives them); a quarter of the tensors are the
+    model's."""
+    params = n // 4
+    model = {f"layers.{i}.weight": torch.empty(8, 8) for i in range(params)}
+    state = {i: {"step": torch.tensor(3.0), "exp_avg": torch.empty(8, 8),
+                 "exp_avg_sq": torch.empty(8, 8)} for i in range(params)}
+    groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+               "amsgrad": False, "params": list(range(params))}]
+    return {"model": model, "optimizer": {"state": state, "param_groups": groups},
+            "step": 10}
+
+
 KINDS: dict[str, Callable[[int], Any]] = {"plain": plain_state, "mix": mix_state,
-                                          "moe": moe_state}
+                                          "moe": moe_state, "optim": optim_state}
 
 
 def flat_tensors(obj: Any, prefix: tuple[Any, ...] = ()) -> dict[tuple[Any, ...], Any]:

@@ -261,7 +261,7 @@ def _dense_columns(logical: list[Any], storages: dict[str, StorageInfo], file: s
             raise TypeError
         names = list(map(".".join, paths))
     except TypeError:
-        names = [".".join(map(str, p)) if p else "<root>" for p in paths]
+        names = list(map(tensor_name, paths))
     return build(TensorEntry, count, names, paths, t_dtypes, t_shapes, t_strides, kinds,
                  [(p,) for p in parts], layouts, grads, params, subclasses, extras)
 

@@ -177,7 +177,7 @@ def tensor_name(path: tuple[Any, ...]) -> str:
     """The state-dict name of a path: keys joined with "." as DCP flattens them."""
     if not path:
         return "<root>"
-    return ".".join(str(k) for k in path)
+    return ".".join(map(str, path))
 
 
 class LazyTensors(Mapping[str, TensorEntry]):

@@ -373,40 +373,46 @@ class _TorchHandlers:
         """:meth:`fused_v2` of many tensors (lists in pickle order): all or None, having
         changed nothing when some one of them would not be taken."""
         tags, types, keys, locations, numels = zip(*pids)
-        storage_type = types[0]
-        known = self.storage_types.get(id(storage_type))
-        if known is None or known[0] is not storage_type or set(map(type, types)) != {Global} \
-                or len(set(map(id, types))) != 1 or set(tags) != {"storage"} or \
-                set(map(type, keys)) != {str} or set(map(type, locations)) != {str} or \
-                set(map(type, numels)) != {int} or min(numels) < 0:
+        known_of = {}  # id -> (class, dtype, itemsize, name) of each storage class seen
+        for storage_type in {id(t): t for t in types}.values():
+            known = self.storage_types.get(id(storage_type))
+            if known is None or known[0] is not storage_type or type(storage_type) is not Global:
+                return None
+            known_of[id(storage_type)] = (*known, storage_type.name)
+        if set(tags) != {"storage"} or set(map(type, keys)) != {str} or \
+                set(map(type, locations)) != {str} or set(map(type, numels)) != {int} or \
+                min(numels) < 0:
             return None
-        itemsize = known[2]
+        if len(known_of) == 1:
+            _, dtype, itemsize, name = next(iter(known_of.values()))
+            dtypes, type_names = repeat(dtype), repeat(name)
+            nbytes = list(map(itemsize.__mul__, numels))
+        else:  # a few storage classes, entry by entry (a LongStorage buffer among floats)
+            _, dtypes, itemsizes, type_names = zip(*map(known_of.__getitem__, map(id, types)))
+            nbytes = list(map(int.__mul__, numels, itemsizes))
         storages = self.storages
         new: dict[str, int] = {}
         # every key new, none twice (the common case): no size to agree with
         fresh = storages.keys().isdisjoint(keys) and len(set(keys)) == len(keys)
         if not fresh:
-            for key, numel in zip(keys, numels):  # every size agrees before anything is stored
-                nbytes = numel * itemsize
+            for key, size in zip(keys, nbytes):  # every size agrees before anything is stored
                 ref = storages.get(key)
                 if ref is not None:
-                    if ref.nbytes != nbytes:
+                    if ref.nbytes != size:
                         return None
-                elif new.setdefault(key, nbytes) != nbytes:
+                elif new.setdefault(key, size) != size:
                     return None
         if fresh:
-            made: list[Any] = list(map(_StorageRefTwin, keys, repeat(storage_type.name),
-                                       repeat(known[1]), locations, numels,
-                                       map(itemsize.__mul__, numels)))
+            made: list[Any] = list(map(_StorageRefTwin, keys, type_names, dtypes, locations,
+                                       numels, nbytes))
             deque(map(setattr, made, repeat("__class__"), repeat(StorageRef)), maxlen=0)
             storages.update(zip(keys, made))  # as _storage_ref makes them, one by one
             self.storage_order.extend(keys)
         elif new:
-            name, dtype = storage_type.name, known[1]
-            for key, location, numel in zip(keys, locations, numels):
+            for key, name, dtype, location, numel, size in zip(keys, type_names, dtypes,
+                                                               locations, numels, nbytes):
                 if key in new and key not in storages:
-                    storages[key] = _storage_ref(key, name, dtype, location, numel,
-                                                 numel * itemsize)
+                    storages[key] = _storage_ref(key, name, dtype, location, numel, size)
                     self.storage_order.append(key)
         refs = list(map(storages.__getitem__, keys))
         tensors = list(map(_TensorRef, refs, offsets, sizes, strides, grads,

@@ -363,7 +363,8 @@ def _need(stack: list[Any], k: int, code: int) -> None:
 _SPEC_MIN = 16  # entries in a batch before the next batch is tried with their shapes' patterns
 _SPECS = 8  # the shapes (specialised patterns) kept: a layer's few, an MoE expert's three
 _ENTRY_CAPTURED = (*_ENTRY_PUTS, 4)  # the groups a specialised pattern still captures
-_ENTRY_SHARED = (1, 2, 3, 6, 16)  # BINGETs the same in every entry of a batch (global, ...)
+_ENTRY_SHARED = (1, 2, 6, 16)  # BINGETs the same in every entry of a batch (global, tag,
+# location, hooks); the storage class (group 3) may differ from entry to entry
 _SPEC_STORAGE_KEY = rb"(X[\x01-\x14]\x00\x00\x00[0-9]+)"
 
 
@@ -1104,8 +1105,9 @@ class _Machine:
 
         The batch is taken only when every entry is what :meth:`tensor_v2` would take without
         a fallback and with the fused handler (:func:`interpret`'s ``fused_tensor_v2``): the
-        same BINGETs of the global, the storage tag and class, the location and the hooks'
-        ``OrderedDict`` in every entry, all of earlier memo indices; the BINPUTs (the same in
+        same BINGETs of the global, the storage tag, the location and the hooks' ``OrderedDict``
+        in every entry, and storage classes (a few, entry by entry), all of earlier memo
+        indices; the BINPUTs (the same in
         every entry) appending to the memo in order (checked for the whole batch at once);
         UTF-8 keys; sizes and strides valid; a budget that covers the whole batch. Then it does
         what the entries one at a time would: the keys and tensors pushed in order, the same
@@ -1189,9 +1191,13 @@ class _Machine:
             if len(shared) != 1:
                 return count
             shared_ops = next(iter(shared))
+            type_ops = [used[0].constants[3]] * count if len(kinds) == 1 else list(map(
+                dict((kind, kind.constants[3]) for kind in kinds).__getitem__, used))
             key_ops = cap[4]
             present = [cap[i] for i in _ENTRY_PUTS if i in cap]
-            put_mask = [i in cap for i in _ENTRY_PUTS]
+            put_mask: Any = [i in cap for i in _ENTRY_PUTS]
+            puts = len(present) * count
+            joined = b"".join(chain.from_iterable(zip(*present)))
             shape_values = {kind: kind.values() for kind in kinds}
             if None in shape_values.values():
                 return count
@@ -1214,18 +1220,19 @@ class _Machine:
             if any(len(set(cols[i])) != 1 for i in _ENTRY_SHARED):
                 return count
             shared_ops = tuple(cols[i][0] for i in _ENTRY_SHARED)
+            type_ops = cols[3]
             key_ops = cols[4]
-            put_mask = [cols[i][0] is not None for i in _ENTRY_PUTS]
-            present = []
-            for i in _ENTRY_PUTS:  # the BINPUTs: the same ones in every entry
-                column = cols[i]
-                if column[0] is None:
-                    if any(column):
-                        return count
-                elif None in column:
-                    return count
-                else:
-                    present.append(column)
+            put_cols = [cols[i] for i in _ENTRY_PUTS]
+            if all(None not in c if c[0] is not None else not any(c) for c in put_cols):
+                put_mask = [c[0] is not None for c in put_cols]  # the same BINPUTs in each
+                present = [c for c in put_cols if c[0] is not None]
+                puts = len(present) * count
+                joined = b"".join(chain.from_iterable(zip(*present)))
+            else:  # each entry its own (a scalar's empty size and stride are not memoized)
+                rows = list(zip(*put_cols))
+                put_mask = [tuple(op is not None for op in row) for row in rows]
+                puts = sum(map(sum, put_mask))
+                joined = b"".join(chain.from_iterable(map(filter, repeat(None), rows)))
             # ints, sizes and strides, and what the loop would charge for them
             ints: dict[bytes, tuple[int, int]] = {}
             for op in set(cols[7]) | set(cols[10]):
@@ -1253,9 +1260,14 @@ class _Machine:
         # the shared BINGETs: of indices stored before the batch
         where = list(map(_memo_index, shared_ops))
         if max(where) >= size0 or memo[where[0]] is not self.fast_global or \
-                memo[where[4]] is not self.odict_global or self.odict_handler is None:
+                memo[where[3]] is not self.odict_global or self.odict_handler is None:
             return count
-        tag, storage_type, location = memo[where[1]], memo[where[2]], memo[where[3]]
+        tag, location = memo[where[1]], memo[where[2]]
+        type_of = {op: _memo_index(op) for op in set(type_ops)}  # storage classes, the same
+        if max(type_of.values()) >= size0:
+            return count
+        for op, index in type_of.items():
+            type_of[op] = memo[index]
         # storage keys: written out (X) in every entry, each of its declared length
         if bytes(map(_FIRST, key_ops)) != b"X" * count:
             return count
@@ -1264,8 +1276,6 @@ class _Machine:
                 set(map(_LENGTH_REST, key_ops)) != {b"\x00\x00\x00"}:
             return count
         # the BINPUTs: appending to the memo in order
-        puts = len(present) * count
-        joined = b"".join(chain.from_iterable(zip(*present)))
         if len(joined) != 5 * puts:
             return count
         import numpy as np
@@ -1274,13 +1284,14 @@ class _Machine:
         if not ((ops["op"] == 0x72).all() and
                 (ops["index"] == np.arange(size0, size0 + puts, dtype=np.int64)).all()):
             return count
-        cost = (count * (96 + 16 + 1304 + 16 * len(present)) + 4 * sum(lengths)
+        cost = (count * (96 + 16 + 1304) + 16 * puts + 4 * sum(lengths)
                 + 96 * count + 4 * sum(map(len, storage_keys)) + charged)
         if cost > budget:
             return count  # one at a time: the loop says where it runs out
         # the persistent ids and the handler, all at once or not at all
         names = list(map(bytes.decode, storage_keys, repeat("ascii")))
-        pids = list(zip(repeat(tag), repeat(storage_type), names, repeat(location), numels))
+        pids = list(zip(repeat(tag), map(type_of.__getitem__, type_ops), names, repeat(location),
+                        numels))
         both = self.fused_batch(pids, offsets, sizes, strides, grads)  # type: ignore[misc]
         if both is None:
             return count
@@ -1289,7 +1300,10 @@ class _Machine:
         hooks = [odict() for _ in range(count)]
         args = list(zip(refs, offsets, sizes, strides, grads, hooks))
         values = (keys, names, pids, sizes, strides, hooks, args, results)
-        memo.extend(chain.from_iterable(zip(*compress(values, put_mask))))
+        if type(put_mask[0]) is bool:  # the same BINPUTs in every entry
+            memo.extend(chain.from_iterable(zip(*compress(values, put_mask))))
+        else:
+            memo.extend(chain.from_iterable(map(compress, zip(*values), put_mask)))
         stack.extend(chain.from_iterable(zip(keys, results)))
         last = matches[-1]
         if not specs:

@@ -660,3 +660,47 @@ def test_batches_stop_at_a_key_that_is_not_utf8(monkeypatch) -> None:
         mutated[at + 2:at + 4] = b"\xed\xa0"  # a surrogate's first bytes: surrogatepass takes
         all_ways(bytes(mutated))  # a whole one only
     assert batches.specialised > 5
+
+
+# batches of several storage classes: a BatchNorm's int64 counter, bf16 scales among floats
+
+
+def norm_run(n: int) -> dict[str, Any]:
+    """A BatchNorm-like model's entries: float, int64 and bfloat16 storages in turn."""
+    out: dict[str, Any] = {}
+    for i in range(n // 4):
+        out[f"bn.{i}.weight"] = torch.ones(3)
+        out[f"bn.{i}.running_mean"] = torch.zeros(3)
+        out[f"bn.{i}.num_batches_tracked"] = torch.tensor(i)
+        out[f"bn.{i}.scale"] = torch.ones(2, dtype=torch.bfloat16)
+    return out
+
+
+@pytest.mark.parametrize("spec_min", [2, 10**9])  # specialised patterns, the general one
+def test_batches_take_entries_of_several_storage_classes(monkeypatch, spec_min: int) -> None:
+    batches = _Batches(monkeypatch, batch=8, pause=0, spec_min=spec_min)
+    for obj in (norm_run(400), {**norm_run(80), **uniform_run(80), **plain_run(40)}):
+        assert all_ways(data_pkl(save(obj)))[0] != "error"
+        assert all_ways(_memo_exposed(data_pkl(save(obj))))[0] != "error"
+    assert batches.taken > 40  # (each batch holds entries of three storage classes)
+    if spec_min == 2:
+        assert batches.shapes > 20
+
+
+def test_one_storage_under_two_classes_in_a_batch(monkeypatch) -> None:
+    """torch pickles a float8 weight and its uint8 view as one storage under two classes: the
+    batch takes it where the byte sizes agree and gives way to the loop's error where not."""
+    batches = _Batches(monkeypatch, batch=8, pause=0)
+    w = torch.zeros(4, 4, dtype=torch.float8_e4m3fn)
+    obj = {**{f"a.{i}": torch.zeros(3) for i in range(40)}, "w": w, "w_bytes": w.view(torch.uint8),
+           **{f"b.{i}": torch.zeros(3) for i in range(40)}}
+    data = data_pkl(save(obj))
+    got = all_ways(data)
+    assert got[0] != "error"
+    taken = batches.taken
+    assert taken > 5
+    # the uint8 view's numel made to disagree (16 -> 17 bytes): an error, the same every way
+    view_at = data.index(b"ByteStorage")
+    numel_at = data.index(b"K\x10", view_at)
+    bad = data[:numel_at] + b"K\x11" + data[numel_at + 2:]
+    assert all_ways(bad)[0] == "error"
