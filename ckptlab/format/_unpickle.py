@@ -50,8 +50,8 @@ import codecs
 import re
 import struct
 from collections.abc import Callable
-from itertools import chain, compress, repeat
-from operator import itemgetter
+from itertools import accumulate, chain, compress, repeat
+from operator import is_not, itemgetter
 from typing import Any
 
 from ckptlab.errors import PickleBudgetError, PickleDataError
@@ -195,6 +195,17 @@ _TENSOR_V2_OPS = (
 _TENSOR_V2 = re.compile(_TENSOR_V2_OPS, re.DOTALL).match
 # a state dict entry: after the key string, its BINPUT and the BINGET of the global
 _ENTRY_V2 = re.compile(_PUT + _GET + _TENSOR_V2_OPS, re.DOTALL).match
+
+
+def _puts_in_order(joined: bytes, puts: int, first: int) -> bool:
+    """Whether ``joined`` is ``puts`` LONG_BINPUTs storing ``first``, ``first + 1``..."""
+    if len(joined) != 5 * puts:
+        return False
+    import numpy as np
+
+    ops = np.frombuffer(joined, dtype=np.dtype([("op", "u1"), ("index", "<u4")]))
+    return bool((ops["op"] == 0x72).all() and
+                (ops["index"] == np.arange(first, first + puts, dtype=np.int64)).all())
 
 
 def _put_runs(nbytes: int, code: int) -> dict[int, tuple[int, int]]:
@@ -363,6 +374,11 @@ def _need(stack: list[Any], k: int, code: int) -> None:
 _SPEC_MIN = 16  # entries in a batch before the next batch is tried with their shapes' patterns
 _SPECS = 8  # the shapes (specialised patterns) kept: a layer's few, an MoE expert's three
 _ENTRY_CAPTURED = (*_ENTRY_PUTS, 4)  # the groups a specialised pattern still captures
+# a dict under an int key (an optimizer's state of one parameter), up to its first key: the
+# int, EMPTY_DICT, its LONG_BINPUT and MARK (see _Machine.state_run)
+_UNIT_HEAD = re.compile(rb"(K.|M.{2}|J.{4})\}(r.{4})\(", re.DOTALL).match
+_KEY_GET = re.compile(rb"h.|j.{4}", re.DOTALL).match  # a key stored before: BINGET
+_INT_CODES = frozenset(b"KMJ")  # BININT1, BININT2, BININT
 _ENTRY_SHARED = (1, 2, 6, 16)  # BINGETs the same in every entry of a batch (global, tag,
 # location, hooks); the storage class (group 3) may differ from entry to entry
 _SPEC_STORAGE_KEY = rb"(X[\x01-\x14]\x00\x00\x00[0-9]+)"
@@ -495,7 +511,9 @@ class _Machine:
         "pos",
         "proto",
         "seen_globals",
+        "state_pause",
         "tuples",
+        "unit_specs",
     )
 
     def __init__(self, data: Any, handlers: dict[tuple[str, str], Handler],
@@ -525,6 +543,8 @@ class _Machine:
         # the shapes of the last batches' entries as specialised patterns (_entry_spec)
         self.entry_specs: list[_EntrySpec] = []
         self.entry_after: dict[tuple[Any, Any], _EntrySpec] = {}  # see entry_run
+        self.unit_specs: list[_EntrySpec] = []  # the tensors of a state_run unit, in order
+        self.state_pause = 0  # SETITEMS to let pass before state_run is tried again
         # tuple opcodes -> (value, charge, whether it is a valid size: ints >= 0, <= 64 dims)
         self.tuples: dict[bytes, tuple[tuple[int, ...], int, bool]] = {}
         # the four BINGETs of a tensor (their opcodes) -> (indices, the largest)
@@ -687,6 +707,7 @@ class _Machine:
         budget = self.budget
         pos = 0
         op = 0
+        units = self.fused_batch is not None and n >= BULK_MIN_NBYTES  # state_run tried
         try:
             while True:
                 if pos >= n:
@@ -846,6 +867,15 @@ class _Machine:
                     self.budget = budget
                     self.setitems(stack[-1], items)
                     budget = self.budget
+                    if units and pos < n and data[pos] in _INT_CODES:  # the next int's dict?
+                        if self.state_pause:
+                            self.state_pause -= 1
+                        else:
+                            ran = self.state_run(pos, budget, stack)
+                            if type(ran) is int:
+                                self.state_pause = max(BULK_PAUSE, ran)
+                            else:
+                                pos, budget, op = ran
                     continue
                 if code == 0x63:  # GLOBAL
                     self.pos = pos
@@ -1180,118 +1210,17 @@ class _Machine:
             return ran
         if count < 2:
             return count
-        tuples = self.tuples
-        kinds = dict.fromkeys(used)  # the shapes of this batch's entries, when specialised
-        if kinds and len({kind.captured for kind in kinds}) == 1:
-            # each shape's constants worked out once; the captured groups (BINPUTs, storage
-            # keys) are the only columns read entry by entry
-            captured = used[0].captured
-            cap = dict(zip(captured, zip(*map(_GROUPS, matches))))
-            shared = {tuple(kind.constants[i] for i in _ENTRY_SHARED) for kind in kinds}
-            if len(shared) != 1:
-                return count
-            shared_ops = next(iter(shared))
-            type_ops = [used[0].constants[3]] * count if len(kinds) == 1 else list(map(
-                dict((kind, kind.constants[3]) for kind in kinds).__getitem__, used))
-            key_ops = cap[4]
-            present = [cap[i] for i in _ENTRY_PUTS if i in cap]
-            put_mask: Any = [i in cap for i in _ENTRY_PUTS]
-            puts = len(present) * count
-            joined = b"".join(chain.from_iterable(zip(*present)))
-            shape_values = {kind: kind.values() for kind in kinds}
-            if None in shape_values.values():
-                return count
-            if len(kinds) == 1:  # one shape: its values, repeated
-                numel, offset, size, stride, grad, charge = shape_values[used[0]]  # type: ignore[misc]
-                numels, offsets, grads = [numel] * count, [offset] * count, [grad] * count
-                sizes = [(*size,) for _ in range(count)]  # tuples of their own, as the loop
-                strides = [(*stride,) for _ in range(count)]  # builds
-                charged = count * charge
-            else:
-                numels, offsets, size_t, stride_t, grads, charges = map(list, zip(*map(
-                    shape_values.__getitem__, used)))
-                sizes = [(*t,) for t in size_t]
-                strides = [(*t,) for t in stride_t]
-                charged = sum(charges)
-        else:
-            cols = list(zip(*map(_GROUPS, matches))) if not specs else \
-                list(zip(*map(_EntrySpec.groups, used, matches)))
-            # the same BINGETs in every entry
-            if any(len(set(cols[i])) != 1 for i in _ENTRY_SHARED):
-                return count
-            shared_ops = tuple(cols[i][0] for i in _ENTRY_SHARED)
-            type_ops = cols[3]
-            key_ops = cols[4]
-            put_cols = [cols[i] for i in _ENTRY_PUTS]
-            if all(None not in c if c[0] is not None else not any(c) for c in put_cols):
-                put_mask = [c[0] is not None for c in put_cols]  # the same BINPUTs in each
-                present = [c for c in put_cols if c[0] is not None]
-                puts = len(present) * count
-                joined = b"".join(chain.from_iterable(zip(*present)))
-            else:  # each entry its own (a scalar's empty size and stride are not memoized)
-                rows = list(zip(*put_cols))
-                put_mask = [tuple(op is not None for op in row) for row in rows]
-                puts = sum(map(sum, put_mask))
-                joined = b"".join(chain.from_iterable(map(filter, repeat(None), rows)))
-            # ints, sizes and strides, and what the loop would charge for them
-            ints: dict[bytes, tuple[int, int]] = {}
-            for op in set(cols[7]) | set(cols[10]):
-                ints[op] = _small_int(op)
-            numel_ints = list(map(ints.__getitem__, cols[7]))
-            offset_ints = list(map(ints.__getitem__, cols[10]))
-            numels = list(map(_FIRST, numel_ints))
-            offsets = list(map(_FIRST, offset_ints))
-            if min(offsets) < 0:
-                return count
-            for op in set(cols[11]) | set(cols[13]):
-                if op not in tuples:
-                    tuples[op] = _int_tuple_op(op)
-            size_ops = list(map(tuples.__getitem__, cols[11]))
-            stride_ops = list(map(tuples.__getitem__, cols[13]))
-            for size_op, stride_op in set(zip(cols[11], cols[13])):  # each pair of opcodes once
-                (size, _, size_ok), (stride, _, stride_ok) = tuples[size_op], tuples[stride_op]
-                if not (size_ok and stride_ok and len(size) == len(stride)):
-                    return count
-            charged = (sum(map(_SECOND, numel_ints)) + sum(map(_SECOND, offset_ints))
-                       + sum(map(_SECOND, size_ops)) + sum(map(_SECOND, stride_ops)))
-            sizes = [(*t[0],) for t in size_ops]  # tuples of their own, as the loop builds
-            strides = [(*t[0],) for t in stride_ops]
-            grads = list(map(b"\x88".__eq__, cols[15]))
-        # the shared BINGETs: of indices stored before the batch
-        where = list(map(_memo_index, shared_ops))
-        if max(where) >= size0 or memo[where[0]] is not self.fast_global or \
-                memo[where[3]] is not self.odict_global or self.odict_handler is None:
+        got = self.tensor_columns(matches, used, specs, size0)
+        if got is None:
             return count
-        tag, location = memo[where[1]], memo[where[2]]
-        type_of = {op: _memo_index(op) for op in set(type_ops)}  # storage classes, the same
-        if max(type_of.values()) >= size0:
-            return count
-        for op, index in type_of.items():
-            type_of[op] = memo[index]
-        # storage keys: written out (X) in every entry, each of its declared length
-        if bytes(map(_FIRST, key_ops)) != b"X" * count:
-            return count
-        storage_keys = list(map(_AFTER_LENGTH, key_ops))
-        if list(map(_SECOND, key_ops)) != list(map(len, storage_keys)) or \
-                set(map(_LENGTH_REST, key_ops)) != {b"\x00\x00\x00"}:
-            return count
-        # the BINPUTs: appending to the memo in order
-        if len(joined) != 5 * puts:
-            return count
-        import numpy as np
-
-        ops = np.frombuffer(joined, dtype=np.dtype([("op", "u1"), ("index", "<u4")]))
-        if not ((ops["op"] == 0x72).all() and
-                (ops["index"] == np.arange(size0, size0 + puts, dtype=np.int64)).all()):
+        put_mask, joined, puts, offsets, sizes, strides, grads, charged, names, pids = got
+        if not _puts_in_order(joined, puts, size0):
             return count
         cost = (count * (96 + 16 + 1304) + 16 * puts + 4 * sum(lengths)
-                + 96 * count + 4 * sum(map(len, storage_keys)) + charged)
+                + 96 * count + 4 * sum(map(len, names)) + charged)
         if cost > budget:
             return count  # one at a time: the loop says where it runs out
         # the persistent ids and the handler, all at once or not at all
-        names = list(map(bytes.decode, storage_keys, repeat("ascii")))
-        pids = list(zip(repeat(tag), map(type_of.__getitem__, type_ops), names, repeat(location),
-                        numels))
         both = self.fused_batch(pids, offsets, sizes, strides, grads)  # type: ignore[misc]
         if both is None:
             return count
@@ -1314,6 +1243,233 @@ class _Machine:
             return pos, budget - cost, last.start(22) if last.group(22) is not None else \
                 last.start(21)
         return pos, budget - cost, last.end() - used[-1].last_back
+
+    def state_run(self, pos: int, budget: int, stack: list[Any]) -> tuple[int, int, int] | int:
+        """Dicts of tensors under int keys from ``pos``, all at once: an optimizer's state
+        (``{0: {"step": t, "exp_avg": t, "exp_avg_sq": t}, 1: ...}``), whose dicts torch
+        pickles as the int, EMPTY_DICT, its LONG_BINPUT, MARK, then each key as a BINGET of
+        a string stored before and its tensor as :meth:`tensor_v2` takes it after a key, and
+        SETITEMS (a *unit*; up to :data:`BULK_BATCH` tensors of units are taken together).
+
+        Taken only as :meth:`entry_run` takes its entries (:meth:`tensor_columns`), with
+        every BINPUT, the dicts' among the tensors', appending to the memo in order and every
+        key a string; then it does what the loop would: the same memo entries, charges and
+        handler results, each int and its dict pushed in order, and returns where the loop
+        goes on (after the last SETITEMS), the budget left and that SETITEMS' offset.
+        Anything else: nothing changed, and it returns how many units it looked at. After a
+        batch, its last unit's tensors become patterns (:class:`_EntrySpec`) the next batch
+        matches position by position.
+        """
+        data = self.data
+        n = self.n
+        memo = self.memo
+        size0 = len(memo)
+        specs = self.unit_specs
+        heads: list[re.Match[Any]] = []
+        per_unit: list[int] = []  # tensors in each unit
+        gets: list[bytes] = []  # the keys' BINGETs
+        matches: list[re.Match[Any]] = []
+        pos0 = pos
+        while len(matches) < BULK_BATCH:
+            head = _UNIT_HEAD(data, pos)
+            if head is None:
+                break
+            q = head.end()
+            unit_gets: list[bytes] = []
+            unit: list[re.Match[Any]] = []
+            while q < n and data[q] != 0x75 and (not specs or len(unit) < len(specs)):
+                get = _KEY_GET(data, q)
+                if get is None:
+                    break
+                m = specs[len(unit)].match(data, get.end()) if specs else \
+                    _ENTRY_V2(data, get.end())
+                if m is None or (not specs and m.group(1) is not None):
+                    break  # (a BINPUT of the key it just read: the loop's to do)
+                unit_gets.append(get.group())
+                unit.append(m)
+                q = m.end()
+            if not unit or q >= n or data[q] != 0x75 or (specs and len(unit) != len(specs)):
+                break
+            heads.append(head)
+            per_unit.append(len(unit))
+            gets += unit_gets
+            matches += unit
+            pos = q + 1
+        units = len(heads)
+        if specs and units < 2:  # not the last batch's tensors: the general pattern
+            self.unit_specs = []
+            ran = self.state_run(pos0, budget, stack)
+            if not self.unit_specs:
+                self.unit_specs = specs
+            return ran
+        if units < 2:
+            return units
+        count = len(matches)
+        used = specs * units if specs else []
+        got = self.tensor_columns(matches, used, specs, size0)
+        if got is None:
+            return units
+        put_mask, joined, puts, offsets, sizes, strides, grads, charged, names, pids = got
+        # the keys: strings stored before the batch
+        where = [g[1] if len(g) == 2 else _unpack_I(g, 1)[0] for g in gets]
+        if max(where) >= size0:
+            return units
+        keys = list(map(memo.__getitem__, where))
+        if set(map(type, keys)) != _STR_ONLY:
+            return units
+        # every BINPUT in order: each unit's dict, then its tensors'
+        ends = list(accumulate(map(sum, put_mask) if type(put_mask[0]) is not bool else
+                               repeat(sum(put_mask), count), initial=0))
+        bounds = list(accumulate(per_unit, initial=0))
+        joined = b"".join(chain.from_iterable(
+            (head.group(2), joined[5 * ends[a]:5 * ends[b]])
+            for head, a, b in zip(heads, bounds, bounds[1:])))
+        if not _puts_in_order(joined, units + puts, size0):
+            return units
+        ints = [(op[1], 16) if op[0] == 0x4B else (_unpack_H(op, 1)[0], 48) if op[0] == 0x4D
+                else (_unpack_i(op, 1)[0], 48) for op in map(re.Match.group, heads, repeat(1))]
+        # the loop's charges: the int, EMPTY_DICT, the dict's BINPUT, MARK, SETITEMS; each
+        # tensor's key (a BINGET), the global's BINGET and the tensor itself
+        cost = (sum(map(_SECOND, ints)) + units * (96 + 16 + 88 + 64) + 64 * count
+                + count * (16 + 16 + 1304 + 96) + 16 * puts + 4 * sum(map(len, names))
+                + charged)
+        if cost > budget:
+            return units  # one opcode at a time: the loop says where it runs out
+        both = self.fused_batch(pids, offsets, sizes, strides, grads)  # type: ignore[misc]
+        if both is None:
+            return units
+        refs, results = both
+        odict = self.odict_handler
+        hooks = [odict() for _ in range(count)]  # type: ignore[misc]
+        args = list(zip(refs, offsets, sizes, strides, grads, hooks))
+        values = (keys, names, pids, sizes, strides, hooks, args, results)
+        if type(put_mask[0]) is bool:  # the same BINPUTs in every tensor
+            stored = list(chain.from_iterable(zip(*compress(values, put_mask))))
+        else:
+            stored = list(chain.from_iterable(map(compress, zip(*values), put_mask)))
+        for (key, _), a, b in zip(ints, bounds, bounds[1:]):
+            target: dict[Any, Any] = {}
+            target.update(zip(keys[a:b], results[a:b]))
+            memo.append(target)
+            memo += stored[ends[a]:ends[b]]
+            stack += (key, target)
+        if not specs and count >= _SPEC_MIN:
+            last = matches[-per_unit[-1]:]
+            made = [_entry_spec(m) for m in last]
+            if None not in made:
+                self.unit_specs = made  # type: ignore[assignment]
+        return pos, budget - cost, pos - 1
+
+    def tensor_columns(self, matches: list[re.Match[Any]], used: list[_EntrySpec],
+                       specs: list[_EntrySpec], size0: int) -> tuple[Any, ...] | None:
+        """The columns of a batch's tensors (:data:`_ENTRY_V2` matches, or matches of the
+        :class:`_EntrySpec` patterns ``used``, one per match, when ``specs`` is not empty),
+        checked as :meth:`entry_run` says, save the order of the BINPUTs: ``(put_mask,
+        joined, puts, offsets, sizes, strides, grads, charged, names, pids)``, where
+        ``joined`` is every BINPUT's bytes in order (``puts`` of them), ``put_mask`` says which
+        of :data:`_ENTRY_PUTS` each entry has (one list of bools for all, or one tuple each)
+        and ``charged`` is what the loop charges for the ints and tuples. None: not taken.
+        """
+        count = len(matches)
+        memo = self.memo
+        tuples = self.tuples
+        kinds = dict.fromkeys(used)  # the shapes of this batch's entries, when specialised
+        if kinds and len({kind.captured for kind in kinds}) == 1:
+            # each shape's constants worked out once; the captured groups (BINPUTs, storage
+            # keys) are the only columns read entry by entry
+            captured = used[0].captured
+            cap = dict(zip(captured, zip(*map(_GROUPS, matches))))
+            shared = {tuple(kind.constants[i] for i in _ENTRY_SHARED) for kind in kinds}
+            if len(shared) != 1:
+                return None
+            shared_ops = next(iter(shared))
+            type_ops = [used[0].constants[3]] * count if len(kinds) == 1 else list(map(
+                dict((kind, kind.constants[3]) for kind in kinds).__getitem__, used))
+            key_ops = cap[4]
+            present = [cap[i] for i in _ENTRY_PUTS if i in cap]
+            put_mask: Any = [i in cap for i in _ENTRY_PUTS]
+            puts = len(present) * count
+            joined = b"".join(chain.from_iterable(zip(*present)))
+            shape_values = {kind: kind.values() for kind in kinds}
+            if None in shape_values.values():
+                return None
+            if len(kinds) == 1:  # one shape: its values, repeated
+                numel, offset, size, stride, grad, charge = shape_values[used[0]]  # type: ignore[misc]
+                numels, offsets, grads = [numel] * count, [offset] * count, [grad] * count
+                sizes = [(*size,) for _ in range(count)]  # tuples of their own, as the loop
+                strides = [(*stride,) for _ in range(count)]  # builds
+                charged = count * charge
+            else:
+                numels, offsets, size_t, stride_t, grads, charges = map(list, zip(*map(
+                    shape_values.__getitem__, used)))
+                sizes = [(*t,) for t in size_t]
+                strides = [(*t,) for t in stride_t]
+                charged = sum(charges)
+        else:
+            cols = list(zip(*map(_GROUPS, matches))) if not specs else \
+                list(zip(*map(_EntrySpec.groups, used, matches)))
+            # the same BINGETs in every entry
+            if any(len(set(cols[i])) != 1 for i in _ENTRY_SHARED):
+                return None
+            shared_ops = tuple(cols[i][0] for i in _ENTRY_SHARED)
+            type_ops = cols[3]
+            key_ops = cols[4]
+            put_cols = [cols[i] for i in _ENTRY_PUTS]
+            if all(None not in c if c[0] is not None else not any(c) for c in put_cols):
+                put_mask = [c[0] is not None for c in put_cols]  # the same BINPUTs in each
+                present = [c for c in put_cols if c[0] is not None]
+                puts = len(present) * count
+                joined = b"".join(chain.from_iterable(zip(*present)))
+            else:  # each entry its own (a scalar's empty size and stride are not memoized)
+                put_mask = list(zip(*[list(map(is_not, c, repeat(None))) for c in put_cols]))
+                puts = sum(map(sum, put_mask))
+                joined = b"".join(filter(None, chain.from_iterable(zip(*put_cols))))
+            # ints, sizes and strides, and what the loop would charge for them
+            ints: dict[bytes, tuple[int, int]] = {}
+            for op in set(cols[7]) | set(cols[10]):
+                ints[op] = _small_int(op)
+            numel_ints = list(map(ints.__getitem__, cols[7]))
+            offset_ints = list(map(ints.__getitem__, cols[10]))
+            numels = list(map(_FIRST, numel_ints))
+            offsets = list(map(_FIRST, offset_ints))
+            if min(offsets) < 0:
+                return None
+            for op in set(cols[11]) | set(cols[13]):
+                if op not in tuples:
+                    tuples[op] = _int_tuple_op(op)
+            size_ops = list(map(tuples.__getitem__, cols[11]))
+            stride_ops = list(map(tuples.__getitem__, cols[13]))
+            for size_op, stride_op in set(zip(cols[11], cols[13])):  # each pair of opcodes once
+                (size, _, size_ok), (stride, _, stride_ok) = tuples[size_op], tuples[stride_op]
+                if not (size_ok and stride_ok and len(size) == len(stride)):
+                    return None
+            charged = (sum(map(_SECOND, numel_ints)) + sum(map(_SECOND, offset_ints))
+                       + sum(map(_SECOND, size_ops)) + sum(map(_SECOND, stride_ops)))
+            sizes = [(*t[0],) for t in size_ops]  # tuples of their own, as the loop builds
+            strides = [(*t[0],) for t in stride_ops]
+            grads = list(map(b"\x88".__eq__, cols[15]))
+        # the shared BINGETs: of indices stored before the batch
+        where = list(map(_memo_index, shared_ops))
+        if max(where) >= size0 or memo[where[0]] is not self.fast_global or \
+                memo[where[3]] is not self.odict_global or self.odict_handler is None:
+            return None
+        tag, location = memo[where[1]], memo[where[2]]
+        type_of = {op: _memo_index(op) for op in set(type_ops)}  # storage classes, the same
+        if max(type_of.values()) >= size0:
+            return None
+        for op, index in type_of.items():
+            type_of[op] = memo[index]
+        # storage keys: written out (X) in every entry, each of its declared length
+        if bytes(map(_FIRST, key_ops)) != b"X" * count:
+            return None
+        storage_keys = list(map(_AFTER_LENGTH, key_ops))
+        if list(map(_SECOND, key_ops)) != list(map(len, storage_keys)) or \
+                set(map(_LENGTH_REST, key_ops)) != {b"\x00\x00\x00"}:
+            return None
+        names = list(map(bytes.decode, storage_keys, repeat("ascii")))
+        pids = list(zip(repeat(tag), map(type_of.__getitem__, type_ops), names, repeat(location),
+                        numels))
+        return put_mask, joined, puts, offsets, sizes, strides, grads, charged, names, pids
 
     def rare(self, code: int, stack: list[Any], metastack: list[list[Any]]
              ) -> tuple[list[Any], Any]:

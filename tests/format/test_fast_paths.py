@@ -704,3 +704,78 @@ def test_one_storage_under_two_classes_in_a_batch(monkeypatch) -> None:
     numel_at = data.index(b"K\x10", view_at)
     bad = data[:numel_at] + b"K\x11" + data[numel_at + 2:]
     assert all_ways(bad)[0] == "error"
+
+
+# an optimizer's state: dicts of tensors under int keys, taken a batch of units at a time
+
+
+def adam_state(n: int, *, step_tensor: bool = True) -> dict[str, Any]:
+    """What ``torch.optim.Adam.state_dict()`` holds for ``n`` parameters."""
+    state = {i: {"step": torch.tensor(float(i)) if step_tensor else i,
+                 "exp_avg": torch.zeros(2, 3), "exp_avg_sq": torch.zeros(2, 3)}
+             for i in range(n)}
+    return {"state": state, "param_groups": [{"lr": 0.1, "params": list(range(n))}]}
+
+
+class _Units:
+    """Counts the batches state_run takes."""
+
+    def __init__(self, monkeypatch: Any) -> None:
+        self.taken = 0
+        original = _unpickle._Machine.state_run
+
+        def counted(machine: Any, *args: Any) -> Any:
+            done = original(machine, *args)
+            self.taken += type(done) is tuple
+            return done
+
+        monkeypatch.setattr(_unpickle._Machine, "state_run", counted)
+
+
+def test_optimizer_states_are_taken_a_batch_of_units_at_a_time(monkeypatch) -> None:
+    _Batches(monkeypatch, batch=7, pause=1)
+    units = _Units(monkeypatch)
+    sgd = {"state": {i: {"momentum_buffer": torch.zeros(4)} for i in range(300)}}
+    for obj in (adam_state(300), sgd, {"model": uniform_run(90), "optimizer": adam_state(90)},
+                adam_state(60, step_tensor=False)):  # (an int step: no unit is taken)
+        for protocol in (2, 4):
+            assert all_ways(data_pkl(save(obj, protocol)))[0] != "error"
+            assert all_ways(_memo_exposed(data_pkl(save(obj, protocol))))[0] != "error"
+    assert units.taken > 40
+
+
+def test_optimizer_state_batches_agree_on_mutations_truncations_and_budgets(
+        monkeypatch) -> None:
+    _Batches(monkeypatch, batch=7, pause=0)
+    units = _Units(monkeypatch)
+    data = data_pkl(save(adam_state(120)))
+    for cut in range(0, len(data), max(1, len(data) // 120)):
+        assert all_ways(data[:cut])[0] == "error"
+    rng = random.Random(31)
+    tail = len(data) // 4  # past the first units' short BINPUTs
+    hot = [i for i in range(tail, len(data))
+           if data[i] in (0x72, 0x58, 0x68, 0x6A, 0x4B, 0x4D, 0x7D, 0x75, 0x28)]
+    for _ in range(200):
+        mutated = bytearray(data)
+        at = rng.choice(hot) if rng.random() < 0.7 else rng.randrange(tail, len(mutated))
+        if rng.random() < 0.4 and at + 1 < len(mutated):
+            at += 1  # an index, a length or an int rather than the opcode
+        mutated[at] = rng.choice((rng.randrange(256), mutated[at] ^ 1, 0x71, 0x72, 0x68, 0x6A,
+                                  0x4B, 0x4D, 0x4A, 0x7D, 0x75, 0x28, 0x58))
+        all_ways(bytes(mutated))
+    for budget in range(0, 300_000, 3_001):
+        monkeypatch.setattr(_unpickle, "MEMORY_FLOOR", budget)
+        all_ways(data, memory_per_byte=0)
+    assert units.taken > 10
+
+
+def test_optimizer_state_keys_must_be_strings_stored_before(monkeypatch) -> None:
+    """A unit whose key BINGET reads a tensor, an int, or an index not stored yet: the loop's
+    to do (the same outcome as one opcode at a time)."""
+    _Batches(monkeypatch, batch=7, pause=0)
+    data = data_pkl(save(adam_state(80)))
+    first = data.index(b"u", len(data) // 2)  # a SETITEMS between units
+    get = data.index(b"j", first)  # the next unit's first key: a LONG_BINGET
+    for index in (0, 1, 3, 5, 10**6):
+        mutated = data[:get + 1] + index.to_bytes(4, "little") + data[get + 5:]
+        all_ways(mutated)
