@@ -197,6 +197,21 @@ _TENSOR_V2 = re.compile(_TENSOR_V2_OPS, re.DOTALL).match
 _ENTRY_V2 = re.compile(_PUT + _GET + _TENSOR_V2_OPS, re.DOTALL).match
 
 
+def _put_columns(put_cols: list[Any]) -> tuple[Any, bytes, int]:
+    """The BINPUTs of a batch, from its 8 columns of :data:`_ENTRY_PUTS` opcodes (None where
+    an entry has none): which each entry has (one list of bools when every entry has the same
+    ones, else a tuple of bools each), their bytes in order, and how many."""
+    cols = [c if isinstance(c, (list, tuple)) else list(c) for c in put_cols]
+    count = len(cols[0])
+    if all(None not in c if c[0] is not None else not any(c) for c in cols):
+        present = [c for c in cols if c[0] is not None]
+        return ([c[0] is not None for c in cols], b"".join(chain.from_iterable(zip(*present))),
+                len(present) * count)
+    # each entry its own (a scalar's empty size and stride are not memoized)
+    mask = list(zip(*[list(map(is_not, c, repeat(None))) for c in cols]))
+    return mask, b"".join(filter(None, chain.from_iterable(zip(*cols)))), sum(map(sum, mask))
+
+
 def _puts_in_order(joined: bytes, puts: int, first: int) -> bool:
     """Whether ``joined`` is ``puts`` LONG_BINPUTs storing ``first``, ``first + 1``..."""
     if len(joined) != 5 * puts:
@@ -396,7 +411,7 @@ class _EntrySpec:
     this way after its first batch.
     """
 
-    __slots__ = ("_values", "captured", "constants", "expand", "last_back", "match")
+    __slots__ = ("_values", "captured", "constants", "last_back", "match", "picks")
 
     def __init__(self, match: Callable[..., Any], captured: tuple[int, ...],
                  constants: tuple[Any, ...], last_back: int) -> None:
@@ -404,9 +419,8 @@ class _EntrySpec:
         self.captured = captured  # the general groups the pattern captures, in order
         self.constants = constants  # every general group's template value
         self.last_back = last_back  # the last opcode's distance from the entry's end
-        # (this pattern's groups + constants) -> the general pattern's 22 groups
         where = {general: i for i, general in enumerate(captured)}
-        self.expand = itemgetter(*(where.get(g, len(captured) + g) for g in range(22)))
+        self.picks = itemgetter(*(where.get(g, len(captured)) for g in (*_ENTRY_PUTS, 4)))
         self._values: Any = _NOTHING
 
     def values(self) -> tuple[int, int, tuple[int, ...], tuple[int, ...], bool, int] | None:
@@ -423,10 +437,10 @@ class _EntrySpec:
                             numel_cost + offset_cost + size_cost + stride_cost) if valid else None
         return self._values
 
-    def groups(self, m: re.Match[Any]) -> tuple[Any, ...]:
-        """The general pattern's 22 groups of this pattern's match ``m`` (for a batch whose
-        shapes' patterns capture different groups)."""
-        return self.expand(m.groups() + self.constants)
+    def captures(self, m: re.Match[Any]) -> tuple[Any, ...]:
+        """The BINPUTs of :data:`_ENTRY_PUTS` (None where the shape has none) and the storage
+        key of this pattern's match ``m``."""
+        return self.picks(m.groups() + (None,))
 
 
 def _entry_specs(matches: list[re.Match[Any]]) -> list[_EntrySpec]:
@@ -1210,7 +1224,7 @@ class _Machine:
             return ran
         if count < 2:
             return count
-        got = self.tensor_columns(matches, used, specs, size0)
+        got = self.tensor_columns(matches, used, size0)
         if got is None:
             return count
         put_mask, joined, puts, offsets, sizes, strides, grads, charged, names, pids = got
@@ -1306,7 +1320,7 @@ class _Machine:
             return units
         count = len(matches)
         used = specs * units if specs else []
-        got = self.tensor_columns(matches, used, specs, size0)
+        got = self.tensor_columns(matches, used, size0)
         if got is None:
             return units
         put_mask, joined, puts, offsets, sizes, strides, grads, charged, names, pids = got
@@ -1361,9 +1375,9 @@ class _Machine:
         return pos, budget - cost, pos - 1
 
     def tensor_columns(self, matches: list[re.Match[Any]], used: list[_EntrySpec],
-                       specs: list[_EntrySpec], size0: int) -> tuple[Any, ...] | None:
+                       size0: int) -> tuple[Any, ...] | None:
         """The columns of a batch's tensors (:data:`_ENTRY_V2` matches, or matches of the
-        :class:`_EntrySpec` patterns ``used``, one per match, when ``specs`` is not empty),
+        :class:`_EntrySpec` patterns ``used``, one per match, when it is not empty),
         checked as :meth:`entry_run` says, save the order of the BINPUTs: ``(put_mask,
         joined, puts, offsets, sizes, strides, grads, charged, names, pids)``, where
         ``joined`` is every BINPUT's bytes in order (``puts`` of them), ``put_mask`` says which
@@ -1374,22 +1388,23 @@ class _Machine:
         memo = self.memo
         tuples = self.tuples
         kinds = dict.fromkeys(used)  # the shapes of this batch's entries, when specialised
-        if kinds and len({kind.captured for kind in kinds}) == 1:
+        if kinds:
             # each shape's constants worked out once; the captured groups (BINPUTs, storage
             # keys) are the only columns read entry by entry
-            captured = used[0].captured
-            cap = dict(zip(captured, zip(*map(_GROUPS, matches))))
             shared = {tuple(kind.constants[i] for i in _ENTRY_SHARED) for kind in kinds}
             if len(shared) != 1:
                 return None
             shared_ops = next(iter(shared))
             type_ops = [used[0].constants[3]] * count if len(kinds) == 1 else list(map(
                 dict((kind, kind.constants[3]) for kind in kinds).__getitem__, used))
-            key_ops = cap[4]
-            present = [cap[i] for i in _ENTRY_PUTS if i in cap]
-            put_mask: Any = [i in cap for i in _ENTRY_PUTS]
-            puts = len(present) * count
-            joined = b"".join(chain.from_iterable(zip(*present)))
+            if len({kind.captured for kind in kinds}) == 1:
+                captured = used[0].captured
+                cap = dict(zip(captured, zip(*map(_GROUPS, matches))))
+                key_ops = cap[4]
+                put_cols = [cap.get(i) or repeat(None, count) for i in _ENTRY_PUTS]
+            else:  # shapes that store different objects (a scalar's empty size is not)
+                *put_cols, key_ops = zip(*map(_EntrySpec.captures, used, matches))
+            put_mask, joined, puts = _put_columns(put_cols)
             shape_values = {kind: kind.values() for kind in kinds}
             if None in shape_values.values():
                 return None
@@ -1406,24 +1421,14 @@ class _Machine:
                 strides = [(*t,) for t in stride_t]
                 charged = sum(charges)
         else:
-            cols = list(zip(*map(_GROUPS, matches))) if not specs else \
-                list(zip(*map(_EntrySpec.groups, used, matches)))
+            cols = list(zip(*map(_GROUPS, matches)))
             # the same BINGETs in every entry
             if any(len(set(cols[i])) != 1 for i in _ENTRY_SHARED):
                 return None
             shared_ops = tuple(cols[i][0] for i in _ENTRY_SHARED)
             type_ops = cols[3]
             key_ops = cols[4]
-            put_cols = [cols[i] for i in _ENTRY_PUTS]
-            if all(None not in c if c[0] is not None else not any(c) for c in put_cols):
-                put_mask = [c[0] is not None for c in put_cols]  # the same BINPUTs in each
-                present = [c for c in put_cols if c[0] is not None]
-                puts = len(present) * count
-                joined = b"".join(chain.from_iterable(zip(*present)))
-            else:  # each entry its own (a scalar's empty size and stride are not memoized)
-                put_mask = list(zip(*[list(map(is_not, c, repeat(None))) for c in put_cols]))
-                puts = sum(map(sum, put_mask))
-                joined = b"".join(filter(None, chain.from_iterable(zip(*put_cols))))
+            put_mask, joined, puts = _put_columns([cols[i] for i in _ENTRY_PUTS])
             # ints, sizes and strides, and what the loop would charge for them
             ints: dict[bytes, tuple[int, int]] = {}
             for op in set(cols[7]) | set(cols[10]):

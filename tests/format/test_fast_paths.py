@@ -417,7 +417,7 @@ class _Batches:
                 return method(*args)
             return noted
 
-        for name in ("values", "groups"):
+        for name in ("values",):
             monkeypatch.setattr(spec, name, noting(name))
 
         def counted(machine: Any, *args: Any) -> Any:
@@ -425,7 +425,7 @@ class _Batches:
             done = original(machine, *args)
             self.taken += type(done) is tuple
             self.specialised += type(done) is tuple and bool(seen)
-            self.shapes += type(done) is tuple and (seen.count("values") > 1 or "groups" in seen)
+            self.shapes += type(done) is tuple and seen.count("values") > 1
             return done
 
         monkeypatch.setattr(_unpickle._Machine, "entry_run", counted)
