@@ -12,7 +12,8 @@ the ratios the targets of issue 13 are about:
     views of one storage, bfloat16 vectors, inside a nested dict with an optimizer-like part);
     ``--kinds moe`` adds a mixture-of-experts transformer's shapes (24 bf16 tensors a layer,
     5 shapes; not run by default: its 100,000-tensor file is 430 MB), ``--kinds optim`` a
-    training checkpoint (a model's state dict and its Adam optimizer's state).
+    training checkpoint (a model's state dict and its Adam optimizer's state), ``--kinds
+    norm`` a convolutional network with BatchNorm (fp32 and int64 storages in turn).
     Targets: 10,000 tensors >= 5x faster than torch; 100,000 tensors in < 1 s.
 (b) ``ckptlab.storage_offsets(path)`` against torch's C++ reader,
     ``torch._C.PyTorchFileReader(path)`` + ``get_record_offset`` of every ``data/*`` record,
@@ -116,8 +117,24 @@ def optim_state(n: int) -> dict[str, Any]:
             "step": 10}
 
 
+def norm_state(n: int) -> dict[str, torch.Tensor]:
+    """A convolutional network with BatchNorm: per block a conv weight, the norm's weight,
+    bias and running statistics (fp32) and its int64 ``num_batches_tracked`` (a scalar)."""
+    out: dict[str, torch.Tensor] = {}
+    for i in range(n // 6 + 1):
+        p = f"layer{i // 50}.{i % 50}."
+        for name, t in (("conv.weight", torch.empty(8, 4, 3, 3)), ("bn.weight", torch.empty(8)),
+                        ("bn.bias", torch.empty(8)), ("bn.running_mean", torch.empty(8)),
+                        ("bn.running_var", torch.empty(8)),
+                        ("bn.num_batches_tracked", torch.tensor(0))):
+            if len(out) < n:
+                out[p + name] = t
+    return out
+
+
 KINDS: dict[str, Callable[[int], Any]] = {"plain": plain_state, "mix": mix_state,
-                                          "moe": moe_state, "optim": optim_state}
+                                          "moe": moe_state, "optim": optim_state,
+                                          "norm": norm_state}
 
 
 def flat_tensors(obj: Any, prefix: tuple[Any, ...] = ()) -> dict[tuple[Any, ...], Any]:

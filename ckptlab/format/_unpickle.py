@@ -36,7 +36,10 @@ unpicklers, so every rule below holds by construction rather than by overriding 
   After a batch, the shapes of its last entries (up to :data:`_SPECS`) become patterns of
   their own (:class:`_EntrySpec`: the same expression with the bytes that repeat written out,
   only the BINPUTs and the storage key left to match), which locate the next batches' entries
-  at a fraction of the cost and give the very same columns.
+  at a fraction of the cost and give the very same columns. A batch may mix shapes and
+  storage classes (an int64 counter among fp32 weights). An optimizer's state, dicts of
+  tensors under int keys, is taken the same way a batch of dicts at a time
+  (:meth:`_Machine.state_run`).
 
 Why not the standard library: the C unpickler sizes its memo from a ``LONG_BINPUT`` index and
 preallocates ``BINBYTES`` from the declared length (GBs from a 9-byte pickle), resolves EXT
