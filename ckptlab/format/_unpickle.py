@@ -1154,9 +1154,8 @@ class _Machine:
         a fallback and with the fused handler (:func:`interpret`'s ``fused_tensor_v2``): the
         same BINGETs of the global, the storage tag, the location and the hooks' ``OrderedDict``
         in every entry, and storage classes (a few, entry by entry), all of earlier memo
-        indices; the BINPUTs (the same in
-        every entry) appending to the memo in order (checked for the whole batch at once);
-        UTF-8 keys; sizes and strides valid; a budget that covers the whole batch. Then it does
+        indices; the BINPUTs (an entry's own) appending to the memo in order (checked for the
+        whole batch at once); UTF-8 keys; sizes and strides valid; a budget that covers the whole batch. Then it does
         what the entries one at a time would: the keys and tensors pushed in order, the same
         memo entries, the same charges and the same handler results (the fused handler takes
         the batch in one call, all or nothing), and returns where the loop goes on, the budget

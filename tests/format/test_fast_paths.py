@@ -770,12 +770,21 @@ def test_optimizer_state_batches_agree_on_mutations_truncations_and_budgets(
 
 
 def test_optimizer_state_keys_must_be_strings_stored_before(monkeypatch) -> None:
-    """A unit whose key BINGET reads a tensor, an int, or an index not stored yet: the loop's
-    to do (the same outcome as one opcode at a time)."""
+    """A unit whose key BINGET reads a tensor, a dict, an int, or an index not stored yet: the
+    loop's to do (the same outcome as one opcode at a time)."""
+    import pickletools
+
     _Batches(monkeypatch, batch=7, pause=0)
-    data = data_pkl(save(adam_state(80)))
-    first = data.index(b"u", len(data) // 2)  # a SETITEMS between units
-    get = data.index(b"j", first)  # the next unit's first key: a LONG_BINGET
-    for index in (0, 1, 3, 5, 10**6):
-        mutated = data[:get + 1] + index.to_bytes(4, "little") + data[get + 5:]
+    units = _Units(monkeypatch)
+    # a model first: the optimizer's keys are stored past index 255 (LONG_BINGETs)
+    data = data_pkl(save({"model": uniform_run(300), "optimizer": adam_state(80)}))
+    ops = list(pickletools.genops(data))
+    gets = [(ops[i][2], ops[i][1]) for i in range(len(ops) - 1)
+            if ops[i][0].name == "LONG_BINGET" and ops[i + 1][0].name == "BINGET"
+            and ops[i][2] > len(data) // 2]  # a key's BINGET, then the global's
+    assert gets
+    at, stored = gets[len(gets) // 2]
+    assert all_ways(data)[0] != "error" and units.taken > 3
+    for index in (0, 1, 3, 5, stored - 1, stored + 1, stored + 40, 10**6):
+        mutated = data[:at + 1] + index.to_bytes(4, "little") + data[at + 5:]
         all_ways(mutated)
