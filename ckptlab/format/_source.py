@@ -169,8 +169,10 @@ class ByteSource:
 
     def gather_into(self, starts: list[int], lengths: list[int], out: memoryview, *,
                     what: str = "data") -> None:
-        """Read the spans ``starts[i]``, ``lengths[i]`` (sorted, not overlapping) back to back into ``out`` (a writable byte view of their total length),
-        with the checks and errors of :meth:`read`.
+        """Read the spans ``starts[i]``, ``lengths[i]`` (sorted, not overlapping) back to
+        back into ``out`` (a writable byte view of their total length), with the errors of
+        :meth:`read` (a span past the end: the first or the last span is checked, which bound
+        the others; a file cut meanwhile: span by span, at the one cut short).
 
         From a file, many spans take one ``os.preadv`` call: the gaps between them (up to
         :data:`GATHER_GAP` each) are read into one small scratch buffer, so neither a call

@@ -1155,11 +1155,12 @@ class _Machine:
         same BINGETs of the global, the storage tag, the location and the hooks' ``OrderedDict``
         in every entry, and storage classes (a few, entry by entry), all of earlier memo
         indices; the BINPUTs (an entry's own) appending to the memo in order (checked for the
-        whole batch at once); UTF-8 keys; sizes and strides valid; a budget that covers the whole batch. Then it does
-        what the entries one at a time would: the keys and tensors pushed in order, the same
-        memo entries, the same charges and the same handler results (the fused handler takes
-        the batch in one call, all or nothing), and returns where the loop goes on, the budget
-        left and the offset of the last opcode taken. Anything else: nothing changed, the
+        whole batch at once); UTF-8 keys; sizes and strides valid; a budget that covers the
+        whole batch. Then it does what the entries one at a time would: the keys and tensors
+        pushed in order, the same memo entries, the same charges and the same handler results
+        (the fused handler takes the batch in one call, all or nothing: :meth:`fuse`), and
+        returns where the loop goes on, the budget left and the offset of the last opcode
+        taken. Anything else: nothing changed, the
         entries go one at a time, and it returns how many entries it looked at.
         """
         data = self.data
@@ -1229,26 +1230,18 @@ class _Machine:
         got = self.tensor_columns(matches, used, size0)
         if got is None:
             return count
-        put_mask, joined, puts, offsets, sizes, strides, grads, charged, names, pids = got
+        _, joined, puts, _, _, _, _, charged, names, _ = got
         if not _puts_in_order(joined, puts, size0):
             return count
         cost = (count * (96 + 16 + 1304) + 16 * puts + 4 * sum(lengths)
                 + 96 * count + 4 * sum(map(len, names)) + charged)
         if cost > budget:
             return count  # one at a time: the loop says where it runs out
-        # the persistent ids and the handler, all at once or not at all
-        both = self.fused_batch(pids, offsets, sizes, strides, grads)  # type: ignore[misc]
-        if both is None:
+        done = self.fuse(got, keys)
+        if done is None:
             return count
-        refs, results = both
-        odict = self.odict_handler
-        hooks = [odict() for _ in range(count)]
-        args = list(zip(refs, offsets, sizes, strides, grads, hooks))
-        values = (keys, names, pids, sizes, strides, hooks, args, results)
-        if type(put_mask[0]) is bool:  # the same BINPUTs in every entry
-            memo.extend(chain.from_iterable(zip(*compress(values, put_mask))))
-        else:
-            memo.extend(chain.from_iterable(map(compress, zip(*values), put_mask)))
+        results, stored = done
+        memo += stored
         stack.extend(chain.from_iterable(zip(keys, results)))
         last = matches[-1]
         if not specs:
@@ -1325,7 +1318,7 @@ class _Machine:
         got = self.tensor_columns(matches, used, size0)
         if got is None:
             return units
-        put_mask, joined, puts, offsets, sizes, strides, grads, charged, names, pids = got
+        put_mask, joined, puts, _, _, _, _, charged, names, _ = got
         # the keys: strings stored before the batch
         where = [g[1] if len(g) == 2 else _unpack_I(g, 1)[0] for g in gets]
         if max(where) >= size0:
@@ -1351,18 +1344,10 @@ class _Machine:
                 + charged)
         if cost > budget:
             return units  # one opcode at a time: the loop says where it runs out
-        both = self.fused_batch(pids, offsets, sizes, strides, grads)  # type: ignore[misc]
-        if both is None:
+        done = self.fuse(got, keys)
+        if done is None:
             return units
-        refs, results = both
-        odict = self.odict_handler
-        hooks = [odict() for _ in range(count)]  # type: ignore[misc]
-        args = list(zip(refs, offsets, sizes, strides, grads, hooks))
-        values = (keys, names, pids, sizes, strides, hooks, args, results)
-        if type(put_mask[0]) is bool:  # the same BINPUTs in every tensor
-            stored = list(chain.from_iterable(zip(*compress(values, put_mask))))
-        else:
-            stored = list(chain.from_iterable(map(compress, zip(*values), put_mask)))
+        results, stored = done
         for (key, _), a, b in zip(ints, bounds, bounds[1:]):
             target: dict[Any, Any] = {}
             target.update(zip(keys[a:b], results[a:b]))
@@ -1375,6 +1360,23 @@ class _Machine:
             if None not in made:
                 self.unit_specs = made  # type: ignore[assignment]
         return pos, budget - cost, pos - 1
+
+    def fuse(self, got: tuple[Any, ...], keys: list[Any]) -> tuple[list[Any], list[Any]] | None:
+        """The persistent ids and the handler of a batch's tensors (``got``, from
+        :meth:`tensor_columns`; ``keys`` their dict keys), all at once or not at all: the
+        results, and what the tensors' BINPUTs store, in memo order. None: nothing changed."""
+        put_mask, _, _, offsets, sizes, strides, grads, _, names, pids = got
+        both = self.fused_batch(pids, offsets, sizes, strides, grads)  # type: ignore[misc]
+        if both is None:
+            return None
+        refs, results = both
+        odict = self.odict_handler
+        hooks = [odict() for _ in range(len(refs))]  # type: ignore[misc]
+        args = list(zip(refs, offsets, sizes, strides, grads, hooks))
+        values = (keys, names, pids, sizes, strides, hooks, args, results)
+        if type(put_mask[0]) is bool:  # the same BINPUTs in every tensor
+            return results, list(chain.from_iterable(zip(*compress(values, put_mask))))
+        return results, list(chain.from_iterable(map(compress, zip(*values), put_mask)))
 
     def tensor_columns(self, matches: list[re.Match[Any]], used: list[_EntrySpec],
                        size0: int) -> tuple[Any, ...] | None:
@@ -1411,7 +1413,8 @@ class _Machine:
             if None in shape_values.values():
                 return None
             if len(kinds) == 1:  # one shape: its values, repeated
-                numel, offset, size, stride, grad, charge = shape_values[used[0]]  # type: ignore[misc]
+                numel, offset, size, stride, grad, charge = (  # type: ignore[misc]
+                    shape_values[used[0]])
                 numels, offsets, grads = [numel] * count, [offset] * count, [grad] * count
                 sizes = [(*size,) for _ in range(count)]  # tuples of their own, as the loop
                 strides = [(*stride,) for _ in range(count)]  # builds
