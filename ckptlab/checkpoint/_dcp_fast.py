@@ -49,7 +49,7 @@ from ckptlab.format.layout import ArchiveLayout, Segment, SegmentKind
 from ckptlab.plan._metadata_columns import chunk_rows, duplicate_keys
 from ckptlab.plan.metadata import _MAX_HANDLES, _ItemLayouts, _read_columns
 
-__all__ = ["open_dcp_fast"]
+__all__ = ["item_order", "open_columns", "open_dcp_fast"]
 
 _Items = _ItemLayouts  # item layouts through templates: shared with ``inspect_dcp``
 _SLICE = 1 << 16  # entries per slice of the open-time checks
@@ -139,11 +139,13 @@ class DcpCheckpoint(Checkpoint):
 class _Dcp:
     """The columns of one directory and what is derived from them on demand."""
 
-    def __init__(self, root: str, cols: Any, files: dict[str, int]) -> None:
+    def __init__(self, root: str, cols: Any, files: dict[str, int],
+                 items: _ItemLayouts | None = None) -> None:
         self.root = root
         self.cols = cols
         self.files = files
-        self.items = _Items(root)
+        self.items = items if items is not None else _Items(root)
+        self.metadata_loader: Any = None  # decodes .metadata (default: from root)
         self.by_fqn: dict[int, np.ndarray] = {}  # fqn id -> entries (tensor items)
         self.rows: np.ndarray = np.empty(0, np.int64)  # entry -> chunk row (-1: none)
         self.order: np.ndarray = np.empty(0, np.int64)  # entries in file, offset order
@@ -161,7 +163,8 @@ class _Dcp:
 
             self._layout = _columns_layout(self.root, self.cols, self.metadata_nbytes,
                                            self.identity, self.files, self.items, self.rows,
-                                           object_layouts=self.object_layouts)
+                                           object_layouts=self.object_layouts,
+                                           loader=self.metadata_loader)
         return self._layout
 
     # -- one tensor ------------------------------------------------------------------------
@@ -276,6 +279,38 @@ def open_dcp_fast(root: str) -> Checkpoint | None:
     files = _data_files(root, [n for n in sorted(os.listdir(root)) if n != METADATA],
                         listed=True)
     files.update(_data_files(root, sorted(set(cols.files) - set(files))))
+    items = _Items(root)
+    ck = open_columns(root, cols, files, items, metadata_nbytes=metadata_nbytes,
+                      identity=identity, reader=_reader(root),
+                      full_path=lambda name: os.path.join(root, name))
+    if ck is not None and len(files) <= _MAX_HANDLES:
+        # open every data file now (a few): later reads do not depend on the directory
+        # staying where it is
+        try:
+            for name in files:
+                items.handle(name)
+        except BaseException:
+            items.close()
+            raise
+    return ck
+
+
+def open_columns(root: str, cols: Any, files: dict[str, int], items: _ItemLayouts, *,
+                 metadata_nbytes: int, identity: tuple[int, ...], reader: Any,
+                 full_path: Any, checkpoint: type[DcpCheckpoint] | None = None,
+                 metadata_loader: Any = None) -> DcpCheckpoint | None:
+    """The lazy checkpoint of a directory from its ``.metadata`` columns (default format, no
+    transforms: the caller checked), its data files' sizes (``files``) and the reader of
+    their items' bytes (``items``: local files, or URLs); None where the general path must
+    decide (overlapping items, equal keys, a SAFETENSORS blob).
+
+    ``full_path(name)`` is a file's ``FileEntry.full_path``; ``checkpoint`` the class built
+    (default :class:`DcpCheckpoint`); ``metadata_loader`` decodes ``.metadata`` for
+    :meth:`DcpCheckpoint.dcp_layout` (default: from ``root``). The object items are scanned
+    here, through ``items``.
+    """
+    from ckptlab.plan.metadata import METADATA
+
     n = cols.entries
     file_of = np.frombuffer(cols.entry_file, dtype=np.int32) if n else np.empty(0, np.int32)
     offset = np.frombuffer(cols.entry_offset, dtype=np.int64) if n else np.empty(0, np.int64)
@@ -297,24 +332,19 @@ def open_dcp_fast(root: str) -> Checkpoint | None:
                 "an item runs past the end of its data file", path=os.path.join(root, file),
                 record=cols.fqns[cols.entry_fqn[e]], offset=int(offset[e]),
                 expected=f"end <= {files[file]}", actual=f"end {int(offset[e]) + int(length[e])}")
-    # items in file, then offset order; torch.save items lie back to back: an overlap means
-    # another serialization (SAFETENSORS items share their blob) or a damaged file
-    order = np.lexsort((offset, file_of))
-    if n > 1:
-        same = file_of[order][1:] == file_of[order][:-1]
-        if (same & (offset[order][1:] < (offset + length)[order][:-1])).any():
-            return None
-    if duplicate_keys(cols, n):
-        return None  # a dict keeps one of them: the general path reads it as Python does
-    dcp = _Dcp(root, cols, files)
+    order = item_order(cols, file_of, offset, length)
+    if order is None:
+        return None
+    dcp = _Dcp(root, cols, files, items)
     dcp.metadata_nbytes = metadata_nbytes
     dcp.identity = identity
+    dcp.metadata_loader = metadata_loader
     dcp.order = order
     dcp.file_of = file_of
     is_tensor = np.array([f in cols.tensors for f in cols.fqns], dtype=bool)
     fqn_of = np.frombuffer(cols.entry_fqn, dtype=np.int32) if n else np.empty(0, np.int32)
     tensor_item = is_tensor[fqn_of] if n else np.zeros(0, bool)
-    if _blob_first(root, cols, file_of, offset, tensor_item):
+    if _blob_first(items, cols, file_of, offset, tensor_item):
         return None
     dcp.rows = chunk_rows(cols, fqn_of, tensor_item)
     _check_volumes(root, cols, dcp.rows, fqn_of, tensor_item)
@@ -331,43 +361,45 @@ def open_dcp_fast(root: str) -> Checkpoint | None:
         for e in np.nonzero(~tensor_item)[0]:
             e = int(e)
             fqn = cols.fqns[fqn_of[e]]
-            layout = dcp.items.scan(cols.files[file_of[e]], fqn, int(offset[e]),
-                                    int(length[e]))
+            layout = items.scan(cols.files[file_of[e]], fqn, int(offset[e]), int(length[e]))
             dcp.object_layouts[e] = layout
             values = layout.objects
             objects[fqn] = values[0][1] if values and values[0][0] == () else {
                 "type": "pickled object", "nbytes": int(length[e])}
     except BaseException:
-        dcp.items.close()
+        items.close()
         raise
-    if len(files) <= _MAX_HANDLES:
-        # open every data file now (a few): later reads do not depend on the directory
-        # staying where it is (a remote directory is mirrored in a temporary one for the
-        # time of the open)
-        try:
-            for name in files:
-                dcp.items.handle(name)
-        except BaseException:
-            dcp.items.close()
-            raise
     entries = [FileEntry(METADATA, "dcp-metadata", metadata_nbytes,
                          (Segment(SegmentKind.HEADER, 0, metadata_nbytes, METADATA),)
-                         if metadata_nbytes else (), None, os.path.join(root, METADATA))]
+                         if metadata_nbytes else (), None, full_path(METADATA))]
     for name, nbytes in files.items():
         entries.append(FileEntry(name, "distcp", nbytes,
                                  _Segments(dcp, name, nbytes),  # type: ignore[arg-type]
-                                 None, os.path.join(root, name)))
-    return DcpCheckpoint(dcp, tuple(entries), objects, _reader(root))
+                                 None, full_path(name)))
+    return (checkpoint or DcpCheckpoint)(dcp, tuple(entries), objects, reader)
 
 
+def item_order(cols: Any, file_of: np.ndarray, offset: np.ndarray, length: np.ndarray
+               ) -> np.ndarray | None:
+    """The items in file, then offset order; None where the general path must decide from
+    the columns alone: items that overlap (torch.save items lie back to back: an overlap
+    means another serialization, SAFETENSORS items sharing their blob, or a damaged file) or
+    equal keys (a dict keeps one of them: the general path reads it as Python does)."""
+    n = cols.entries
+    order = np.lexsort((offset, file_of))
+    if n > 1:
+        same = file_of[order][1:] == file_of[order][:-1]
+        if (same & (offset[order][1:] < (offset + length)[order][:-1])).any():
+            return None
+    return None if duplicate_keys(cols, n) else order
 
-def _blob_first(root: str, cols: Any, file_of: np.ndarray, offset: np.ndarray,
+
+def _blob_first(items: _ItemLayouts, cols: Any, file_of: np.ndarray, offset: np.ndarray,
                 tensor_item: np.ndarray) -> bool:
     """Whether some data file's first tensor item is not a torch.save zip: a SAFETENSORS
     blob holding a single tensor item (several overlap, which sends the file to the general
     path already). One 4-byte read per data file; a file that cannot be read is left to the
     checks that say why."""
-    from ckptlab.format._paths import open_inside
     from ckptlab.plan.metadata import ZIP_MAGIC
 
     idx = np.nonzero(tensor_item)[0]
@@ -377,8 +409,7 @@ def _blob_first(root: str, cols: Any, file_of: np.ndarray, offset: np.ndarray,
     first = order[np.r_[True, file_of[order][1:] != file_of[order][:-1]]]
     for e in first:
         try:
-            with open_inside(root, cols.files[file_of[e]]) as f:
-                head = os.pread(f.fileno(), 4, int(offset[e]))
+            head = items.read(cols.files[file_of[e]], int(offset[e]), 4)
         except (OSError, ArchiveError):
             return False
         if head != ZIP_MAGIC:

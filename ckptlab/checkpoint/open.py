@@ -389,14 +389,20 @@ def _open_dir(root: str) -> Checkpoint:
 
 
 # -- URLs --------------------------------------------------------------------------------------
-def _remote_reader(store: Any, url_of: Callable[[str], str]
+def _remote_reader(store: Any, url_of: Callable[[str], str],
+                   fetch: Callable[[str, int, int], bytes] | None = None
                    ) -> Callable[[Checkpoint, TensorEntry], Any]:
-    """``ck.read`` behind URLs: one ranged request per part of the tensor.
+    """``ck.read`` behind URLs: one ranged request per part of the tensor (``fetch(rel,
+    start, end)``, default ``store.range`` of ``url_of(rel)``, moves the bytes of a part).
 
     The parts' bytes are written at their own offsets into sparse temporary files that stand
     for the remote files, and the tensor is built from them by the same code as a local read
     (every kind: dense, sparse, quantized, nested, DCP chunks); the files go when it returns.
     """
+    if fetch is None:
+        def fetch(rel: str, start: int, end: int) -> bytes:
+            return store.range(url_of(rel), start, end)
+
     def read(ck: Checkpoint, entry: TensorEntry) -> Any:
         import shutil
         import tempfile
@@ -413,10 +419,10 @@ def _remote_reader(store: Any, url_of: Callable[[str], str]
                     open(local[p.file], "wb").close()
                 if not p.nbytes:
                     continue
-                url = url_of(p.file)
-                data = store.range(url, p.offset, p.offset + p.nbytes)
+                data = fetch(p.file, p.offset, p.offset + p.nbytes)
                 if len(data) != p.nbytes:
-                    raise TruncatedArchiveError("file ends inside a tensor's bytes", path=url,
+                    raise TruncatedArchiveError("file ends inside a tensor's bytes",
+                                                path=url_of(p.file),
                                                 record=entry.name, offset=p.offset,
                                                 expected=f"{p.nbytes} bytes",
                                                 actual=f"{len(data)} bytes")
@@ -486,20 +492,26 @@ def _open_remote_hf(store: Any, root: str, index_name: str) -> Checkpoint:
 
 
 def _open_remote_dcp(store: Any, root: str) -> Checkpoint:
-    """A DCP directory behind a URL: ``.metadata`` (1 request), then each data file it names
-    (1 request each, the whole file: the items' own layouts are read from it as on disk),
-    mirrored into a temporary directory for the time of the scan."""
+    """A DCP directory behind a URL: ``.metadata`` (1 request), then, in DCP's default
+    format, one request of each data file's head (its size and object items; tensor items
+    are read when asked for: :mod:`ckptlab.checkpoint._dcp_remote`). Any other format has
+    each data file it names moved whole (1 request each) into a temporary directory, for the
+    time of the scan."""
     import dataclasses
     import shutil
     import tempfile
 
     from ckptlab.checkpoint._dcp import open_dcp
+    from ckptlab.checkpoint._dcp_remote import open_dcp_remote
     from ckptlab.format._remote import join_url
     from ckptlab.plan.metadata import METADATA, inspect_dcp, load_metadata
 
+    raw = store.whole(join_url(root, METADATA))
+    quick = open_dcp_remote(store, root, raw)
+    if quick is not None:
+        return quick
     tmp = tempfile.mkdtemp(prefix="ckptlab-dcp-")
     try:
-        raw = store.whole(join_url(root, METADATA))
         with open(os.path.join(tmp, METADATA), "wb") as f:
             f.write(raw)
         meta = load_metadata(tmp)

@@ -375,6 +375,26 @@ class RemoteSource(ByteSource):
                                         actual=f"{0 if data is None else len(data)} bytes")
         return data
 
+    def forget(self, lo: int = 0, hi: int | None = None) -> None:
+        """Drop the kept bytes inside ``[lo, hi)`` (default: all of them); kept bytes on
+        either side stay."""
+        hi = self.nbytes if hi is None else hi
+        starts: list[int] = []
+        chunks: list[bytes] = []
+        for s, c in zip(self._starts, self._chunks):
+            e = s + len(c)
+            if e <= lo or s >= hi:
+                starts.append(s)
+                chunks.append(c)
+                continue
+            if s < lo:
+                starts.append(s)
+                chunks.append(c[:lo - s])
+            if e > hi:
+                starts.append(hi)
+                chunks.append(c[hi - s:])
+        self._starts, self._chunks = starts, chunks
+
     def close(self) -> None:
         """Drop the kept bytes."""
         self._starts, self._chunks = [], []

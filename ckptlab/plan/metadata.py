@@ -100,14 +100,19 @@ def load_metadata(path: str | os.PathLike[str]) -> Any:
             data = f.read(nbytes)  # read(n) allocates n bytes up front: never more than the file
     except OSError as exc:
         raise ArchiveError(f"cannot read DCP metadata: {exc.strerror}", path=meta_path) from None
+    return metadata_of(data, meta_path)
+
+
+def metadata_of(data: bytes, meta_path: str) -> Any:
+    """:func:`load_metadata` of ``.metadata``'s bytes (read from ``meta_path``, which errors
+    name): the same bounded decoding, the same errors."""
     try:
-        meta = decode_metadata(data)
+        return decode_metadata(data)
     except MetadataDecodeError as exc:
         error = UnsupportedFormatError if exc.foreign else CorruptArchiveError
         message = str(exc) if exc.offset is not None else \
             f"not DCP Metadata ckptlab can read safely: {exc}"
         raise error(message, path=meta_path, offset=exc.offset) from None
-    return meta
 
 
 def is_dcp_dir(path: str | os.PathLike[str]) -> bool:
@@ -434,6 +439,9 @@ class _ItemLayouts:
     item's own; only ``path`` (``"FILE@OFFSET"`` of the template) and the CRC-32 fields of the
     records (the data's, the serialization id's) are the template's. The bytes after the data
     (the last records and the zip directory) of such an item are not read.
+
+    The bytes come through :meth:`read` and :meth:`scan_item`, local files here; a subclass
+    reads them from elsewhere (:class:`ckptlab.checkpoint._dcp_remote.RemoteItems`: URLs).
     """
 
     def __init__(self, root: str) -> None:
@@ -456,10 +464,18 @@ class _ItemLayouts:
             f.close()
         self.handles.clear()
 
+    def read(self, file: str, offset: int, nbytes: int) -> bytes:
+        """Up to ``nbytes`` of ``file`` at ``offset`` (fewer at its end), as ``pread``."""
+        return os.pread(self.handle(file).fileno(), nbytes, offset)
+
+    def scan_item(self, file: str, offset: int, length: int) -> ArchiveLayout:
+        """The layout of the item ``[offset, offset + length)`` of ``file``, read in full."""
+        return _item_layout(self.handle(file), file, offset, length)
+
     def scan(self, file: str, fqn: str, offset: int, length: int) -> ArchiveLayout:
         """The item's own layout, read in full (the general path's way)."""
         try:
-            return _item_layout(self.handle(file), file, offset, length)
+            return self.scan_item(file, offset, length)
         except ArchiveError as exc:
             raise CorruptArchiveError(f"item is not a torch.save archive: {exc}",
                                       path=os.path.join(self.root, file), record=fqn,
@@ -475,7 +491,7 @@ class _ItemLayouts:
         layout = None
         if candidates:
             n = len(candidates[0][1])
-            head = os.pread(self.handle(file).fileno(), n, offset)
+            head = self.read(file, offset, n)
             for template, expected, crc in candidates:
                 if len(expected) == len(head) and (
                         head[:crc] == expected[:crc] and head[crc + 4:] == expected[crc + 4:]):
@@ -499,7 +515,7 @@ class _ItemLayouts:
         record = next((r for r in layout.records if r.data_offset == storage.data_offset), None)
         if record is None or storage.data_offset > (1 << 20):
             return None
-        head = os.pread(self.handle(file).fileno(), storage.data_offset, offset)
+        head = self.read(file, offset, storage.data_offset)
         if len(head) != storage.data_offset:
             return None
         return layout, head, record.header_offset + 14
@@ -604,7 +620,7 @@ class _ColumnarDcpLayout(DcpLayout):
 def _columns_layout(root: str, cols: Any, metadata_nbytes: int, identity: tuple[int, ...],
                    files: dict[str, int], layouts: _ItemLayouts, rows: Any, *,
                    object_layouts: dict[int, ArchiveLayout] | None = None,
-                   item_layouts: bool = True) -> DcpLayout:
+                   item_layouts: bool = True, loader: Any = None) -> DcpLayout:
     """The :class:`DcpLayout` of a directory in DCP's default format (torch.save items, no
     transforms, no overlapping items, no duplicate keys: the caller checked) from its
     columns: the same items, in the same order, with the same fields as the general path of
@@ -612,7 +628,9 @@ def _columns_layout(root: str, cols: Any, metadata_nbytes: int, identity: tuple[
 
     ``rows`` maps each storage entry to its chunk row (-1: none;
     :func:`ckptlab.plan._metadata_columns.chunk_rows`); ``object_layouts`` holds the layouts
-    of object entries already scanned (by entry). Raises what a damaged item raises.
+    of object entries already scanned (by entry); ``loader`` decodes ``.metadata`` when the
+    layout's ``metadata`` is first asked for (default: from ``root``, refused if it changed
+    since it had ``identity``). Raises what a damaged item raises.
     """
     fqns, names = cols.fqns, cols.files
     e_fqn, e_file, e_index = cols.entry_fqn, cols.entry_file, cols.entry_index
@@ -656,7 +674,7 @@ def _columns_layout(root: str, cols: Any, metadata_nbytes: int, identity: tuple[
     return _ColumnarDcpLayout(
         root, _PENDING, metadata_nbytes, tuple(files.items()), tuple(items),
         tensors={fqn: (t[0], t[2], t[4]) for fqn, t in tensors.items()},
-        loader=lambda: _load_unchanged(root, identity))
+        loader=loader or (lambda: _load_unchanged(root, identity)))
 
 
 def _inspect_columns(path: str, item_layouts: bool) -> DcpLayout | None:

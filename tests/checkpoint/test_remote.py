@@ -239,6 +239,160 @@ def test_dcp_dir_opens_in_at_most_2_plus_one_per_file(server, dcp_dir, url):
         assert torch.equal(got, want)
 
 
+@pytest.fixture(scope="module")
+def dcp_big(server: NginxServer) -> dict[str, object]:
+    """A DCP directory in two data files (two writer threads): 12 tensors of 2 MiB (6
+    shapes), 200 small ones of distinct shapes, two object items."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    g = torch.Generator().manual_seed(0)
+    sd: dict[str, object] = {f"big.{i}": torch.randn(128 * (1 + i % 6), 4096 // (1 + i % 6),
+                                                     generator=g) for i in range(12)}
+    sd.update({f"small.{i}": torch.arange(i + 1, dtype=torch.int32) for i in range(200)})
+    sd["step"] = 11
+    sd["cfg"] = {"lr": 0.5, "name": "run"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, no_dist=True, storage_writer=FileSystemWriter(
+            os.path.join(server.root, "dcpbig"), thread_count=2))
+    return sd
+
+
+def _data_nbytes(server: NginxServer, rel: str) -> tuple[list[str], int]:
+    root = os.path.join(server.root, rel)
+    files = sorted(n for n in os.listdir(root) if n != ".metadata")
+    return files, sum(os.path.getsize(os.path.join(root, n)) for n in files)
+
+
+def test_dcp_dir_url_moves_item_heads_not_data(server, dcp_big):
+    """Open: .metadata, then one head request per data file (size, object items); entries
+    read item heads with read-ahead; the data moves only for ``read``."""
+    from ckptlab.checkpoint._dcp_remote import RemoteDcpCheckpoint
+
+    files, data_nbytes = _data_nbytes(server, "dcpbig")
+    assert len(files) == 2
+    meta_nbytes = os.path.getsize(os.path.join(server.root, "dcpbig", ".metadata"))
+    server.mark()
+    ck = cl.open(server.url("dcpbig/"))
+    seen = _requests(server)
+    assert isinstance(ck, RemoteDcpCheckpoint)
+    assert len(seen) == 2 + len(files), seen  # index probe (404), .metadata, one per file
+    heads = [r for r in seen if r.path.endswith(".distcp")]
+    assert sorted(r.path.rsplit("/", 1)[1] for r in heads) == files
+    assert all(r.range.startswith("bytes=0-") and r.status == 206 for r in heads), heads
+    moved = sum(r.body_nbytes for r in seen if r.status in (200, 206))
+    assert moved < meta_nbytes + 64 * 1024, (moved, data_nbytes)
+    local = cl.open(os.path.join(server.root, "dcpbig"))
+    assert ck.objects == local.objects == {"step": 11, "cfg.lr": 0.5, "cfg.name": "run"}
+    assert [f.nbytes for f in ck.files] == [f.nbytes for f in local.files if f.path in
+                                             (".metadata", *files)]
+    # every entry, equal to the local one: 6 big shapes scanned (head, tail), 6 big items
+    # matched on their head, the 200 small ones in a few read-ahead requests
+    server.mark()
+    for name in local.tensors:
+        assert ck.tensors[name] == local.tensors[name], name
+    seen = _requests(server)
+    assert len(seen) <= 3 * 12 + 2 * len(files), len(seen)
+    assert sum(r.body_nbytes for r in seen) < data_nbytes // 4
+    server.mark()
+    assert [(i.fqn, i.file, i.offset, i.nbytes, i.data_offset) for i in ck.dcp_layout().items] \
+        == [(i.fqn, i.file, i.offset, i.nbytes, i.data_offset)
+            for i in local.dcp_layout().items]
+    assert ck.dcp_layout().metadata == local.dcp_layout().metadata
+    assert len(_requests(server)) == 0  # every item layout was read above
+
+
+def test_dcp_url_read_is_one_request_per_part_built_or_not(server, dcp_big):
+    for built in (False, True):
+        ck = cl.open(server.url("dcpbig/.metadata"))
+        for name in ("big.3", "small.17", "big.10", "small.0"):
+            if built:
+                ck.tensors[name]
+            server.mark()
+            got = ck.read(name)
+            assert len(ck.tensors[name].parts) == 1
+            # a small item whose entry was built may still be kept from its read-ahead
+            want = 1 if name.startswith("big") or not built else (0, 1)
+            assert len(_requests(server)) in (want if isinstance(want, tuple) else (want,))
+            assert torch.equal(got, dcp_big[name])
+
+
+def _copy_dir(server: NginxServer, src: str, dst: str) -> str:
+    import shutil
+
+    target = os.path.join(server.root, dst)
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(os.path.join(server.root, src), target)
+    return target
+
+
+def test_dcp_url_with_a_short_or_missing_data_file_says_which(server, dcp_big):
+    from ckptlab.errors import CorruptArchiveError
+
+    root = _copy_dir(server, "dcpbig", "dcpcut")
+    files, _ = _data_nbytes(server, "dcpcut")
+    path = os.path.join(root, files[1])
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 100)
+    with pytest.raises(CorruptArchiveError, match="runs past the end") as exc:
+        cl.open(server.url("dcpcut/"))
+    assert exc.value.path == server.url(f"dcpcut/{files[1]}")
+    os.remove(path)
+    with pytest.raises(CorruptArchiveError, match="data file is missing") as exc:
+        cl.open(server.url("dcpcut/"))
+    assert exc.value.path == server.url(f"dcpcut/{files[1]}")
+
+
+def test_dcp_url_with_a_damaged_item_fails_on_access_as_on_disk(server, dcp_big):
+    """A tensor item whose zip header is overwritten: opening works (no item is read), the
+    entry and ``read`` raise the error the local open raises."""
+    root = _copy_dir(server, "dcpbig", "dcpbad")
+    local = cl.open(root)
+    part = local.tensors["big.4"].parts[0]
+    with open(os.path.join(root, part.file), "r+b") as f:
+        f.seek(part.item_offset)
+        f.write(b"JUNK")
+    local = cl.open(root)
+    with pytest.raises(ArchiveError) as want:
+        local.tensors["big.4"]
+    for how in ("entry", "read"):
+        ck = cl.open(server.url("dcpbad/"))
+        with pytest.raises(ArchiveError) as got:
+            ck.tensors["big.4"] if how == "entry" else ck.read("big.4")
+        assert type(got.value) is type(want.value)
+        assert got.value.record == want.value.record and got.value.offset == want.value.offset
+        assert torch.equal(ck.read("big.5"), dcp_big["big.5"])
+
+
+def test_dcp_url_in_safetensors_format_is_mirrored(server):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.filesystem as fs
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from ckptlab.checkpoint._dcp_remote import RemoteDcpCheckpoint
+
+    if not hasattr(fs, "SerializationFormat"):
+        pytest.skip(f"torch {torch.__version__} has no DCP SerializationFormat (2.8 added it)")
+    sd = {"a": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, no_dist=True, storage_writer=FileSystemWriter(
+            os.path.join(server.root, "dcpst"),
+            serialization_format=fs.SerializationFormat.SAFETENSORS))
+    files, _ = _data_nbytes(server, "dcpst")
+    server.mark()
+    ck = cl.open(server.url("dcpst/"))
+    assert len(_requests(server)) <= 2 + len(files)
+    assert not isinstance(ck, RemoteDcpCheckpoint)
+    for name, want in sd.items():
+        assert torch.equal(ck.read(name), want)
+
+
 # -- errors, CLI, local paths ----------------------------------------------------------------------
 def test_missing_file_and_empty_directory_url_are_ckptlab_errors(server, tmp_path):
     with pytest.raises(ArchiveError, match="404") as exc:
@@ -383,3 +537,58 @@ def test_read_part_goes_through_the_url_one_request_per_part(server):
         assert torch.equal(got, want) and torch.equal(local.read_part("s", role), want)
     with pytest.raises(KeyError, match="no part"):
         ck.read_part("s", "scales")
+
+
+class _BytesStore:
+    """A RemoteStore over bytes in memory: counts requests as the real one does."""
+
+    def __init__(self, data: bytes) -> None:
+        from ckptlab.format._remote import RemoteStats
+
+        self.data = data
+        self.stats = RemoteStats()
+
+    def head(self, url, n):
+        self.stats.add(url, f"bytes=0-{n - 1}", min(n, len(self.data)))
+        return len(self.data), self.data[:n]
+
+    def range(self, url, a, b):
+        self.stats.add(url, f"bytes={a}-{b - 1}", b - a)
+        return self.data[a:b]
+
+
+def test_remote_items_read_ahead_is_exact_and_one_request_per_miss():
+    """RemoteItems' reads against a counting store, without a server: random item spans,
+    random walks; every read returns the file's bytes, a miss costs one request, ``fetch``
+    one request at most, and the kept bytes stay bounded."""
+    from ckptlab.checkpoint import _dcp_remote
+    from ckptlab.checkpoint._dcp_remote import RemoteItems
+    from ckptlab.format._remote import RemoteSource
+
+    rng = random.Random(3)
+    for trial in range(30):
+        sizes = [rng.choice([40, 900, 5000, 70_000, 1_500_000])
+                 for _ in range(rng.randrange(1, 40))]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        data = rng.randbytes(sum(sizes) + rng.randrange(0, 100))
+
+        store = _BytesStore(data)
+        src = RemoteSource(store, "mem://f", first="head", window_nbytes=rng.randrange(1, 5000))
+        items = RemoteItems("mem://", {"f": src}, {"f": (starts, [s + n for s, n in
+                                                                  zip(starts, sizes)])})
+        for _ in range(60):
+            i = rng.randrange(len(sizes))
+            before = store.stats.requests
+            if rng.random() < 0.2:
+                a = starts[i] + rng.randrange(sizes[i])
+                b = rng.randrange(a, starts[i] + sizes[i] + 1)
+                assert items.fetch("f", a, b) == data[a:b]
+            else:
+                n = rng.choice([4, 700, 5000])
+                off = starts[i]
+                assert items.read("f", off, n) == data[off:off + n]
+            assert store.stats.requests - before <= 1, trial
+            kept = sum(hi - lo for lo, hi in src.kept_ranges())
+            assert kept <= _dcp_remote._KEEP + (1 << 21)
+        assert items.read("f", len(data) - 3, 10) == data[-3:]
+        assert items.read("f", len(data), 10) == b""
