@@ -9,7 +9,13 @@ per response), and the requests and bytes are read from nginx's own access log.
 
 (a) a torch.save file of ``--tensors`` tensors of ``--elements`` float32 each;
 (b) a Hugging Face sharded directory (``--shards`` safetensors shards and their index), against
-    downloading the index and every shard, then reading each shard's header with safetensors.
+    downloading the index and every shard, then reading each shard's header with safetensors;
+(c) a DCP directory written by ``dcp.save`` (``--dcp-tensors`` tensors of ``--elements``
+    float32 and ``--dcp-large`` of ``--dcp-large-elements``, in ``--dcp-files`` data files,
+    and two object items), against downloading
+    ``.metadata`` and every data file, then torch's ``FileSystemReader.read_metadata``; ckptlab
+    twice: the open (names, dtypes, shapes, object values) and the open plus every tensor's
+    entry (each chunk's file offset, read from the items' heads).
 
 nginx-light has no way to add latency per request, so the seconds measured are those of a
 link with ~0 ms round trips; ``--rtt-ms`` adds a modelled figure: the measured time plus one
@@ -20,8 +26,9 @@ Correctness is checked: the remote opening must list the same tensors, dtypes, s
 offsets as the local one, and a few remote reads must equal torch's tensors.
 
     .venv/bin/python benchmarks/remote.py [--tensors 10000] [--elements 4096]
-        [--shards 4] [--shard-nbytes 16777216] [--rate-mbps 50] [--rtt-ms 20]
-        [--rounds 3] [--json out.json]
+        [--shards 4] [--shard-nbytes 16777216] [--dcp-tensors 2000] [--dcp-large 48]
+        [--dcp-large-elements 1048576] [--dcp-files 4]
+        [--rate-mbps 50] [--rtt-ms 20] [--rounds 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -55,6 +62,19 @@ def _download(url: str, target: str) -> int:
             f.write(chunk)
             n += len(chunk)
     return n
+
+
+def _dcp_save(sd: dict[str, Any], root: str, files: int) -> None:
+    import logging
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    logging.getLogger("torch.distributed").setLevel(logging.WARNING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, no_dist=True, storage_writer=FileSystemWriter(root, thread_count=files))
 
 
 def _measure(server: NginxServer, run: Any) -> dict[str, Any]:
@@ -100,6 +120,10 @@ def main() -> int:
     ap.add_argument("--elements", type=int, default=4096, help="float32 elements per tensor")
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--shard-nbytes", type=int, default=16 << 20)
+    ap.add_argument("--dcp-tensors", type=int, default=2000)
+    ap.add_argument("--dcp-large", type=int, default=48)
+    ap.add_argument("--dcp-large-elements", type=int, default=1 << 20)
+    ap.add_argument("--dcp-files", type=int, default=4, help="FileSystemWriter thread_count")
     ap.add_argument("--rate-mbps", type=float, default=50.0, help="nginx limit_rate, MB/s")
     ap.add_argument("--rtt-ms", type=float, default=20.0, help="round trip for the model")
     ap.add_argument("--rounds", type=int, default=3)
@@ -135,6 +159,18 @@ def main() -> int:
         print(f"torch.save file: {args.tensors:,} tensors, {os.path.getsize(pt):,} bytes; "
               f"HF dir: {args.shards} shards, "
               f"{sum(os.path.getsize(os.path.join(served, 'hf', n)) for n in os.listdir(os.path.join(served, 'hf'))):,} bytes")
+
+        dcp_sd: dict[str, Any] = {f"layers.{i}.w": torch.randn(args.elements)
+                                  for i in range(args.dcp_tensors)}
+        dcp_sd.update({f"blocks.{i}.w": torch.randn(args.dcp_large_elements)
+                       for i in range(args.dcp_large)})
+        dcp_sd.update(step=1000, lr=3e-4)
+        dcp_root = os.path.join(served, "dcp")
+        _dcp_save(dcp_sd, dcp_root, args.dcp_files)
+        dcp_names = sorted(os.listdir(dcp_root))
+        print(f"DCP dir: {args.dcp_tensors:,} + {args.dcp_large} tensors, "
+              f"{len(dcp_names) - 1} data files, "
+              f"{sum(os.path.getsize(os.path.join(dcp_root, n)) for n in dcp_names):,} bytes")
 
         with NginxServer(served, limit_rate_nbytes=int(args.rate_mbps * 1e6)) as server:
             # correctness first
@@ -174,6 +210,34 @@ def main() -> int:
                         [f.get_slice(k).get_shape() for k in f.keys()]
                     os.remove(target)
 
+            ck = ckptlab.open(server.url("dcp/"))
+            local = ckptlab.open(dcp_root)
+            assert ck.objects == local.objects, "REMOTE DCP OBJECTS DIFFER"
+            assert all(ck.tensors[n] == local.tensors[n] for n in local.tensors), \
+                "REMOTE DCP ENTRIES DIFFER"
+            for name in list(local.tensors)[:: max(1, len(local.tensors) // 5)]:
+                assert torch.equal(ck.read(name), dcp_sd[name]), f"REMOTE READ WRONG: {name}"
+
+            def ours_dcp() -> None:
+                ck = ckptlab.open(server.url("dcp/"))
+                [t[:3] for t in ck._dcp.cols.tensors.values()]  # dtype, grad, shape
+
+            def ours_dcp_entries() -> None:
+                ck = ckptlab.open(server.url("dcp/"))
+                [t.parts for t in ck.tensors.values()]
+
+            def theirs_dcp() -> None:
+                from torch.distributed.checkpoint import FileSystemReader
+
+                target = os.path.join(down, "dcp")
+                os.makedirs(target)
+                for name in dcp_names:
+                    _download(server.url(f"dcp/{name}"), os.path.join(target, name))
+                FileSystemReader(target).read_metadata()
+                for name in dcp_names:
+                    os.remove(os.path.join(target, name))
+                os.rmdir(target)
+
             rtt = args.rtt_ms / 1e3
             results["torch_save"] = _case(
                 f"a: torch.save file, {args.tensors:,} tensors: open+inspect vs download + "
@@ -181,10 +245,18 @@ def main() -> int:
             results["hf"] = _case(
                 f"b: Hugging Face dir, {args.shards} shards: open vs download + read headers",
                 server, ours_hf, theirs_hf, args.rounds, rtt)
+            results["dcp"] = _case(
+                f"c: DCP dir, {args.dcp_tensors + args.dcp_large:,} tensors in "
+                f"{len(dcp_names) - 1} files: open "
+                "vs download + read_metadata", server, ours_dcp, theirs_dcp, args.rounds, rtt)
+            results["dcp_entries"] = _case(
+                "c': the same, ckptlab also building every tensor's entry (chunk offsets)",
+                server, ours_dcp_entries, theirs_dcp, args.rounds, rtt)
     a = results["torch_save"]["ckptlab"]
     print(f"\nbudgets: torch.save {a['requests']} requests (<= 3), HF "
           f"{results['hf']['ckptlab']['requests']} (1 + {args.shards} shards = "
-          f"{1 + args.shards})")
+          f"{1 + args.shards}), DCP {results['dcp']['ckptlab']['requests']} (2 + "
+          f"{len(dcp_names) - 1} files = {len(dcp_names) + 1})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -619,7 +619,8 @@ def open_checkpoint(source: Source, *,
 
     A URL is read with exact ranged requests and no listing: a torch.save file opens in at
     most 3 requests, a Hugging Face sharded directory in 1 + one per shard, a DCP directory in
-    2 + one per data file, and ``read(name)`` costs one request per part. Remote opening checks
+    2 + one per data file (its head; tensor items are read when a tensor is first asked
+    for), and ``read(name)`` costs one request per part. Remote opening checks
     what a local one checks except the local headers and descriptors of storage records
     (derived from the central directory by torch's placement rules, verified to tile the
     file); see :mod:`ckptlab.format._remote_zip`. Needs the ``remote`` extra.
