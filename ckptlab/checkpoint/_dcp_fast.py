@@ -344,20 +344,21 @@ def open_columns(root: str, cols: Any, files: dict[str, int], items: _ItemLayout
     is_tensor = np.array([f in cols.tensors for f in cols.fqns], dtype=bool)
     fqn_of = np.frombuffer(cols.entry_fqn, dtype=np.int32) if n else np.empty(0, np.int32)
     tensor_item = is_tensor[fqn_of] if n else np.zeros(0, bool)
-    if _blob_first(items, cols, file_of, offset, tensor_item):
-        return None
-    dcp.rows = chunk_rows(cols, fqn_of, tensor_item)
-    _check_volumes(root, cols, dcp.rows, fqn_of, tensor_item)
-    tensor_entries = np.nonzero(tensor_item)[0]
-    if len(tensor_entries):
-        by = fqn_of[tensor_entries]
-        sort = np.argsort(by, kind="stable")
-        keys, starts = np.unique(by[sort], return_index=True)
-        groups = np.split(tensor_entries[sort], starts[1:])
-        dcp.by_fqn = {int(k): g for k, g in zip(keys, groups)}
-    # object items: read now (their values are shown), as the general path does
     objects: dict[str, Any] = {}
-    try:
+    try:  # the data files opened from here on are closed if this does not return them
+        if _blob_first(items, cols, file_of, offset, tensor_item):
+            items.close()
+            return None
+        dcp.rows = chunk_rows(cols, fqn_of, tensor_item)
+        _check_volumes(root, cols, dcp.rows, fqn_of, tensor_item)
+        tensor_entries = np.nonzero(tensor_item)[0]
+        if len(tensor_entries):
+            by = fqn_of[tensor_entries]
+            sort = np.argsort(by, kind="stable")
+            keys, starts = np.unique(by[sort], return_index=True)
+            groups = np.split(tensor_entries[sort], starts[1:])
+            dcp.by_fqn = {int(k): g for k, g in zip(keys, groups)}
+        # object items: read now (their values are shown), as the general path does
         for e in np.nonzero(~tensor_item)[0]:
             e = int(e)
             fqn = cols.fqns[fqn_of[e]]

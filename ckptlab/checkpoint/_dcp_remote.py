@@ -20,8 +20,9 @@ Afterwards (:class:`RemoteItems`):
   head and the heads of the items before and after it in the same file while the gap between
   heads stays under 1 MiB and the request under 16 MiB (a read-ahead that turns a listing of
   many small items into a few requests, in whichever order the listing walks the file, and
-  costs one head per item where items are large). The bytes moved are kept up to 64 MiB
-  (oldest first out);
+  costs one head per item where items are large). Of what it moves, the range asked for and
+  the heads (4 KiB) are kept, up to 64 MiB (oldest first out): not the data between them,
+  which a later miss would otherwise move again;
 - an item scanned in full (the first of its shape, or one that matches no template) is moved
   whole when it is at most 1 MiB, else its first 64 KiB (with the same read-ahead) and its
   last 65 KiB;
@@ -37,6 +38,7 @@ data files (:func:`ckptlab.checkpoint.open._open_remote_dcp`).
 from __future__ import annotations
 
 import bisect
+import threading
 from collections import deque
 from typing import Any
 
@@ -60,44 +62,63 @@ _TAIL = _EDGE + 1024  # ... and last (the end-of-directory search reads 64 KiB +
 class RemoteItems(_ItemLayouts):
     """:class:`~ckptlab.plan.metadata._ItemLayouts` over ranged requests: one
     :class:`~ckptlab.format._remote.RemoteSource` per data file, read-ahead over item heads,
-    a bounded keep of the bytes moved (see the module docstring)."""
+    a bounded keep of the bytes moved (see the module docstring). Thread-safe: the sources'
+    kept bytes change under :attr:`lock` only."""
 
     def __init__(self, root: str, sources: dict[str, Any],
                  spans: dict[str, tuple[list[int], list[int]]]) -> None:
         super().__init__(root)
         self.sources = sources  # file -> RemoteSource
         self.spans = spans  # file -> (item starts, item ends), in offset order
-        self._kept: deque[tuple[str, int, int]] = deque()  # (file, lo, hi) moved, in order
+        self.lock = threading.RLock()
+        self._kept: deque[tuple[str, int, int]] = deque()  # (file, lo, hi) kept, in order
         self._kept_nbytes = 0
 
-    # -- moving bytes --------------------------------------------------------------------------
-    def _move(self, file: str, lo: int, hi: int) -> None:
-        """Move ``[lo, hi)`` in one request, unless all of it is kept, and keep it, dropping
-        the oldest kept ranges past :data:`_KEEP`."""
+    # -- moving bytes (under the lock) -------------------------------------------------------
+    def _move(self, file: str, lo: int, hi: int,
+              keep: list[tuple[int, int]] | None = None) -> None:
+        """Move ``[lo, hi)`` in one request, unless all of it is kept, and keep it (only the
+        ranges ``keep`` of it, when given), dropping the oldest kept ranges past
+        :data:`_KEEP`."""
         src = self.sources[file]
         hi = min(hi, src.nbytes)
         if hi <= lo or src.kept(lo, hi - lo) is not None:
             return
         src.forget(lo, hi)  # what is missing is then one range: one request
         src.prefetch([(lo, hi)])
-        self._kept.append((file, lo, hi))
-        self._kept_nbytes += hi - lo
+        pieces = [(lo, hi)] if keep is None else _merged(
+            [(max(a, lo), min(b, hi)) for a, b in keep if min(b, hi) > max(a, lo)])
+        cursor = lo
+        for a, b in pieces:  # drop what is not kept (the tensor data moved through)
+            if a > cursor:
+                src.forget(cursor, a)
+            cursor = b
+        if cursor < hi:
+            src.forget(cursor, hi)
+        for a, b in pieces:
+            self._kept.append((file, a, b))
+            self._kept_nbytes += b - a
         while self._kept_nbytes > _KEEP and len(self._kept) > 1:
             old_file, old_lo, old_hi = self._kept.popleft()
             self._kept_nbytes -= old_hi - old_lo
             self.sources[old_file].forget(old_lo, old_hi)
 
-    def _around(self, file: str, lo: int, hi: int) -> tuple[int, int]:
-        """What a read of ``[lo, hi)`` that missed moves: also the heads of the items next to
-        it, before and after (a listing may walk a file either way), while the gaps stay
-        under :data:`_AHEAD_GAP` and the span under :data:`_AHEAD_SPAN`, and without a kept
-        range inside (so the miss is one request)."""
+    def _around(self, file: str, lo: int, hi: int, head: int = _HEAD
+                ) -> tuple[int, int, list[tuple[int, int]]]:
+        """What a read of ``[lo, hi)`` that missed moves, and what of it is kept.
+
+        It moves also the heads of the items next to it, before and after (a listing may
+        walk a file either way), while the gaps stay under :data:`_AHEAD_GAP` and the span
+        under :data:`_AHEAD_SPAN`, and without a kept range inside (so the miss is one
+        request, and what is kept is not moved again). It keeps ``[lo, hi)`` and the first
+        ``head`` bytes of each item it covers (what is compared with a template): not the
+        tensor data after them."""
         starts, ends = self.spans.get(file, ([], []))
         kept = self.sources[file].kept_ranges()
         k = bisect.bisect_right(kept, (lo, float("inf")))
         floor = kept[k - 1][1] if k else 0  # past lo when lo is kept: nothing before
         stop = kept[k][0] if k < len(kept) else self.sources[file].nbytes
-        head = max(_HEAD, hi - lo)
+        keep = [(lo, hi)]
         # before: items wholly before lo, nearest first
         j = bisect.bisect_right(starts, lo) - 1
         if j >= 0 and starts[j] < lo < ends[j]:
@@ -108,6 +129,7 @@ class RemoteItems(_ItemLayouts):
             if first - b > _AHEAD_GAP or hi - a > _AHEAD_SPAN // 2 or a < floor:
                 break
             first = a
+            keep.append((a, b))
             j -= 1
         # after
         j = bisect.bisect_right(starts, lo)
@@ -116,81 +138,119 @@ class RemoteItems(_ItemLayouts):
             if a - hi > _AHEAD_GAP or b - first > _AHEAD_SPAN or b > stop:
                 break
             hi = max(hi, b)
+            keep.append((a, b))
             j += 1
-        return first, hi
+        return first, hi, keep
+
+    # -- what _ItemLayouts reads -------------------------------------------------------------
+    def layout(self, file: str, fqn: str, offset: int, length: int, key: Any) -> ArchiveLayout:
+        with self.lock:
+            return super().layout(file, fqn, offset, length, key)
+
+    def scan(self, file: str, fqn: str, offset: int, length: int) -> ArchiveLayout:
+        with self.lock:
+            return super().scan(file, fqn, offset, length)
 
     def read(self, file: str, offset: int, nbytes: int) -> bytes:
         """Up to ``nbytes`` at ``offset`` (fewer at the file's end): from kept bytes, else one
-        request that reads ahead over the next items' heads."""
-        src = self.sources[file]
-        end = min(offset + nbytes, src.nbytes)
-        if end <= offset:
-            return b""
-        data = src.kept(offset, end - offset)
-        if data is None:
-            self._move(file, *self._around(file, offset, end))
-            data = src.read(offset, end - offset)
-        return data
+        request that reads ahead over the neighbouring items' heads."""
+        with self.lock:
+            src = self.sources[file]
+            end = min(offset + nbytes, src.nbytes)
+            if end <= offset:
+                return b""
+            data = src.kept(offset, end - offset)
+            if data is None:
+                self._move(file, *self._around(file, offset, end, max(_HEAD, nbytes)))
+                data = src.read(offset, end - offset)
+            return data
 
     def scan_item(self, file: str, offset: int, length: int) -> ArchiveLayout:
         """The item's layout, scanned from its bytes moved whole (up to :data:`_WHOLE`) or
-        from its first and last :data:`_EDGE` bytes (a scan reads no tensor data)."""
+        from its first :data:`_EDGE` and last :data:`_TAIL` bytes (a scan reads no tensor
+        data)."""
         from ckptlab.format._window import PositionalFile
 
-        head = length if length <= _WHOLE else _EDGE
-        if self.sources[file].kept(offset, head) is None:  # else _around would move it again
-            self._move(file, *self._around(file, offset, offset + head))
-        if head < length:
-            self._move(file, max(offset + head, offset + length - _TAIL), offset + length)
-        return _item_layout(PositionalFile(self.sources[file]), file, offset, length)
+        with self.lock:
+            src = self.sources[file]
+            head = length if length <= _WHOLE else _EDGE
+            if src.kept(offset, head) is None:  # else _around would move it again
+                self._move(file, *self._around(file, offset, offset + head))
+            if head < length:
+                self._move(file, max(offset + head, offset + length - _TAIL), offset + length)
+            return _item_layout(PositionalFile(src), file, offset, length)
 
+    # -- what ck.read reads ------------------------------------------------------------------
     def fetch(self, file: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` for ``ck.read``: kept ones, else one request; not kept
-        after."""
+        """Bytes ``[start, end)`` for ``ck.read``: kept ones, else one request (outside the
+        lock, nothing kept)."""
         src = self.sources[file]
-        data = src.kept(start, end - start)
-        if data is None:
-            src.forget(start, end)  # so that what is missing is one range: one request
-            data = src.read(start, end - start)
-        src.forget(start, end)
-        return data
-
-    def move_whole(self, file: str, lo: int, hi: int) -> None:
-        """Move ``[lo, hi)`` (an item) in one request, unless it is kept already; it is not
-        counted in the bounded keep (``read`` forgets it when done)."""
-        src = self.sources[file]
-        if src.kept(lo, hi - lo) is None:
-            src.forget(lo, hi)
-            src.prefetch([(lo, hi)])
+        with self.lock:
+            data = src.kept(start, end - start)
+        return data if data is not None else src.fetch(start, end)
 
     def close(self) -> None:
-        for src in self.sources.values():
-            src.forget()
-        self._kept.clear()
-        self._kept_nbytes = 0
+        with self.lock:
+            for src in self.sources.values():
+                src.forget()
+            self._kept.clear()
+            self._kept_nbytes = 0
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` sorted, those that overlap or touch merged."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
 
 
 class RemoteDcpCheckpoint(DcpCheckpoint):
     """A :class:`~ckptlab.checkpoint._dcp_fast.DcpCheckpoint` behind a URL: ``read`` costs
     one request per part (see the module docstring)."""
 
+    _url_of: Any = None  # data file name -> URL (set by open_dcp_remote)
+    _store: Any = None
+
     def read(self, name: str) -> Any:
         dcp = self._dcp
         items: RemoteItems = dcp.items
-        moved: list[tuple[str, int, int]] = []
-        if name in dcp.cols.tensors and name not in self.tensors._built:  # type: ignore
-            cols = dcp.cols
-            for e in dcp.by_fqn.get(dcp.fqn_ids.get(name, -1), ()):
-                file = cols.files[cols.entry_file[e]]
-                lo = cols.entry_offset[e]
-                hi = lo + cols.entry_length[e]
-                items.move_whole(file, lo, hi)
-                moved.append((file, lo, hi))
-        try:
+        if name not in dcp.cols.tensors or name in self.tensors._built:  # type: ignore
             return super().read(name)
-        finally:
-            for file, lo, hi in moved:
-                items.sources[file].forget(lo, hi)
+        # the entry is not built: each item moved whole (one request each, outside the
+        # lock), the entry built from those bytes (kept for that time only), the tensor's
+        # data sliced from them
+        cols = dcp.cols
+        moved: dict[str, list[tuple[int, bytes]]] = {}
+        for e in dcp.by_fqn.get(dcp.fqn_ids.get(name, -1), ()):
+            file = cols.files[cols.entry_file[e]]
+            lo = cols.entry_offset[e]
+            data = items.sources[file].fetch(lo, lo + cols.entry_length[e])
+            moved.setdefault(file, []).append((lo, data))
+        with items.lock:
+            for file, pieces in moved.items():
+                for lo, data in pieces:
+                    items.sources[file].keep(lo, data)
+            try:
+                entry = self.tensors[name]
+            finally:
+                for file, pieces in moved.items():
+                    for lo, data in pieces:
+                        items.sources[file].forget(lo, lo + len(data))
+
+        def fetch(file: str, start: int, end: int) -> bytes:
+            for lo, data in moved.get(file, ()):
+                if lo <= start and end <= lo + len(data):
+                    return data[start - lo:end - lo]
+            return items.fetch(file, start, end)
+
+        from ckptlab.checkpoint.open import _remote_reader
+
+        return _remote_reader(self._store, self._url_of, fetch)(self, entry)
 
     def dcp_layout(self) -> Any:
         """As :meth:`DcpCheckpoint.dcp_layout`, reading the items in file order first (each
@@ -216,6 +276,31 @@ def _windows(cols: Any, file_of: np.ndarray, offset: np.ndarray, length: np.ndar
     before = offset[obj] < first[file_of[obj]]
     np.maximum.at(need, file_of[obj][before], (offset + length)[obj][before])
     return need
+
+
+def _raw_items(cols: Any, fqn_of: np.ndarray, tensor_item: np.ndarray,
+               length: np.ndarray) -> bool:
+    """Whether some tensor item is no longer than its chunk's raw bytes: not a torch.save
+    zip (which adds its headers, pickle and directory to them) but a SAFETENSORS blob of one
+    tensor (several overlap, which :func:`item_order` finds). Decided from the columns, so
+    that such a directory goes to the mirror before any data file is asked for."""
+    from ckptlab.checkpoint._dcp_fast import _volumes
+    from ckptlab.format._dtypes import DTYPE_ITEMSIZE
+    from ckptlab.plan._metadata_columns import chunk_rows
+
+    rows = chunk_rows(cols, fqn_of, tensor_item)
+    have = np.nonzero(tensor_item & (rows >= 0))[0]
+    if not len(have):
+        return False
+    values = np.frombuffer(cols.chunk_values, dtype=np.int64) if len(cols.chunk_values) \
+        else np.empty(0, np.int64)
+    start = np.frombuffer(cols.chunk_start, dtype=np.int64)
+    ndim = np.frombuffer(cols.chunk_ndim, dtype=np.int8).astype(np.int64)
+    volume = _volumes(values, start[rows[have]], ndim[rows[have]])
+    itemsize = np.array([DTYPE_ITEMSIZE.get(cols.tensors[f][0], 1) if f in cols.tensors else 1
+                         for f in cols.fqns], dtype=np.int64)[fqn_of[have]]
+    raw = volume * itemsize  # volume -1 (too large to say): never raw
+    return bool(((volume >= 0) & (length[have] <= raw)).any())
 
 
 def open_dcp_remote(store: Any, root: str, raw: bytes) -> DcpCheckpoint | None:
@@ -253,6 +338,8 @@ def open_dcp_remote(store: Any, root: str, raw: bytes) -> DcpCheckpoint | None:
     fqn_of = np.frombuffer(cols.entry_fqn, dtype=np.int32) if n else np.empty(0, np.int32)
     is_tensor = np.array([f in cols.tensors for f in cols.fqns], dtype=bool)
     tensor_item = is_tensor[fqn_of] if n else np.zeros(0, bool)
+    if _raw_items(cols, fqn_of, tensor_item, length):
+        return None
     windows = _windows(cols, file_of, offset, length, tensor_item)
     urls = {name: join_url(root, name) for name in cols.files}  # refuses names leaving root
     sources: dict[str, Any] = {}
@@ -277,4 +364,7 @@ def open_dcp_remote(store: Any, root: str, raw: bytes) -> DcpCheckpoint | None:
                       checkpoint=RemoteDcpCheckpoint,
                       metadata_loader=lambda: metadata_of(raw, join_url(root, METADATA)))
     items.close()  # the heads moved at open did their work (object items are scanned)
+    if ck is not None:
+        ck._url_of = urls.__getitem__
+        ck._store = store
     return ck

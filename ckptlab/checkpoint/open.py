@@ -504,17 +504,17 @@ def _open_remote_dcp(store: Any, root: str) -> Checkpoint:
     from ckptlab.checkpoint._dcp import open_dcp
     from ckptlab.checkpoint._dcp_remote import open_dcp_remote
     from ckptlab.format._remote import join_url
-    from ckptlab.plan.metadata import METADATA, inspect_dcp, load_metadata
+    from ckptlab.plan.metadata import METADATA, inspect_dcp, metadata_of
 
     raw = store.whole(join_url(root, METADATA))
     quick = open_dcp_remote(store, root, raw)
     if quick is not None:
         return quick
+    meta = metadata_of(raw, join_url(root, METADATA))
     tmp = tempfile.mkdtemp(prefix="ckptlab-dcp-")
     try:
         with open(os.path.join(tmp, METADATA), "wb") as f:
             f.write(raw)
-        meta = load_metadata(tmp)
         names = sorted({str(info.relative_path) for info in meta.storage_data.values()})
         for name in names:
             url = join_url(root, name)  # refuses names that leave the directory
@@ -524,6 +524,11 @@ def _open_remote_dcp(store: Any, root: str) -> Checkpoint:
                 store.stream_to(url, f)
         ck = open_dcp(tmp, fast=False)  # everything read before the files go
         layout = dataclasses.replace(inspect_dcp(tmp), path=root)
+    except ArchiveError as exc:  # it names the URL, not the temporary mirror
+        if exc.path is not None and (exc.path + "/").startswith(tmp + "/"):
+            exc.path = root + exc.path[len(tmp):]
+            exc.args = (exc._render(),)
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     files = tuple(dataclasses.replace(

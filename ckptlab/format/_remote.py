@@ -375,6 +375,18 @@ class RemoteSource(ByteSource):
                                         actual=f"{0 if data is None else len(data)} bytes")
         return data
 
+    def keep(self, start: int, data: bytes) -> None:
+        """Keep ``data``, bytes of the file at ``start`` moved by the caller."""
+        self._keep(start, data)
+
+    def fetch(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` in one request, counted, not kept (safe beside other
+        threads' reads: nothing of this source changes but its counts)."""
+        before = self._store.stats.requests, self._store.stats.bytes_moved
+        data = self._store.range(self.url, start, end)
+        self._count(before)
+        return data
+
     def forget(self, lo: int = 0, hi: int | None = None) -> None:
         """Drop the kept bytes inside ``[lo, hi)`` (default: all of them); kept bytes on
         either side stay."""

@@ -328,3 +328,39 @@ def test_sparse_synthetic_directory_takes_the_fast_open(tmp_path: Path) -> None:
     assert isinstance(ck, DcpCheckpoint)
     assert len(ck.tensors) == 5
     assert ck.tensors["model.layers.0.w0"].shape == (20,)
+
+
+def test_a_fast_open_that_hands_over_or_fails_closes_its_files(ranks: Path,
+                                                               tmp_path: Path) -> None:
+    """The data files the fast open opens are closed when it hands the directory to the
+    general path (a single-tensor blob that is no zip) or raises (chunks that do not tile)."""
+    import gc
+
+    from ckptlab.checkpoint._dcp_fast import open_dcp_fast
+
+    meta = pickle.loads((ranks / ".metadata").read_bytes())
+    fqn = next(f for f, md in meta.state_dict_metadata.items() if hasattr(md, "chunks"))
+    md = meta.state_dict_metadata[fqn]
+    md.size = torch.Size((md.size[0] + 1, *md.size[1:]))
+    bad = _write(ranks, tmp_path / "tile", pickle.dumps(meta))
+    blob = tmp_path / "blob"
+    blob.mkdir()
+    import torch.distributed.checkpoint.filesystem as fs
+
+    if hasattr(fs, "SerializationFormat"):  # torch >= 2.8
+        import torch.distributed.checkpoint as dcp
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({"w": torch.arange(12.0)}, no_dist=True, storage_writer=(
+                fs.FileSystemWriter(str(blob),
+                                    serialization_format=fs.SerializationFormat.SAFETENSORS)))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", ResourceWarning)
+        with pytest.raises(CorruptArchiveError, match="do not tile"):
+            open_dcp_fast(str(bad))
+        if (blob / ".metadata").exists():
+            assert open_dcp_fast(str(blob)) is None
+        gc.collect()
+    assert not [w for w in seen if issubclass(w.category, ResourceWarning)], \
+        [str(w.message) for w in seen]

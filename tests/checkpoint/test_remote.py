@@ -367,7 +367,85 @@ def test_dcp_url_with_a_damaged_item_fails_on_access_as_on_disk(server, dcp_big)
         assert torch.equal(ck.read("big.5"), dcp_big["big.5"])
 
 
-def test_dcp_url_in_safetensors_format_is_mirrored(server):
+def test_dcp_listing_of_small_items_in_any_order_moves_the_data_about_once(server,
+                                                                         monkeypatch):
+    """Items under 1 MiB apart are moved through by the read-ahead; a listing that walks the
+    files out of order (two writer threads, ``ck.tensors`` order) keeps the items' heads and
+    tails, not the data between, so it neither moves the data again and again nor makes a
+    request per item."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from ckptlab.checkpoint import _dcp_remote
+
+    g = torch.Generator().manual_seed(1)
+    sd = {f"t.{i}": torch.randn(64 * (1 + i % 4), 128, generator=g) for i in range(160)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, no_dist=True, storage_writer=FileSystemWriter(
+            os.path.join(server.root, "dcpsmall"), thread_count=2))
+    files, data_nbytes = _data_nbytes(server, "dcpsmall")
+    local = cl.open(os.path.join(server.root, "dcpsmall"))
+    ck = cl.open(server.url("dcpsmall/"))
+    monkeypatch.setattr(_dcp_remote, "_KEEP", 2 << 20)  # a keep smaller than the data
+    server.mark()
+    for name in sd:
+        assert ck.tensors[name] == local.tensors[name], name
+    seen = _requests(server)
+    assert len(seen) <= 40, len(seen)
+    assert sum(r.body_nbytes for r in seen) <= 1.5 * data_nbytes, (seen, data_nbytes)
+    server.mark()
+    ck.dcp_layout()
+    assert len(_requests(server)) == 0
+
+
+def test_dcp_url_reads_from_threads(server, dcp_big):
+    """``ck.read`` from several threads at once, of built and unbuilt entries: every value
+    right (the kept bytes change under a lock)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = [n for n in dcp_big if n.startswith(("big", "small"))]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch often: a race shows
+    try:
+        for built in (names, names[::2]):
+            ck = cl.open(server.url("dcpbig/"))
+            for name in built:
+                ck.tensors[name]
+            order = names * 4
+            random.Random(len(built)).shuffle(order)
+            with ThreadPoolExecutor(8) as pool:
+                got = list(pool.map(ck.read, order))
+            wrong = [n for t, n in zip(got, order) if not torch.equal(t, dcp_big[n])]
+            assert not wrong, wrong
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def test_dcp_url_errors_of_the_mirror_name_the_url(server, dcp_dir):
+    """A directory the fast open hands to the mirror (an object item claiming the whole
+    file: items overlap) fails with the URL in the error, not the temporary directory."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    root = _copy_dir(server, "dcp", "dcpover")
+    md = FileSystemReader(root).read_metadata()
+    for k, v in md.storage_data.items():
+        if k.fqn == "step":
+            v.length = 10**12
+    with open(os.path.join(root, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+    with pytest.raises(ArchiveError) as exc:
+        cl.open(server.url("dcpover/"))
+    assert exc.value.path.startswith(server.url("dcpover/")), exc.value.path
+    assert server.url("dcpover/") in str(exc.value)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_dcp_url_in_safetensors_format_is_mirrored(server, threads):
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -382,11 +460,12 @@ def test_dcp_url_in_safetensors_format_is_mirrored(server):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(sd, no_dist=True, storage_writer=FileSystemWriter(
-            os.path.join(server.root, "dcpst"),
+            os.path.join(server.root, f"dcpst{threads}"), thread_count=threads,
             serialization_format=fs.SerializationFormat.SAFETENSORS))
-    files, _ = _data_nbytes(server, "dcpst")
+    files, _ = _data_nbytes(server, f"dcpst{threads}")
+    assert len(files) == threads  # 2: one tensor per file, items that do not overlap
     server.mark()
-    ck = cl.open(server.url("dcpst/"))
+    ck = cl.open(server.url(f"dcpst{threads}/"))
     assert len(_requests(server)) <= 2 + len(files)
     assert not isinstance(ck, RemoteDcpCheckpoint)
     for name, want in sd.items():
