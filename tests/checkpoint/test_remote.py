@@ -386,7 +386,7 @@ def test_dcp_listing_of_small_items_in_any_order_moves_the_data_about_once(serve
         warnings.simplefilter("ignore")
         dcp.save(sd, no_dist=True, storage_writer=FileSystemWriter(
             os.path.join(server.root, "dcpsmall"), thread_count=2))
-    files, data_nbytes = _data_nbytes(server, "dcpsmall")
+    _, data_nbytes = _data_nbytes(server, "dcpsmall")
     local = cl.open(os.path.join(server.root, "dcpsmall"))
     ck = cl.open(server.url("dcpsmall/"))
     monkeypatch.setattr(_dcp_remote, "_KEEP", 2 << 20)  # a keep smaller than the data
