@@ -14,6 +14,11 @@ around the requests, not around a file object:
   ``cat_file(path, start, end)``, one request per read.
 - ``file://`` URLs are not remote: :func:`ckptlab.open` reads them as local paths.
 
+Over HTTP, the strong ``ETag`` of a file's first answer is sent as ``If-Match`` with every
+later request of it: a file replaced on the server after it was first read is an
+:class:`~ckptlab.errors.ArchiveError` (HTTP 412), never bytes of two versions put together.
+(Bytes already kept are not asked again: they are of the version first read.)
+
 A :class:`RemoteSource` is a :class:`~ckptlab.format._source.ByteSource` over one URL: the
 bytes of each request are kept, and a later read inside kept bytes costs nothing (that is all
 it caches). ``reads`` counts the requests made through it and ``bytes_read`` the bytes they
@@ -109,6 +114,9 @@ class RemoteStore:
                 "'remote' extra (pip install 'ckptlab[remote]')", path=url) from None
         self.stats = RemoteStats()
         self._lock = threading.Lock()
+        # url -> the strong ETag of its first HTTP answer: later requests send it as
+        # If-Match, so bytes of two versions of a file are never put together
+        self.etags: dict[str, str] = {}
         scheme = urlsplit(url).scheme.lower()
         self.http = scheme in ("http", "https")
         options = dict(storage_options or {})
@@ -132,11 +140,15 @@ class RemoteStore:
     def _http(self, url: str, range_header: str | None) -> tuple[int, dict[str, str], bytes]:
         from fsspec.asyn import sync
 
+        etag = self.etags.get(url)
+
         async def get() -> tuple[int, dict[str, str], bytes]:
             session = await self._fs.set_session()
             headers = {"Accept-Encoding": "identity"}
             if range_header is not None:
                 headers["Range"] = range_header
+            if etag is not None:  # the file as it was when first read, or 412
+                headers["If-Match"] = etag
             async with session.get(self._fs.encode_url(url), headers=headers) as r:
                 body = await r.read()
                 return r.status, {k.lower(): v for k, v in r.headers.items()}, body
@@ -153,6 +165,13 @@ class RemoteStore:
         self.stats.add(url, range_header or "whole", len(body))
         if status in (404, 410):
             raise RemoteNotFoundError(f"no such file (HTTP {status})", path=url)
+        if status == 412 and etag is not None:
+            raise ArchiveError("the file changed on the server since it was first read; open "
+                               "it again", path=url, expected=f"ETag {etag}",
+                               actual=f"ETag {headers.get('etag')}")
+        tag = headers.get("etag")
+        if etag is None and tag and not tag.startswith("W/") and status in (200, 206):
+            self.etags[url] = tag  # a strong ETag: every later request of url must match it
         if status not in (200, 206, 416):
             raise ArchiveError(f"HTTP {status} for a read", path=url,
                                expected="200 or 206", actual=status)
@@ -243,10 +262,14 @@ class RemoteStore:
             return len(data)
         from fsspec.asyn import sync
 
+        etag = self.etags.get(url)
+
         async def get() -> tuple[int, int]:
             session = await self._fs.set_session()
-            async with session.get(self._fs.encode_url(url),
-                                   headers={"Accept-Encoding": "identity"}) as r:
+            headers = {"Accept-Encoding": "identity"}
+            if etag is not None:
+                headers["If-Match"] = etag
+            async with session.get(self._fs.encode_url(url), headers=headers) as r:
                 n = 0
                 if r.status == 200:
                     async for chunk in r.content.iter_chunked(1 << 20):
@@ -258,6 +281,9 @@ class RemoteStore:
         self.stats.add(url, "whole", n)
         if status in (404, 410):
             raise RemoteNotFoundError(f"no such file (HTTP {status})", path=url)
+        if status == 412 and etag is not None:
+            raise ArchiveError("the file changed on the server since it was first read; open "
+                               "it again", path=url, expected=f"ETag {etag}")
         if status != 200:
             raise ArchiveError(f"HTTP {status} for a download", path=url, expected=200,
                                actual=status)

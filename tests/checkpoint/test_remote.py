@@ -671,3 +671,27 @@ def test_remote_items_read_ahead_is_exact_and_one_request_per_miss():
             assert kept <= _dcp_remote._KEEP + (1 << 21)
         assert items.read("f", len(data) - 3, 10) == data[-3:]
         assert items.read("f", len(data), 10) == b""
+
+
+def test_a_file_replaced_on_the_server_after_the_open_is_an_error(server, dcp_big):
+    """Every request after a file's first sends its ETag as If-Match: nginx answers 412 for
+    a file replaced since, and the read is a ckptlab error naming the URL, not a tensor made
+    of two versions."""
+    import shutil
+
+    root = _copy_dir(server, "dcpbig", "dcpswap")
+    ck = cl.open(server.url("dcpswap/"))
+    part = cl.open(root).tensors["big.2"].parts[0]
+    path = os.path.join(root, part.file)
+    shutil.copyfile(path, path + ".new")
+    with open(path + ".new", "r+b") as f:
+        f.seek(part.offset)
+        f.write(b"\xff" * 64)
+    os.replace(path + ".new", path)  # another inode, mtime: another ETag
+    os.utime(path, ns=(1, 1))
+    server.mark()
+    with pytest.raises(ArchiveError, match="changed on the server") as exc:
+        ck.read("big.2")
+    assert exc.value.path == server.url(f"dcpswap/{part.file}")
+    assert [r.status for r in _requests(server)] == [412]
+    assert torch.equal(cl.open(server.url("dcpswap/")).read("big.3"), dcp_big["big.3"])
