@@ -16,8 +16,10 @@ around the requests, not around a file object:
 
 Over HTTP, the strong ``ETag`` of a file's first answer is sent as ``If-Match`` with every
 later request of it: a file replaced on the server after it was first read is an
-:class:`~ckptlab.errors.ArchiveError` (HTTP 412), never bytes of two versions put together.
-(Bytes already kept are not asked again: they are of the version first read.)
+:class:`~ckptlab.errors.ArchiveError`, never bytes of two versions put together. (A 412 is
+asked again without the condition, in case a server in front compared it with an ETag of its
+own: only a different ETag of the file is the error. Bytes already kept are not asked again:
+they are of the version first read.)
 
 A :class:`RemoteSource` is a :class:`~ckptlab.format._source.ByteSource` over one URL: the
 bytes of each request are kept, and a later read inside kept bytes costs nothing (that is all
@@ -137,10 +139,11 @@ class RemoteStore:
                                          path=url) from None
 
     # -- the requests -----------------------------------------------------------------------
-    def _http(self, url: str, range_header: str | None) -> tuple[int, dict[str, str], bytes]:
+    def _http(self, url: str, range_header: str | None, *, if_match: bool = True
+              ) -> tuple[int, dict[str, str], bytes]:
         from fsspec.asyn import sync
 
-        etag = self.etags.get(url)
+        etag = self.etags.get(url) if if_match else None
 
         async def get() -> tuple[int, dict[str, str], bytes]:
             session = await self._fs.set_session()
@@ -166,11 +169,17 @@ class RemoteStore:
         if status in (404, 410):
             raise RemoteNotFoundError(f"no such file (HTTP {status})", path=url)
         if status == 412 and etag is not None:
-            raise ArchiveError("the file changed on the server since it was first read; open "
-                               "it again", path=url, expected=f"ETag {etag}",
-                               actual=f"ETag {headers.get('etag')}")
+            # asked again without the condition: a server in front (a redirect to a CDN) may
+            # have compared it with an ETag of its own; the file's own must still be the same
+            status, headers, body = self._http(url, range_header, if_match=False)
+            if headers.get("etag") != etag:
+                raise ArchiveError("the file changed on the server since it was first read; "
+                                   "open it again", path=url, expected=f"ETag {etag}",
+                                   actual=f"ETag {headers.get('etag')}")
+            return status, headers, body
         tag = headers.get("etag")
-        if etag is None and tag and not tag.startswith("W/") and status in (200, 206):
+        if if_match and etag is None and tag and not tag.startswith("W/") and \
+                status in (200, 206):
             self.etags[url] = tag  # a strong ETag: every later request of url must match it
         if status not in (200, 206, 416):
             raise ArchiveError(f"HTTP {status} for a read", path=url,
@@ -263,13 +272,13 @@ class RemoteStore:
         from fsspec.asyn import sync
 
         etag = self.etags.get(url)
+        seen: list[str | None] = []
 
         async def get() -> tuple[int, int]:
             session = await self._fs.set_session()
-            headers = {"Accept-Encoding": "identity"}
-            if etag is not None:
-                headers["If-Match"] = etag
-            async with session.get(self._fs.encode_url(url), headers=headers) as r:
+            async with session.get(self._fs.encode_url(url),
+                                   headers={"Accept-Encoding": "identity"}) as r:
+                seen.append(r.headers.get("etag"))
                 n = 0
                 if r.status == 200:
                     async for chunk in r.content.iter_chunked(1 << 20):
@@ -281,9 +290,10 @@ class RemoteStore:
         self.stats.add(url, "whole", n)
         if status in (404, 410):
             raise RemoteNotFoundError(f"no such file (HTTP {status})", path=url)
-        if status == 412 and etag is not None:
+        if status == 200 and etag is not None and seen and seen[0] != etag:
             raise ArchiveError("the file changed on the server since it was first read; open "
-                               "it again", path=url, expected=f"ETag {etag}")
+                               "it again", path=url, expected=f"ETag {etag}",
+                               actual=f"ETag {seen[0]}")
         if status != 200:
             raise ArchiveError(f"HTTP {status} for a download", path=url, expected=200,
                                actual=status)

@@ -693,5 +693,7 @@ def test_a_file_replaced_on_the_server_after_the_open_is_an_error(server, dcp_bi
     with pytest.raises(ArchiveError, match="changed on the server") as exc:
         ck.read("big.2")
     assert exc.value.path == server.url(f"dcpswap/{part.file}")
-    assert [r.status for r in _requests(server)] == [412]
+    # refused, asked again without the condition (a CDN's own ETag may have refused it),
+    # and the file's ETag is another
+    assert [r.status for r in _requests(server)] == [412, 206]
     assert torch.equal(cl.open(server.url("dcpswap/")).read("big.3"), dcp_big["big.3"])
