@@ -46,10 +46,10 @@ from ckptlab.checkpoint.model import (
 from ckptlab.errors import ArchiveError, CorruptArchiveError
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.format.layout import ArchiveLayout, Segment, SegmentKind
-from ckptlab.plan._metadata_columns import chunk_rows, duplicate_keys
+from ckptlab.plan._metadata_columns import EntryColumns
 from ckptlab.plan.metadata import _MAX_HANDLES, _ItemLayouts, _read_columns
 
-__all__ = ["item_order", "open_columns", "open_dcp_fast"]
+__all__ = ["open_columns", "open_dcp_fast"]
 
 _Items = _ItemLayouts  # item layouts through templates: shared with ``inspect_dcp``
 _SLICE = 1 << 16  # entries per slice of the open-time checks
@@ -242,20 +242,6 @@ class _Dcp:
         return tuple(out)
 
 
-def _volumes(values: np.ndarray, start: np.ndarray, ndim: np.ndarray) -> np.ndarray:
-    """Per chunk row: the product of its sizes (``ndim[i]`` values after its offsets), as
-    int64; -1 where the product would not fit (the caller checks those exactly)."""
-    out = np.ones(len(start), dtype=np.int64)
-    for d in np.unique(ndim):
-        if d == 0:
-            continue
-        rows = np.nonzero(ndim == d)[0]
-        block = values[start[rows, None] + d + np.arange(d)[None, :]]
-        fits = np.log2(np.maximum(block, 1)).sum(axis=1) < 62
-        out[rows] = np.where(fits, np.prod(np.where(fits[:, None], block, 1), axis=1), -1)
-    return out
-
-
 def open_dcp_fast(root: str) -> Checkpoint | None:
     """The checkpoint of a default-format DCP directory, or None for the general path (see
     the module docstring).
@@ -298,7 +284,8 @@ def open_dcp_fast(root: str) -> Checkpoint | None:
 def open_columns(root: str, cols: Any, files: dict[str, int], items: _ItemLayouts, *,
                  metadata_nbytes: int, identity: tuple[int, ...], reader: Any,
                  full_path: Any, checkpoint: type[DcpCheckpoint] | None = None,
-                 metadata_loader: Any = None) -> DcpCheckpoint | None:
+                 metadata_loader: Any = None,
+                 entries: EntryColumns | None = None) -> DcpCheckpoint | None:
     """The lazy checkpoint of a directory from its ``.metadata`` columns (default format, no
     transforms: the caller checked), its data files' sizes (``files``) and the reader of
     their items' bytes (``items``: local files, or URLs); None where the general path must
@@ -306,15 +293,16 @@ def open_columns(root: str, cols: Any, files: dict[str, int], items: _ItemLayout
 
     ``full_path(name)`` is a file's ``FileEntry.full_path``; ``checkpoint`` the class built
     (default :class:`DcpCheckpoint`); ``metadata_loader`` decodes ``.metadata`` for
-    :meth:`DcpCheckpoint.dcp_layout` (default: from ``root``). The object items are scanned
-    here, through ``items``.
+    :meth:`DcpCheckpoint.dcp_layout` (default: from ``root``); ``entries`` the columns'
+    arrays, when the caller has them already. The object items are scanned here, through
+    ``items``.
     """
     from ckptlab.plan.metadata import METADATA
 
     n = cols.entries
-    file_of = np.frombuffer(cols.entry_file, dtype=np.int32) if n else np.empty(0, np.int32)
-    offset = np.frombuffer(cols.entry_offset, dtype=np.int64) if n else np.empty(0, np.int64)
-    length = np.frombuffer(cols.entry_length, dtype=np.int64) if n else np.empty(0, np.int64)
+    entries = entries if entries is not None else EntryColumns(cols)
+    file_of, offset, length = entries.file_of, entries.offset, entries.length
+    fqn_of, tensor_item = entries.fqn_of, entries.tensor_item
     sizes = np.array([files.get(f, -1) for f in cols.files], dtype=np.int64)
     if n:
         missing = sizes[file_of] < 0
@@ -332,7 +320,7 @@ def open_columns(root: str, cols: Any, files: dict[str, int], items: _ItemLayout
                 "an item runs past the end of its data file", path=os.path.join(root, file),
                 record=cols.fqns[cols.entry_fqn[e]], offset=int(offset[e]),
                 expected=f"end <= {files[file]}", actual=f"end {int(offset[e]) + int(length[e])}")
-    order = item_order(cols, file_of, offset, length)
+    order = entries.order
     if order is None:
         return None
     dcp = _Dcp(root, cols, files, items)
@@ -341,16 +329,13 @@ def open_columns(root: str, cols: Any, files: dict[str, int], items: _ItemLayout
     dcp.metadata_loader = metadata_loader
     dcp.order = order
     dcp.file_of = file_of
-    is_tensor = np.array([f in cols.tensors for f in cols.fqns], dtype=bool)
-    fqn_of = np.frombuffer(cols.entry_fqn, dtype=np.int32) if n else np.empty(0, np.int32)
-    tensor_item = is_tensor[fqn_of] if n else np.zeros(0, bool)
     objects: dict[str, Any] = {}
     try:  # the data files opened from here on are closed if this does not return them
         if _blob_first(items, cols, file_of, offset, tensor_item):
             items.close()
             return None
-        dcp.rows = chunk_rows(cols, fqn_of, tensor_item)
-        _check_volumes(root, cols, dcp.rows, fqn_of, tensor_item)
+        dcp.rows = entries.rows
+        _check_volumes(root, entries)
         tensor_entries = np.nonzero(tensor_item)[0]
         if len(tensor_entries):
             by = fqn_of[tensor_entries]
@@ -380,21 +365,6 @@ def open_columns(root: str, cols: Any, files: dict[str, int], items: _ItemLayout
     return (checkpoint or DcpCheckpoint)(dcp, tuple(entries), objects, reader)
 
 
-def item_order(cols: Any, file_of: np.ndarray, offset: np.ndarray, length: np.ndarray
-               ) -> np.ndarray | None:
-    """The items in file, then offset order; None where the general path must decide from
-    the columns alone: items that overlap (torch.save items lie back to back: an overlap
-    means another serialization, SAFETENSORS items sharing their blob, or a damaged file) or
-    equal keys (a dict keeps one of them: the general path reads it as Python does)."""
-    n = cols.entries
-    order = np.lexsort((offset, file_of))
-    if n > 1:
-        same = file_of[order][1:] == file_of[order][:-1]
-        if (same & (offset[order][1:] < (offset + length)[order][:-1])).any():
-            return None
-    return None if duplicate_keys(cols, n) else order
-
-
 def _blob_first(items: _ItemLayouts, cols: Any, file_of: np.ndarray, offset: np.ndarray,
                 tensor_item: np.ndarray) -> bool:
     """Whether some data file's first tensor item is not a torch.save zip: a SAFETENSORS
@@ -418,11 +388,14 @@ def _blob_first(items: _ItemLayouts, cols: Any, file_of: np.ndarray, offset: np.
     return False
 
 
-def _check_volumes(root: str, cols: Any, rows: np.ndarray, fqn_of: np.ndarray,
-                   tensor_item: np.ndarray) -> None:
+def _check_volumes(root: str, entries: EntryColumns) -> None:
     """At open, without item bytes: each tensor's saved chunks lie inside it and their
     volumes add up to its volume (the exact tiling is checked when the tensor is built)."""
     from ckptlab.plan.metadata import METADATA
+
+    cols, rows, fqn_of, tensor_item = entries.cols, entries.rows, entries.fqn_of, \
+        entries.tensor_item
+    volumes = entries.volumes
 
     def array(buf: Any, dtype: Any) -> np.ndarray:
         return np.frombuffer(buf, dtype=dtype) if len(buf) else np.empty(0, dtype)
@@ -444,7 +417,7 @@ def _check_volumes(root: str, cols: Any, rows: np.ndarray, fqn_of: np.ndarray,
         used = rows[sl][have]
         owners = fqn_of[sl][have].astype(np.int64)
         ne = ndims[used].astype(np.int64)
-        volume = _volumes(values, start[used], ne)
+        volume = volumes[sl][have]
         np.add.at(totals, owners, volume)
         approx += np.bincount(owners, weights=volume.astype(np.float64), minlength=nf)
         overflow.update(np.unique(owners[volume < 0]).tolist())

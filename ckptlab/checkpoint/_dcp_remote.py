@@ -44,8 +44,9 @@ from typing import Any
 
 import numpy as np
 
-from ckptlab.checkpoint._dcp_fast import DcpCheckpoint, item_order, open_columns
+from ckptlab.checkpoint._dcp_fast import DcpCheckpoint, open_columns
 from ckptlab.format.layout import ArchiveLayout
+from ckptlab.plan._metadata_columns import EntryColumns
 from ckptlab.plan.metadata import _item_layout, _ItemLayouts
 
 __all__ = ["RemoteItems", "open_dcp_remote"]
@@ -264,43 +265,31 @@ class RemoteDcpCheckpoint(DcpCheckpoint):
         return super().dcp_layout()
 
 
-def _windows(cols: Any, file_of: np.ndarray, offset: np.ndarray, length: np.ndarray,
-             tensor_item: np.ndarray) -> np.ndarray:
+def _windows(cols: Any, entries: EntryColumns) -> np.ndarray:
     """Per data file: how many bytes of its head the open needs (object items before the
     first tensor item, and that item's 4-byte magic); at least 1 (the size comes with it)."""
+    file_of, offset, tensor_item = entries.file_of, entries.offset, entries.tensor_item
     nf = len(cols.files)
     first = np.full(nf, np.iinfo(np.int64).max, dtype=np.int64)
     np.minimum.at(first, file_of[tensor_item], offset[tensor_item])
     need = np.where(first < np.iinfo(np.int64).max, first + 4, 1)
     obj = ~tensor_item
     before = offset[obj] < first[file_of[obj]]
-    np.maximum.at(need, file_of[obj][before], (offset + length)[obj][before])
+    np.maximum.at(need, file_of[obj][before], (offset + entries.length)[obj][before])
     return need
 
 
-def _raw_items(cols: Any, fqn_of: np.ndarray, tensor_item: np.ndarray,
-               length: np.ndarray) -> bool:
+def _raw_items(cols: Any, entries: EntryColumns) -> bool:
     """Whether some tensor item is no longer than its chunk's raw bytes: not a torch.save
     zip (which adds its headers, pickle and directory to them) but a SAFETENSORS blob of one
-    tensor (several overlap, which :func:`item_order` finds). Decided from the columns, so
+    tensor (several overlap, which ``entries.order`` finds). Decided from the columns, so
     that such a directory goes to the mirror before any data file is asked for."""
-    from ckptlab.checkpoint._dcp_fast import _volumes
     from ckptlab.format._dtypes import DTYPE_ITEMSIZE
-    from ckptlab.plan._metadata_columns import chunk_rows
 
-    rows = chunk_rows(cols, fqn_of, tensor_item)
-    have = np.nonzero(tensor_item & (rows >= 0))[0]
-    if not len(have):
-        return False
-    values = np.frombuffer(cols.chunk_values, dtype=np.int64) if len(cols.chunk_values) \
-        else np.empty(0, np.int64)
-    start = np.frombuffer(cols.chunk_start, dtype=np.int64)
-    ndim = np.frombuffer(cols.chunk_ndim, dtype=np.int8).astype(np.int64)
-    volume = _volumes(values, start[rows[have]], ndim[rows[have]])
+    volume = entries.volumes  # -1 (no chunk, or too large to say): never raw
     itemsize = np.array([DTYPE_ITEMSIZE.get(cols.tensors[f][0], 1) if f in cols.tensors else 1
-                         for f in cols.fqns], dtype=np.int64)[fqn_of[have]]
-    raw = volume * itemsize  # volume -1 (too large to say): never raw
-    return bool(((volume >= 0) & (length[have] <= raw)).any())
+                         for f in cols.fqns], dtype=np.int64)[entries.fqn_of]
+    return bool(((volume >= 0) & (entries.length <= volume * itemsize)).any())
 
 
 def open_dcp_remote(store: Any, root: str, raw: bytes) -> DcpCheckpoint | None:
@@ -328,19 +317,12 @@ def open_dcp_remote(store: Any, root: str, raw: bytes) -> DcpCheckpoint | None:
         return None
     if cols is None or cols.transforms or not cols.has_storage_data:
         return None
-    n = cols.entries
-    file_of = np.frombuffer(cols.entry_file, dtype=np.int32) if n else np.empty(0, np.int32)
-    offset = np.frombuffer(cols.entry_offset, dtype=np.int64) if n else np.empty(0, np.int64)
-    length = np.frombuffer(cols.entry_length, dtype=np.int64) if n else np.empty(0, np.int64)
-    order = item_order(cols, file_of, offset, length)
-    if order is None:
+    entries = EntryColumns(cols)
+    order = entries.order
+    if order is None or _raw_items(cols, entries):
         return None  # decided before any data file is asked for
-    fqn_of = np.frombuffer(cols.entry_fqn, dtype=np.int32) if n else np.empty(0, np.int32)
-    is_tensor = np.array([f in cols.tensors for f in cols.fqns], dtype=bool)
-    tensor_item = is_tensor[fqn_of] if n else np.zeros(0, bool)
-    if _raw_items(cols, fqn_of, tensor_item, length):
-        return None
-    windows = _windows(cols, file_of, offset, length, tensor_item)
+    file_of, offset, length = entries.file_of, entries.offset, entries.length
+    windows = _windows(cols, entries)
     urls = {name: join_url(root, name) for name in cols.files}  # refuses names leaving root
     sources: dict[str, Any] = {}
     for fid in sorted(range(len(cols.files)), key=cols.files.__getitem__):
@@ -351,7 +333,7 @@ def open_dcp_remote(store: Any, root: str, raw: bytes) -> DcpCheckpoint | None:
         except RemoteNotFoundError:
             continue  # open_columns says which item's file is missing
     spans: dict[str, tuple[list[int], list[int]]] = {}
-    if n:
+    if cols.entries:
         bounds = np.flatnonzero(np.diff(file_of[order])) + 1
         for group in np.split(order, bounds):
             spans[cols.files[file_of[group[0]]]] = (offset[group].tolist(),
@@ -362,7 +344,8 @@ def open_dcp_remote(store: Any, root: str, raw: bytes) -> DcpCheckpoint | None:
                       reader=_remote_reader(store, urls.__getitem__, items.fetch),
                       full_path=lambda name: join_url(root, name),
                       checkpoint=RemoteDcpCheckpoint,
-                      metadata_loader=lambda: metadata_of(raw, join_url(root, METADATA)))
+                      metadata_loader=lambda: metadata_of(raw, join_url(root, METADATA)),
+                      entries=entries)
     items.close()  # the heads moved at open did their work (object items are scanned)
     if ck is not None:
         ck._url_of = urls.__getitem__

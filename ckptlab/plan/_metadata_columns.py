@@ -1460,6 +1460,87 @@ def duplicate_keys(cols: Any, n: int) -> bool:
     h.sort()
     return bool((h[1:] == h[:-1]).any())
 
+class EntryColumns:
+    """A directory's storage entries (``cols``: :class:`MetadataColumns`) as numpy arrays,
+    with what the fast DCP paths (open, inspect, remote open) derive from them, each worked
+    out once, when first asked for."""
+
+    def __init__(self, cols: Any) -> None:
+        import numpy as np
+
+        n = cols.entries
+
+        def column(buf: Any, dtype: Any) -> Any:
+            return np.frombuffer(buf, dtype=dtype) if n else np.empty(0, dtype)
+
+        self.cols = cols
+        self.file_of = column(cols.entry_file, np.int32)
+        self.offset = column(cols.entry_offset, np.int64)
+        self.length = column(cols.entry_length, np.int64)
+        self.fqn_of = column(cols.entry_fqn, np.int32)
+        is_tensor = np.array([f in cols.tensors for f in cols.fqns], dtype=bool)
+        self.tensor_item = is_tensor[self.fqn_of] if n else np.zeros(0, bool)
+
+    @functools.cached_property
+    def order(self) -> Any:
+        """The entries in file, then offset order; None where the general path must decide
+        from the columns alone: items that overlap (torch.save items lie back to back: an
+        overlap means another serialization, SAFETENSORS items sharing their blob, or a
+        damaged file) or equal keys (a dict keeps one of them: the general path reads it as
+        Python does)."""
+        import numpy as np
+
+        cols, file_of, offset = self.cols, self.file_of, self.offset
+        order = np.lexsort((offset, file_of))
+        if cols.entries > 1:
+            same = file_of[order][1:] == file_of[order][:-1]
+            if (same & (offset[order][1:] < (offset + self.length)[order][:-1])).any():
+                return None
+        return None if duplicate_keys(cols, cols.entries) else order
+
+    @functools.cached_property
+    def rows(self) -> Any:
+        """Entry -> its chunk row (:func:`chunk_rows`)."""
+        return chunk_rows(self.cols, self.fqn_of, self.tensor_item)
+
+    @functools.cached_property
+    def volumes(self) -> Any:
+        """Entry -> the volume of its chunk (the product of its sizes), as int64; -1 for an
+        entry without a chunk row (object items) and where the product would not fit."""
+        import numpy as np
+
+        cols = self.cols
+        out = np.full(cols.entries, -1, dtype=np.int64)
+        have = np.nonzero(self.tensor_item & (self.rows >= 0))[0]
+        if len(have):
+            values = np.frombuffer(cols.chunk_values, dtype=np.int64) if len(
+                cols.chunk_values) else np.empty(0, np.int64)
+            start = np.frombuffer(cols.chunk_start, dtype=np.int64)
+            ndim = np.frombuffer(cols.chunk_ndim, dtype=np.int8).astype(np.int64)
+            for lo in range(0, len(have), 1 << 16):  # in slices: small temporaries
+                some = have[lo:lo + (1 << 16)]
+                used = self.rows[some]
+                out[some] = chunk_volumes(values, start[used], ndim[used])
+        return out
+
+
+def chunk_volumes(values: Any, start: Any, ndim: Any) -> Any:
+    """Per chunk row: the product of its sizes (``ndim[i]`` values after its offsets at
+    ``values[start[i]:]``), as int64; -1 where the product would not fit (callers check those
+    exactly)."""
+    import numpy as np
+
+    out = np.ones(len(start), dtype=np.int64)
+    for d in np.unique(ndim):
+        if d == 0:
+            continue
+        rows = np.nonzero(ndim == d)[0]
+        block = values[start[rows, None] + d + np.arange(d)[None, :]]
+        fits = np.log2(np.maximum(block, 1)).sum(axis=1) < 62
+        out[rows] = np.where(fits, np.prod(np.where(fits[:, None], block, 1), axis=1), -1)
+    return out
+
+
 def chunk_rows(cols: Any, fqn_of: Any, tensor_item: Any) -> Any:
     """Entry -> its chunk's row, as the general path finds it: ``index`` when it is in range,
     else the chunk whose offsets are the entry's; -1 for none (and for object items)."""

@@ -682,9 +682,7 @@ def _inspect_columns(path: str, item_layouts: bool) -> DcpLayout | None:
     a ``.metadata`` the columnar decoder does not read, transforms, items that overlap
     (SAFETENSORS), equal storage keys, or anything wrong (the general path then raises its
     own error, or reads an item the fast path does not, such as a safetensors blob)."""
-    import numpy as np
-
-    from ckptlab.plan._metadata_columns import chunk_rows, duplicate_keys
+    from ckptlab.plan._metadata_columns import EntryColumns
 
     read = _read_columns(path)
     if read is None:
@@ -692,29 +690,16 @@ def _inspect_columns(path: str, item_layouts: bool) -> DcpLayout | None:
     cols, metadata_nbytes, identity = read
     if cols.transforms or not cols.has_storage_data:
         return None
-    n = cols.entries
-    if duplicate_keys(cols, n):
+    entries = EntryColumns(cols)
+    if entries.order is None:  # overlapping items (SAFETENSORS), equal keys
         return None
-    if n > 1:  # torch.save items lie back to back in each file: no overlap
-        file_of = np.frombuffer(cols.entry_file, dtype=np.int32)
-        offset = np.frombuffer(cols.entry_offset, dtype=np.int64)
-        end = offset + np.frombuffer(cols.entry_length, dtype=np.int64)
-        order = np.lexsort((offset, file_of))
-        same = file_of[order][1:] == file_of[order][:-1]
-        if (same & (offset[order][1:] < end[order][:-1])).any():
-            return None
     layouts = _ItemLayouts(path)
     try:
         files = _data_files(path, [name for name in sorted(os.listdir(path))
                                    if name != METADATA], listed=True)
         files.update(_data_files(path, sorted(set(cols.files) - set(files))))
-        fqn_of = np.frombuffer(cols.entry_fqn, dtype=np.int32) if n else \
-            np.empty(0, np.int32)
-        is_tensor = np.array([f in cols.tensors for f in cols.fqns], dtype=bool)
-        tensor_item = is_tensor[fqn_of] if n else np.zeros(0, bool)
-        rows = chunk_rows(cols, fqn_of, tensor_item)
-        return _columns_layout(path, cols, metadata_nbytes, identity, files, layouts, rows,
-                              item_layouts=item_layouts)
+        return _columns_layout(path, cols, metadata_nbytes, identity, files, layouts,
+                              entries.rows, item_layouts=item_layouts)
     except (ArchiveError, OSError):
         return None
     finally:
