@@ -13,7 +13,10 @@ the ratios the targets of issue 13 are about:
     ``--kinds moe`` adds a mixture-of-experts transformer's shapes (24 bf16 tensors a layer,
     5 shapes; not run by default: its 100,000-tensor file is 430 MB), ``--kinds optim`` a
     training checkpoint (a model's state dict and its Adam optimizer's state), ``--kinds
-    norm`` a convolutional network with BatchNorm (fp32 and int64 storages in turn).
+    norm`` a convolutional network with BatchNorm (fp32 and int64 storages in turn),
+    ``--kinds module`` a whole ``nn.Module`` saved (``torch.save(model)``: blocks of a Linear
+    and a LayerNorm; torch's default ``weights_only=True`` refuses it, so its reference is
+    ``weights_only=False``).
     Targets: 10,000 tensors >= 5x faster than torch; 100,000 tensors in < 1 s.
 (b) ``ckptlab.storage_offsets(path)`` against torch's C++ reader,
     ``torch._C.PyTorchFileReader(path)`` + ``get_record_offset`` of every ``data/*`` record,
@@ -132,16 +135,28 @@ def norm_state(n: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def module_state(n: int) -> torch.nn.Module:
+    """A whole model pickled, as a new user saves it: ``n / 4`` blocks of a Linear and a
+    LayerNorm (each module a pickled object with a dozen hook dicts and flags)."""
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+                                 for _ in range(n // 4)])
+
+
 KINDS: dict[str, Callable[[int], Any]] = {"plain": plain_state, "mix": mix_state,
                                           "moe": moe_state, "optim": optim_state,
-                                          "norm": norm_state}
+                                          "norm": norm_state, "module": module_state}
+WHOLE_MODULES = {"module"}  # torch.load's weights_only=True refuses them
 
 
 def flat_tensors(obj: Any, prefix: tuple[Any, ...] = ()) -> dict[tuple[Any, ...], Any]:
-    """Tensors of a loaded object by path (dicts only: what these checkpoints hold)."""
+    """Tensors of a loaded object by path (dicts, and modules by their attributes, as the
+    pickle holds them)."""
     out: dict[tuple[Any, ...], Any] = {}
     if isinstance(obj, torch.Tensor):
         out[prefix] = obj
+    elif isinstance(obj, torch.nn.Module):
+        for k, v in vars(obj).items():
+            out.update(flat_tensors(v, (*prefix, k)))
     elif isinstance(obj, dict):
         for k, v in obj.items():
             out.update(flat_tensors(v, (*prefix, k)))
@@ -210,17 +225,26 @@ def print_rows(rows: list[dict[str, Any]], ratio_label: str) -> None:
               f"{r['best_s'] * 1e3:>8.1f}  {r['worst_s'] * 1e3:>8.1f}  {ratio:>14}")
 
 
-def bench_open(path: str, rounds: int) -> list[dict[str, Any]]:
+def bench_open(path: str, rounds: int, whole_module: bool = False) -> list[dict[str, Any]]:
+    """ckptlab against ``torch.load(meta)`` (the first row, which the speedups divide), with
+    ``weights_only=False`` as a reference row, or as the first one for a whole module."""
     ckptlab.inspect(path), ckptlab.open(path)  # imports (numpy) and page cache, untimed
-    times = interleaved({
+    loads = {
         "torch.load(meta)": lambda: torch.load(path, map_location="meta"),
         "torch.load(meta, weights_only=False) [ref]":
             lambda: torch.load(path, map_location="meta", weights_only=False),
+    }
+    if whole_module:
+        loads = {"torch.load(meta, weights_only=False)":
+                 lambda: torch.load(path, map_location="meta", weights_only=False)}
+    times = interleaved({
+        **loads,
         "ckptlab.inspect": lambda: ckptlab.inspect(path),
         "ckptlab.open": lambda: ckptlab.open(path),
     }, rounds)
-    torch_s = statistics.median(times["torch.load(meta)"])
-    return [row(name, secs, None if name == "torch.load(meta)" else torch_s)
+    first = next(iter(loads))
+    torch_s = statistics.median(times[first])
+    return [row(name, secs, None if name == first else torch_s)
             for name, secs in times.items()]
 
 
@@ -304,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                 rounds = args.large_rounds if n >= LARGE else args.rounds
                 print(f"\n  {kind}, {count:,} tensors, {os.path.getsize(path):,} bytes, "
                       f"{rounds} rounds, load average {_load()}")
-                rows = bench_open(path, rounds)
+                rows = bench_open(path, rounds, kind in WHOLE_MODULES)
                 print_rows(rows, "speedup")
                 report["open"].append({"kind": kind, "tensors": count, "rows": rows,
                                        "loadavg": _load()})

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from typing import Any, BinaryIO
 
 from ckptlab._lazy import lazy_callable
@@ -50,7 +50,7 @@ class FileModel:
     """What an adapter makes of one file: its entry, tensors, values and a tensor reader."""
 
     def __init__(self, entry: FileEntry, tensors: list[TensorEntry],
-                 objects: list[tuple[tuple[Any, ...], Any]], format: str,
+                 objects: Sequence[tuple[tuple[Any, ...], Any]], format: str,
                  notes: tuple[str, ...] = ()) -> None:
         self.entry = entry
         self.tensors = tensors
@@ -83,7 +83,7 @@ def _from_layout(layout: ArchiveLayout, rel: str, format: str) -> FileModel:
     if not tensors.deferrable():
         tensors.value()  # raises now what making the entries would raise
     entry = FileEntry(rel, format, layout.file_nbytes, layout.segments, layout)
-    return FileModel(entry, tensors, list(layout.objects), format)  # type: ignore[arg-type]
+    return FileModel(entry, tensors, layout.objects, format)  # type: ignore[arg-type]
 
 
 def _safetensors(src: ByteSource, rel: str) -> FileModel:
@@ -144,14 +144,10 @@ def _checkpoint(format: str, path: str, models: list[FileModel], root: str,
         lazy = m.tensors
         names = [] if lazy.built else lazy.names()
         if not lazy.built and len(set(names)) == len(names):  # else unique_names renames
-            objects_: dict[str, Any] = {}
-            for vpath, value in m.objects:
-                objects_[tensor_name(vpath)] = value
             tensors_ = LazyTensors(names, lazy.entry, lambda: list(lazy.value()))
-            return Checkpoint(format, path, (m.entry,), tensors_, objects_,
+            return Checkpoint(format, path, (m.entry,), tensors_, _Values(models, False),
                               reader or _reader(root), notes + m.notes)
     tensors: list[TensorEntry] = []
-    objects: dict[str, Any] = {}
     files = []
     for m in models:
         files.append(m.entry)
@@ -161,11 +157,53 @@ def _checkpoint(format: str, path: str, models: list[FileModel], root: str,
                 path_ = (*prefix, *t.path)
                 t = _renamed(t, path_)
             tensors.append(t)
-        for vpath, value in m.objects:
-            objects[tensor_name((*prefix, *vpath))] = value
         notes = notes + m.notes
-    return Checkpoint(format, path, tuple(files), unique_names(tensors), objects,
-                      reader or _reader(root), notes)
+    return Checkpoint(format, path, tuple(files), unique_names(tensors),
+                      _Values(models, prefix_files), reader or _reader(root), notes)
+
+
+class _Values(MutableMapping[str, Any]):
+    """Name -> non-tensor value of every file, named when first looked at: a whole
+    ``nn.Module`` pickled holds a dozen values per module (flags, hook dicts), hundreds of
+    thousands that opening it need not name."""
+
+    __slots__ = ("_models", "_prefix", "_value")
+
+    def __init__(self, models: list[FileModel], prefix_files: bool) -> None:
+        self._models: list[FileModel] | None = models
+        self._prefix = prefix_files
+        self._value: dict[str, Any] | None = None
+
+    def _named(self) -> dict[str, Any]:
+        value = self._value
+        if value is None:
+            models = self._models
+            if models is None:  # another thread named them meanwhile (it sets _value first)
+                return self._value  # type: ignore[return-value]
+            value = {}
+            for m in models:
+                prefix = (m.entry.path,) if self._prefix else ()
+                for vpath, item in m.objects:
+                    value[tensor_name((*prefix, *vpath))] = item
+            if self._value is None:
+                self._value = value
+            self._models = None
+        return self._value
+
+    def __getitem__(self, name: str) -> Any:
+        return self._named()[name]
+
+    def __setitem__(self, name: str, value: Any) -> None:  # (an index's metadata, added)
+        self._named()[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        del self._named()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._named())
+
+    def __len__(self) -> int:
+        return len(self._named())
 
 
 def _renamed(t: TensorEntry, path: tuple[Any, ...]) -> TensorEntry:

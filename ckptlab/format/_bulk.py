@@ -141,7 +141,8 @@ def gc_paused() -> Iterator[None]:
 class LazyTuple(Sequence[T]):
     """A tuple of ``count`` items made by ``make()`` when first used, standing in for it.
 
-    ``len()`` is known before; anything else (items, slices, iteration, ``in``, equality,
+    ``len()`` is known before (unless ``count`` is None: then it builds the tuple too);
+    anything else (items, slices, iteration, ``in``, equality,
     ordering, hashing, ``repr``, ``+``) builds the tuple once and answers as the tuple would:
     equal to a tuple of the same items (either way round), the same hash and ``repr``, and it
     pickles and copies as that tuple. A layout of half a million segments keeps the columns
@@ -150,7 +151,7 @@ class LazyTuple(Sequence[T]):
 
     __slots__ = ("_count", "_make", "_value")
 
-    def __init__(self, count: int, make: Callable[[], Iterable[T]]) -> None:
+    def __init__(self, count: int | None, make: Callable[[], Iterable[T]]) -> None:
         self._count = count
         self._make: Callable[[], Iterable[T]] | None = make
         self._value: tuple[T, ...] | None = None
@@ -169,7 +170,7 @@ class LazyTuple(Sequence[T]):
                 return self._value  # type: ignore[return-value]
             with gc_paused():
                 value = tuple(make())
-            if len(value) != self._count:
+            if self._count is not None and len(value) != self._count:
                 raise RuntimeError(f"made {len(value)} items for a LazyTuple of {self._count}")
             if self._value is None:  # the first one made is the one kept
                 self._value = value
@@ -177,10 +178,11 @@ class LazyTuple(Sequence[T]):
         return self._value
 
     def __len__(self) -> int:
-        return self._count
+        count = self._count
+        return len(self.value()) if count is None else count
 
     def __bool__(self) -> bool:
-        return self._count > 0
+        return len(self) > 0
 
     @overload
     def __getitem__(self, index: SupportsIndex) -> T: ...
@@ -214,7 +216,7 @@ class LazyTuple(Sequence[T]):
         other = self._plain(other)
         if not isinstance(other, tuple):
             return NotImplemented
-        return len(other) == self._count and self.value() == other
+        return len(other) == len(self) and self.value() == other
 
     def __ne__(self, other: object) -> bool:
         eq = self.__eq__(other)

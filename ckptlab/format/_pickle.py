@@ -22,7 +22,7 @@ import collections
 import dataclasses
 import reprlib
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from operator import attrgetter, itemgetter
@@ -668,6 +668,10 @@ class _TorchHandlers:
             raise _bad("_codecs.encode of text outside latin-1") from None
 
 
+# OrderedDict() with no arguments, for the interpreter's hot path (a frame less per call)
+_TorchHandlers.ordered_dict.ckptlab_no_args = StateDict  # type: ignore[attr-defined]
+
+
 def torch_handlers() -> tuple[_TorchHandlers, dict[tuple[str, str], Any]]:
     """A fresh handler set (storage table included) for one torch pickle."""
     handlers = _TorchHandlers()
@@ -748,13 +752,15 @@ def path_key_text(key: Any) -> str:
 
 
 def _walk(root: Any) -> tuple[list[tuple[tuple[Any, ...], Any]],
-                              list[tuple[tuple[Any, ...], Any]]]:
+                              Sequence[tuple[tuple[Any, ...], Any]]]:
     """Every tensor reachable from root with its path, and the non-tensor values beside them.
 
     Depth first in container order; each container is entered once (one reachable twice is
     listed under its first path), so the walk is linear in the object graph. The values are
     the children of tensor-holding containers that are not tensors and hold none: a container
     without tensors is one value (``config``, ``betas``), never walked into for the list.
+    The values are listed when first looked at (:func:`_values`): a whole ``nn.Module``
+    pickled holds a dozen per module (flags, hook dicts), which opening it need not list.
     """
     if isinstance(root, _TENSOR_REFS):
         return [((), root)], []
@@ -776,7 +782,8 @@ def _walk(root: Any) -> tuple[list[tuple[tuple[Any, ...], Any]],
                         holds_tensor.update(ids[marked:])
                         marked = len(ids)
                 continue
-            if isinstance(value, _CONTAINERS) and id(value) not in seen:
+            # (an empty container holds no tensor: a module's many hook dicts)
+            if isinstance(value, _CONTAINERS) and value and id(value) not in seen:
                 seen.add(id(value))
                 if len(stack) >= MAX_DEPTH:
                     raise _bad(f"objects nested deeper than {MAX_DEPTH} levels")
@@ -792,10 +799,16 @@ def _walk(root: Any) -> tuple[list[tuple[tuple[Any, ...], Any]],
                 path.pop()
     if id(root) not in holds_tensor:
         return found, [((), root)]
+    return found, LazyTuple(None, lambda: _values(root, holds_tensor))
+
+
+def _values(root: Any, holds_tensor: set[int]) -> list[tuple[tuple[Any, ...], Any]]:
+    """:func:`_walk`'s second pass: the non-tensor children of the containers that hold
+    tensors (ids in ``holds_tensor``, all reachable through each other from ``root``)."""
     objects: list[tuple[tuple[Any, ...], Any]] = []
     entered = {id(root)}
     todo = [((), root)]
-    while todo:  # second pass: only through containers that hold tensors
+    while todo:  # only through containers that hold tensors
         prefix, container = todo.pop()
         children = []
         for key, value in _children(container):
@@ -809,7 +822,7 @@ def _walk(root: Any) -> tuple[list[tuple[tuple[Any, ...], Any]],
             else:
                 objects.append((vpath, value))
         todo.extend(reversed(children))
-    return found, objects
+    return objects
 
 
 def _info(path: tuple[Any, ...], t: _TensorRef) -> TensorInfo:
@@ -986,5 +999,7 @@ def _scan(data: bytes, path: str, record: str, data_offset: int,
                                   actual=f"STOP at byte {result.end}")
     logical, tensors = _logical(found)
     storages = tuple(map(handlers.storages.__getitem__, handlers.storage_order))
+    if not isinstance(values, LazyTuple):  # (a module's are listed when first looked at)
+        values = tuple(values)
     return PickleScan(storages, tensors, result.protocol, tuple(result.globals), result.root,
-                      logical, tuple(values)), found
+                      logical, values), found

@@ -54,7 +54,7 @@ import re
 import struct
 from collections.abc import Callable
 from itertools import accumulate, chain, compress, repeat
-from operator import is_not, itemgetter
+from operator import itemgetter
 from typing import Any
 
 from ckptlab.errors import PickleBudgetError, PickleDataError
@@ -201,17 +201,17 @@ _ENTRY_V2 = re.compile(_PUT + _GET + _TENSOR_V2_OPS, re.DOTALL).match
 
 
 def _put_columns(put_cols: list[Any]) -> tuple[Any, bytes, int]:
-    """The BINPUTs of a batch, from its 8 columns of :data:`_ENTRY_PUTS` opcodes (None where
-    an entry has none): which each entry has (one list of bools when every entry has the same
-    ones, else a tuple of bools each), their bytes in order, and how many."""
+    """The BINPUTs of a batch, from its 8 columns of :data:`_ENTRY_PUTS` opcodes (None or
+    ``b""`` where an entry has none): which each entry has (one list of bools when every entry
+    has the same ones, else a tuple of bools each), their bytes in order, and how many."""
     cols = [c if isinstance(c, (list, tuple)) else list(c) for c in put_cols]
     count = len(cols[0])
-    if all(None not in c if c[0] is not None else not any(c) for c in cols):
-        present = [c for c in cols if c[0] is not None]
-        return ([c[0] is not None for c in cols], b"".join(chain.from_iterable(zip(*present))),
+    if all(all(c) if c[0] else not any(c) for c in cols):
+        present = [c for c in cols if c[0]]
+        return ([bool(c[0]) for c in cols], b"".join(chain.from_iterable(zip(*present))),
                 len(present) * count)
     # each entry its own (a scalar's empty size and stride are not memoized)
-    mask = list(zip(*[list(map(is_not, c, repeat(None))) for c in cols]))
+    mask = list(zip(*[list(map(bool, c)) for c in cols]))
     return mask, b"".join(filter(None, chain.from_iterable(zip(*cols)))), sum(map(sum, mask))
 
 
@@ -392,6 +392,7 @@ def _need(stack: list[Any], k: int, code: int) -> None:
 _SPEC_MIN = 16  # entries in a batch before the next batch is tried with their shapes' patterns
 _SPECS = 8  # the shapes (specialised patterns) kept: a layer's few, an MoE expert's three
 _ENTRY_CAPTURED = (*_ENTRY_PUTS, 4)  # the groups a specialised pattern still captures
+_SPEC_GROUPS = tuple(sorted(_ENTRY_CAPTURED))  # ... in the order its match has them
 # a dict under an int key (an optimizer's state of one parameter), up to its first key: the
 # int, EMPTY_DICT, its LONG_BINPUT and MARK (see _Machine.state_run)
 _UNIT_HEAD = re.compile(rb"(K.|M.{2}|J.{4})\}(r.{4})\(", re.DOTALL).match
@@ -414,16 +415,13 @@ class _EntrySpec:
     this way after its first batch.
     """
 
-    __slots__ = ("_values", "captured", "constants", "last_back", "match", "picks")
+    __slots__ = ("_values", "constants", "last_back", "match")
 
-    def __init__(self, match: Callable[..., Any], captured: tuple[int, ...],
-                 constants: tuple[Any, ...], last_back: int) -> None:
-        self.match = match
-        self.captured = captured  # the general groups the pattern captures, in order
+    def __init__(self, match: Callable[..., Any], constants: tuple[Any, ...],
+                 last_back: int) -> None:
+        self.match = match  # its groups: those of _SPEC_GROUPS, b"" for a BINPUT it lacks
         self.constants = constants  # every general group's template value
         self.last_back = last_back  # the last opcode's distance from the entry's end
-        where = {general: i for i, general in enumerate(captured)}
-        self.picks = itemgetter(*(where.get(g, len(captured)) for g in (*_ENTRY_PUTS, 4)))
         self._values: Any = _NOTHING
 
     def values(self) -> tuple[int, int, tuple[int, ...], tuple[int, ...], bool, int] | None:
@@ -439,11 +437,6 @@ class _EntrySpec:
             self._values = (numel, offset, size, stride, c[15] == b"\x88",
                             numel_cost + offset_cost + size_cost + stride_cost) if valid else None
         return self._values
-
-    def captures(self, m: re.Match[Any]) -> tuple[Any, ...]:
-        """The BINPUTs of :data:`_ENTRY_PUTS` (None where the shape has none) and the storage
-        key of this pattern's match ``m``."""
-        return self.picks(m.groups() + (None,))
 
 
 def _entry_specs(matches: list[re.Match[Any]]) -> list[_EntrySpec]:
@@ -475,31 +468,27 @@ def _entry_spec(m: re.Match[Any]) -> _EntrySpec | None:
     storage key is a memo reference (shared storages)."""
     data = m.string
     parts = []
-    captured = []
     at = m.start()
     for group in range(22):
         start, end = m.span(group + 1)
         if start < 0:  # an optional BINPUT the template does not have: neither may a match
+            parts.append(rb"()")  # (an empty group where it would be: columns line up)
             continue
         parts.append(re.escape(bytes(data[at:start])))
         if group in _ENTRY_PUTS:
             if data[start] != 0x72:
                 return None
             parts.append(rb"(r.{4})")
-            captured.append(group)
         elif group == 4:
             if data[start] != 0x58:
                 return None
             parts.append(_SPEC_STORAGE_KEY)
-            captured.append(group)
         else:
             parts.append(re.escape(bytes(data[start:end])))
         at = end
     parts.append(re.escape(bytes(data[at:m.end()])))
-    order = sorted(captured)  # groups are numbered in the pattern's order
     last_back = 5 if m.group(22) is not None else 1
-    return _EntrySpec(re.compile(b"".join(parts), re.DOTALL).match, tuple(order),
-                      m.groups(), last_back)
+    return _EntrySpec(re.compile(b"".join(parts), re.DOTALL).match, m.groups(), last_back)
 
 
 class _Machine:
@@ -627,7 +616,10 @@ class _Machine:
                     if self.persistent is not None:
                         self.fast_global, self.fast_handler = found, handler
                 elif handler is not None:
-                    self.odict_global, self.odict_handler = found, handler
+                    # what the handler does with no arguments (``ckptlab_no_args``, a class
+                    # it would return an instance of, saves a frame per call), else itself
+                    self.odict_global = found
+                    self.odict_handler = getattr(handler, "ckptlab_no_args", handler)
         return found
 
     def call(self, func: Any, args: Any, kwargs: Any = None) -> Any:
@@ -797,6 +789,14 @@ class _Machine:
                         done = self.tensor_v2(pos, budget)
                         if done is not None:
                             pos, budget, stack[-1], op = done
+                    elif value is self.odict_global and data[pos:pos + 2] == b")R" and \
+                            budget >= 336:
+                        # OrderedDict(): EMPTY_TUPLE and REDUCE at once, as call() does them
+                        # (a pickled module has a dozen empty hook dicts)
+                        stack[-1] = self.odict_handler()  # type: ignore[misc]
+                        budget -= 336
+                        op = pos + 1  # the REDUCE
+                        pos += 2
                     continue
                 if code == 0x4B:  # BININT1
                     if pos >= n:
@@ -1401,13 +1401,11 @@ class _Machine:
             shared_ops = next(iter(shared))
             type_ops = [used[0].constants[3]] * count if len(kinds) == 1 else list(map(
                 dict((kind, kind.constants[3]) for kind in kinds).__getitem__, used))
-            if len({kind.captured for kind in kinds}) == 1:
-                captured = used[0].captured
-                cap = dict(zip(captured, zip(*map(_GROUPS, matches))))
-                key_ops = cap[4]
-                put_cols = [cap.get(i) or repeat(None, count) for i in _ENTRY_PUTS]
-            else:  # shapes that store different objects (a scalar's empty size is not)
-                *put_cols, key_ops = zip(*map(_EntrySpec.captures, used, matches))
+            # every pattern captures the same groups (_SPEC_GROUPS), b"" for a BINPUT its
+            # shape lacks
+            cap = dict(zip(_SPEC_GROUPS, zip(*map(_GROUPS, matches))))
+            key_ops = cap[4]
+            put_cols = [cap[i] for i in _ENTRY_PUTS]
             put_mask, joined, puts = _put_columns(put_cols)
             shape_values = {kind: kind.values() for kind in kinds}
             if None in shape_values.values():

@@ -204,6 +204,75 @@ def test_memo_games_agree() -> None:
         both(bytes(mutated))
 
 
+def module_pickle(protocol: int = 2) -> bytes:
+    """A whole ``nn.Module`` pickled (``torch.save(model)``): a dozen empty hook
+    ``OrderedDict()`` calls per module, Parameters, a module-level ``set()``."""
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.LayerNorm(3))
+                                  for _ in range(6)])
+    return data_pkl(save(model, protocol))
+
+
+def test_module_pickles_agree_and_take_the_hook_dict_path(monkeypatch) -> None:
+    """``OrderedDict()`` (BINGET of the global, EMPTY_TUPLE, REDUCE) is taken at once: the
+    same objects, memo, budget and error offsets as one opcode at a time."""
+    from ckptlab.format._pickle import StateDict, _TorchHandlers
+
+    calls = {"n": 0}
+
+    def counted() -> Any:
+        calls["n"] += 1
+        return StateDict()
+
+    monkeypatch.setattr(_TorchHandlers.ordered_dict, "ckptlab_no_args", counted)
+    for protocol in (2, 4):
+        data = module_pickle(protocol)
+        calls["n"] = 0
+        assert both(data)[0] != "error"
+        assert calls["n"] > 6 * 3 * 8  # the hook dicts of 18 modules (and the tensors' hooks)
+    data = module_pickle()
+    rng = random.Random(5)
+    for _ in range(300):
+        mutated = bytearray(data)
+        at = rng.randrange(len(mutated))
+        mutated[at] = rng.choice((rng.randrange(256), 0x29, 0x52, 0x68, 0x71, 0x2E))
+        both(bytes(mutated))
+    for cut in range(0, len(data), max(1, len(data) // 200)):
+        assert both(data[:cut])[0] == "error"
+    errors = set()
+    for budget in range(0, 400_000, 997):
+        monkeypatch.setattr(_unpickle, "MEMORY_FLOOR", budget)
+        got = both(data, memory_per_byte=0)
+        if got[0] == "error":
+            assert got[1] == "PickleBudgetError", got
+            errors.add(got[3])
+    assert len(errors) > 100
+
+
+def test_module_values_are_listed_when_first_looked_at(tmp_path: Path) -> None:
+    """A pickled module's values (flags, hook dicts) are named on first use, and are what
+    the walk over every container gives."""
+    from ckptlab.format._bulk import LazyTuple
+    from ckptlab.format._pickle import scan_pickle
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    scan = scan_pickle(data_pkl(save(model)))
+    assert isinstance(scan.objects, LazyTuple) and not scan.objects.built
+    values = dict(scan.objects)
+    first, second = ("_modules", "0"), ("_modules", "1")
+    assert values[(*first, "training")] is True and values[(*second, "eps")] == 1e-5
+    assert values[(*first, "_forward_hooks")] == {} and (*first, "in_features") in values
+    assert [t.path[1:] for t in scan.tensors] == [
+        ("0", "_parameters", "weight"), ("0", "_parameters", "bias"),
+        ("1", "_parameters", "weight"), ("1", "_parameters", "bias"),
+        ("1", "_buffers", "running_mean"), ("1", "_buffers", "running_var"),
+        ("1", "_buffers", "num_batches_tracked")]
+    path = tmp_path / "m.pt"
+    torch.save(model, path)
+    ck = ckptlab.open(path)
+    assert ck.objects["_modules.0.in_features"] == 2 and ck.objects["_modules.1.training"]
+    assert len(ck.objects) == len(values)
+
+
 # --------------------------------------------------------------------------------------------
 # archives: numpy columns vs record by record
 # --------------------------------------------------------------------------------------------
