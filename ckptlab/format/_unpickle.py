@@ -793,10 +793,17 @@ class _Machine:
                             budget >= 336:
                         # OrderedDict(): EMPTY_TUPLE and REDUCE at once, as call() does them
                         # (a pickled module has a dozen empty hook dicts)
-                        stack[-1] = self.odict_handler()  # type: ignore[misc]
+                        stack[-1] = made = self.odict_handler()  # type: ignore[misc]
                         budget -= 336
                         op = pos + 1  # the REDUCE
                         pos += 2
+                        # and its LONG_BINPUT, when it appends to the memo
+                        if pos + 5 <= n and data[pos] == 0x72 and budget >= 16 and \
+                                _unpack_I(data, pos + 1)[0] == len(memo):
+                            memo.append(made)
+                            budget -= 16
+                            op = pos
+                            pos += 5
                     continue
                 if code == 0x4B:  # BININT1
                     if pos >= n:
