@@ -175,18 +175,24 @@ def test_truncations_agree(pickles) -> None:
         assert both(data[:cut])[0] == "error"
 
 
-def test_budgets_running_out_anywhere_agree(pickles, monkeypatch) -> None:
-    """Budgets (the floor alone) that run out at a different opcode each: inside a tensor, the
-    fast path must leave it to the loop to say where, and leave the same budget after it."""
-    data = pickles["p2"]
+def budget_errors(data: bytes, agree: Any, monkeypatch: pytest.MonkeyPatch, stop: int,
+                  step: int) -> set[int]:
+    """The offsets where memory budgets (the floor alone, 0 to ``stop``) run out, each
+    outcome agreeing all ways (``agree``); every error is a budget error."""
     errors = set()
-    for budget in range(0, 700_000, 2_999):
+    for budget in range(0, stop, step):
         monkeypatch.setattr(_unpickle, "MEMORY_FLOOR", budget)
-        got = both(data, memory_per_byte=0)
+        got = agree(data, memory_per_byte=0)
         if got[0] == "error":
             assert got[1] == "PickleBudgetError", got
             errors.add(got[3])
-    assert len(errors) > 150
+    return errors
+
+
+def test_budgets_running_out_anywhere_agree(pickles, monkeypatch) -> None:
+    """Budgets (the floor alone) that run out at a different opcode each: inside a tensor, the
+    fast path must leave it to the loop to say where, and leave the same budget after it."""
+    assert len(budget_errors(pickles["p2"], both, monkeypatch, 700_000, 2_999)) > 150
 
 
 def test_memo_games_agree() -> None:
@@ -238,14 +244,7 @@ def test_module_pickles_agree_and_take_the_hook_dict_path(monkeypatch) -> None:
         both(bytes(mutated))
     for cut in range(0, len(data), max(1, len(data) // 200)):
         assert both(data[:cut])[0] == "error"
-    errors = set()
-    for budget in range(0, 400_000, 997):
-        monkeypatch.setattr(_unpickle, "MEMORY_FLOOR", budget)
-        got = both(data, memory_per_byte=0)
-        if got[0] == "error":
-            assert got[1] == "PickleBudgetError", got
-            errors.add(got[3])
-    assert len(errors) > 100
+    assert len(budget_errors(data, both, monkeypatch, 400_000, 997)) > 100
 
 
 def test_module_values_are_listed_when_first_looked_at(tmp_path: Path) -> None:
@@ -590,14 +589,7 @@ def test_batches_agree_on_truncations_and_budgets(monkeypatch) -> None:
     data = data_pkl(save(plain_run(150)))
     for cut in range(0, len(data), max(1, len(data) // 150)):
         assert all_ways(data[:cut])[0] == "error"
-    errors = set()
-    for budget in range(0, 400_000, 1_997):
-        monkeypatch.setattr(_unpickle, "MEMORY_FLOOR", budget)
-        got = all_ways(data, memory_per_byte=0)
-        if got[0] == "error":
-            assert got[1] == "PickleBudgetError", got
-            errors.add(got[3])
-    assert len(errors) > 100
+    assert len(budget_errors(data, all_ways, monkeypatch, 400_000, 1_997)) > 100
 
 
 def test_batches_agree_on_storages_redeclared(monkeypatch) -> None:
@@ -704,10 +696,7 @@ def test_specialised_batches_agree_on_truncations_budgets_and_the_memo(monkeypat
     data = data_pkl(save(uniform_run(150)))
     for cut in range(0, len(data), max(1, len(data) // 150)):
         assert all_ways(data[:cut])[0] == "error"
-    for budget in range(0, 400_000, 4_999):
-        monkeypatch.setattr(_unpickle, "MEMORY_FLOOR", budget)
-        got = all_ways(data, memory_per_byte=0)
-        assert got[0] != "error" or got[1] == "PickleBudgetError", got
+    budget_errors(data, all_ways, monkeypatch, 400_000, 4_999)
     monkeypatch.undo()
     batches = _Batches(monkeypatch, batch=7, pause=0)
     got = all_ways(_memo_exposed(data_pkl(save(uniform_run(100)))))
@@ -832,9 +821,7 @@ def test_optimizer_state_batches_agree_on_mutations_truncations_and_budgets(
         mutated[at] = rng.choice((rng.randrange(256), mutated[at] ^ 1, 0x71, 0x72, 0x68, 0x6A,
                                   0x4B, 0x4D, 0x4A, 0x7D, 0x75, 0x28, 0x58))
         all_ways(bytes(mutated))
-    for budget in range(0, 300_000, 3_001):
-        monkeypatch.setattr(_unpickle, "MEMORY_FLOOR", budget)
-        all_ways(data, memory_per_byte=0)
+    budget_errors(data, all_ways, monkeypatch, 300_000, 3_001)
     assert units.taken > 10
 
 
