@@ -1,0 +1,146 @@
+"""The compiled entry scanner (``ckptlab/format/_entries.c``) on its own: the entries it finds
+are the ones the regular expression finds, and no bytes (random, cut, mutated, at any
+position, with any memo size) make it read outside its buffer, crash or return nonsense.
+
+What a batch then does with its columns is compared with one opcode at a time in
+``test_fast_paths.py`` (the ``scanner`` fixture runs those tests both ways)."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import zipfile
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckptlab.format import _unpickle
+
+entries = _unpickle._c_entries
+if entries is None:
+    if os.environ.get("CI"):
+        raise RuntimeError("ckptlab.format._entries is not built (pip install -e . with gcc)")
+    pytest.skip("ckptlab.format._entries is not built (no C compiler at install)",
+                allow_module_level=True)
+
+
+def data_pkl(obj: object, protocol: int = 2) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf, pickle_protocol=protocol)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
+        return z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+
+
+def state(n: int) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for i in range(n):
+        kind = i % 5
+        out[f"layer.{i}.w"] = (torch.zeros(2, 3) if kind == 0 else torch.tensor(i) if kind == 1
+                               else torch.zeros(4, dtype=torch.bfloat16) if kind == 2
+                               else torch.zeros(3, 2).t() if kind == 3
+                               else torch.zeros(600)[300:])
+    return out
+
+
+def regex_walk(data: bytes, pos: int) -> list[tuple[str, int]]:
+    """The entries ``_ENTRY_V2`` finds from ``pos``: (key, end) each."""
+    out = []
+    while pos + 5 <= len(data) and data[pos] == 0x58:
+        length = int.from_bytes(data[pos + 1:pos + 5], "little")
+        end = pos + 5 + length
+        m = _unpickle._ENTRY_V2(data, end) if end <= len(data) else None
+        if m is None:
+            break
+        g = m.groups()
+        size, stride = _unpickle._int_tuple_op(g[11]), _unpickle._int_tuple_op(g[13])
+        if (g[4][0] == 0x58 and len(g[4]) - 5 != g[4][1]) or \
+                not (size[2] and stride[2] and len(size[0]) == len(stride[0])) or \
+                _unpickle._small_int(g[10])[0] < 0:
+            break
+        try:
+            key = data[pos + 5:end].decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError:
+            break
+        out.append((key, m.end()))
+        pos = m.end()
+    return out
+
+
+def sixth_key(data: bytes) -> tuple[int, int]:
+    """Where the sixth entry's key starts (the first five name the global and the storage
+    classes: GLOBAL, not BINGET) and the memo's length there."""
+    import pickletools
+
+    pos = data.index(b"X", data.index(b"layer.5.w") - 5)
+    stored = [arg for op, arg, at in pickletools.genops(data)
+              if at < pos and op.name in ("BINPUT", "LONG_BINPUT")]
+    return pos, max(stored) + 1
+
+
+@pytest.mark.parametrize("protocol", [2, 3])  # (4 memoizes with MEMOIZE: no fast path)
+def test_the_entries_the_pattern_finds(protocol: int) -> None:
+    data = data_pkl(state(300), protocol)
+    pos, memo_len = sixth_key(data)
+    want = regex_walk(data, pos)
+    assert len(want) == 295
+    got = entries(data, pos, 1000, memo_len)
+    assert got is not None
+    count, end, last, keys, masks, shared, classes, names, numels, offsets, sizes, strides, \
+        grads, puts, cost = got
+    assert count == 295 and end == want[-1][1] and keys == [k for k, _ in want]
+    assert len(set(shared)) == 4 and max(shared) < memo_len  # stored before: the first entries
+    assert len(masks) == count and {len(c) for c in (classes, names, numels, offsets, sizes,
+                                                     strides, grads)} == {count}
+    t = state(300)
+    for key, size, stride, off, name in zip(keys, sizes, strides, offsets, names):
+        assert (size, stride, off) == (tuple(t[key].shape), t[key].stride(),
+                                       t[key].storage_offset())
+        assert isinstance(name, str) and name.isdigit()
+    assert last < end and puts > 295 and cost > 1416 * 295
+    # a memo size that is not the pickle's: the first BINPUT stores another index, no entry
+    assert entries(data, pos, 1000, memo_len + 1) is None
+    # a limit: that many, ending where the pattern's entry ends
+    few = entries(data, pos, 7, memo_len)
+    assert few is not None and few[0] == 7 and few[1] == want[6][1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400), st.integers(0, 500), st.integers(0, 5000),
+       st.integers(0, 2**33))
+def test_random_bytes(data: bytes, pos: int, limit: int, memo_len: int) -> None:
+    got = entries(data, pos, limit, memo_len)
+    if got is not None:
+        assert 0 < got[0] <= limit and pos < got[1] <= len(data)
+
+
+def test_cut_and_mutated_pickles_anywhere() -> None:
+    data = data_pkl(state(60))
+    rng = random.Random(7)
+    starts = [i for i in range(len(data)) if data[i] == 0x58]
+    for _ in range(3000):
+        mutated = bytearray(data[:rng.randrange(len(data) + 1)])
+        for _ in range(rng.choice((0, 1, 2, 4))):
+            if mutated:
+                at = rng.randrange(len(mutated))
+                mutated[at] = rng.choice((rng.randrange(256), 0xFF, 0x00, 0x58, 0x28, 0x74,
+                                          0x4A, 0x72, 0x6A))
+        pos = rng.choice(starts) if rng.random() < 0.8 else rng.randrange(len(data) + 8)
+        got = entries(bytes(mutated), pos, rng.randrange(0, 80), rng.randrange(0, 400))
+        if got is not None:
+            assert pos < got[1] <= len(mutated) and got[0] == len(got[3]) == len(got[4])
+
+
+def test_buffers_and_bad_arguments() -> None:
+    data = data_pkl(state(10))
+    pos, memo_len = sixth_key(data)
+    a = entries(data, pos, 50, memo_len)
+    assert a is not None and a[0] == 5
+    assert entries(bytearray(data), pos, 50, memo_len) == a
+    assert entries(memoryview(data), pos, 50, memo_len) == a
+    assert entries(data, -1, 50, memo_len) is None and entries(data, pos, 0, memo_len) is None
+    assert entries(data, len(data) + 10, 50, memo_len) is None
+    with pytest.raises(TypeError):
+        entries("not bytes", 0, 1, 0)
