@@ -10,9 +10,10 @@
  * exactly as it does for the entries its expression finds; without this module (no compiler
  * where ckptlab was installed) that expression does the same walk.
  *
- * Every read is bounds-checked against the buffer's length before it is made; an entry that
- * is not exactly the expected bytes ends the walk before it (the entries before it are
- * returned). Memory: a few lists of at most ``limit`` items.
+ * Every read is bounds-checked against the buffer's length before it is made (positions stay
+ * within it: a start past the end is refused); an entry that is not exactly the expected
+ * bytes ends the walk before it (the entries before it are returned). Memory: a few lists of
+ * at most ``limit`` items (and never more than the buffer has bytes).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -28,7 +29,7 @@ typedef struct {
 static int
 u32(const Cursor *c, Py_ssize_t at, uint32_t *out)
 {
-    if (at < 0 || at + 4 > c->n)
+    if (at < 0 || at > c->n - 4)
         return 0;
     *out = (uint32_t)c->p[at] | ((uint32_t)c->p[at + 1] << 8) |
            ((uint32_t)c->p[at + 2] << 16) | ((uint32_t)c->p[at + 3] << 24);
@@ -183,27 +184,123 @@ make_tuple(const int64_t *values, Py_ssize_t count)
     return t;
 }
 
-/* the memo index expected of a BINPUT: each one stores the next index */
+/* One tensor as ``_ENTRY_V2`` reads it after its key's BINPUT: from the BINGET of the
+ * ``_rebuild_tensor_v2`` global to the BINPUT of its result. */
+typedef struct {
+    int64_t g[4];                 /* BINGETs: the global, 'storage', the location, the hooks */
+    int64_t cls;                  /* BINGET of the storage class */
+    int64_t skey_index;           /* the storage key's BINGET, or -1: written out at skey_at */
+    Py_ssize_t skey_at, skey_len;
+    int64_t numel, offset;
+    int64_t size_v[MAX_DIMS], stride_v[MAX_DIMS];
+    Py_ssize_t nsize, nstride;
+    int grad;
+    unsigned int mask;            /* bits 1-7: which of the tensor's seven BINPUTs it has */
+    int64_t charged;              /* the interpreter's charges for the ints, the tuples and
+                                     the storage key */
+    Py_ssize_t last;              /* offset of the last opcode taken */
+} Tensor;
+
+/* a BINPUT, optional, storing the next memo index (*next, then advanced) */
 #define PUT(bit)                                                        \
     do {                                                                \
-        int got_ = opt_put(&c, &index);                                 \
+        int64_t index_;                                                 \
+        Py_ssize_t at_ = c->pos;                                        \
+        int got_ = opt_put(c, &index_);                                 \
         if (got_ < 0)                                                   \
-            goto stop;                                                  \
+            return 0;                                                   \
         if (got_) {                                                     \
-            if (index != next)                                          \
-                goto stop;                                              \
-            next++;                                                     \
-            mask |= (1u << (bit));                                      \
-            last = at_op;                                               \
+            if (index_ != *next)                                        \
+                return 0;                                               \
+            *next += 1;                                                 \
+            t->mask |= (1u << (bit));                                   \
+            t->last = at_;                                              \
         }                                                               \
     } while (0)
 
 #define EXPECT(ch)                                                      \
     do {                                                                \
-        if (c.pos >= c.n || c.p[c.pos] != (unsigned char)(ch))          \
-            goto stop;                                                  \
-        c.pos += 1;                                                     \
+        if (c->pos >= c->n || c->p[c->pos] != (unsigned char)(ch))      \
+            return 0;                                                   \
+        c->pos += 1;                                                    \
     } while (0)
+
+/* 1 and the tensor, the cursor after it; 0 when the bytes are not that */
+static int
+parse_tensor(Cursor *c, int64_t *next, Tensor *t)
+{
+    int64_t ch;
+    Py_ssize_t at;
+    t->mask = 0;
+    t->charged = 0;
+    t->skey_index = -1;
+    t->skey_at = t->skey_len = 0;
+    if (!get(c, &t->g[0]))                    /* the global */
+        return 0;
+    EXPECT('(');
+    EXPECT('(');
+    if (!get(c, &t->g[1]))                    /* 'storage' */
+        return 0;
+    if (!get(c, &t->cls))                     /* the storage class */
+        return 0;
+    if (c->pos < c->n && c->p[c->pos] == 'X') {   /* the storage key, written out */
+        uint32_t klen;
+        if (!u32(c, c->pos + 1, &klen) || klen < 1 || klen > 20)
+            return 0;
+        t->skey_at = c->pos + 5;
+        t->skey_len = (Py_ssize_t)klen;
+        if (t->skey_len > c->n - t->skey_at)
+            return 0;
+        for (Py_ssize_t i = 0; i < t->skey_len; i++)
+            if (c->p[t->skey_at + i] < '0' || c->p[t->skey_at + i] > '9')
+                return 0;
+        c->pos = t->skey_at + t->skey_len;
+        t->charged += 96 + 4 * t->skey_len;
+    }
+    else {                                    /* ... or a BINGET of it */
+        if (!get(c, &t->skey_index))
+            return 0;
+        t->charged += 16;
+    }
+    PUT(1);
+    if (!get(c, &t->g[2]))                    /* the location */
+        return 0;
+    if (!small_int(c, &t->numel, &ch))
+        return 0;
+    t->charged += ch;
+    EXPECT('t');
+    PUT(2);                                   /* the persistent id */
+    EXPECT('Q');
+    if (!small_int(c, &t->offset, &ch) || t->offset < 0)
+        return 0;
+    t->charged += ch;
+    if (!int_tuple(c, t->size_v, &t->nsize, &ch))
+        return 0;
+    t->charged += ch;
+    PUT(3);
+    if (!int_tuple(c, t->stride_v, &t->nstride, &ch) || t->nstride != t->nsize)
+        return 0;
+    t->charged += ch;
+    PUT(4);
+    if (c->pos >= c->n || (c->p[c->pos] != 0x88 && c->p[c->pos] != 0x89))
+        return 0;
+    t->grad = c->p[c->pos] == 0x88;
+    c->pos += 1;
+    if (!get(c, &t->g[3]))                    /* OrderedDict */
+        return 0;
+    EXPECT(')');
+    at = c->pos;
+    EXPECT('R');
+    t->last = at;
+    PUT(5);                                   /* the hooks */
+    EXPECT('t');
+    PUT(6);                                   /* the arguments */
+    at = c->pos;
+    EXPECT('R');
+    t->last = at;
+    PUT(7);                                   /* the tensor */
+    return 1;
+}
 
 static int
 append_new(PyObject *list, PyObject *item)
@@ -213,6 +310,109 @@ append_new(PyObject *list, PyObject *item)
     int r = PyList_Append(list, item);
     Py_DECREF(item);
     return r;
+}
+
+/* The columns of a walk, one list per field, and what is shared. */
+typedef struct {
+    PyObject *keys, *classes, *names, *numels, *offsets, *sizes, *strides, *grads;
+    unsigned char *masks;
+    Py_ssize_t count, limit;
+    int64_t shared[4];
+    int64_t puts, cost;
+} Columns;
+
+static int
+columns_init(Columns *k, Py_ssize_t limit)
+{
+    memset(k, 0, sizeof *k);
+    k->limit = limit;
+    k->keys = PyList_New(0);
+    k->classes = PyList_New(0);
+    k->names = PyList_New(0);
+    k->numels = PyList_New(0);
+    k->offsets = PyList_New(0);
+    k->sizes = PyList_New(0);
+    k->strides = PyList_New(0);
+    k->grads = PyList_New(0);
+    k->masks = PyMem_Malloc(limit > 0 ? (size_t)limit : 1);
+    if (!k->keys || !k->classes || !k->names || !k->numels || !k->offsets || !k->sizes ||
+        !k->strides || !k->grads)
+        return -1;
+    if (k->masks == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static void
+columns_free(Columns *k)
+{
+    PyMem_Free(k->masks);
+    Py_XDECREF(k->keys);
+    Py_XDECREF(k->classes);
+    Py_XDECREF(k->names);
+    Py_XDECREF(k->numels);
+    Py_XDECREF(k->offsets);
+    Py_XDECREF(k->sizes);
+    Py_XDECREF(k->strides);
+    Py_XDECREF(k->grads);
+}
+
+/* Whether t's four shared BINGETs are the walk's (the first tensor's). */
+static int
+same_shared(Columns *k, const Tensor *t)
+{
+    if (k->count == 0) {
+        memcpy(k->shared, t->g, sizeof k->shared);
+        return 1;
+    }
+    return memcmp(k->shared, t->g, sizeof k->shared) == 0;
+}
+
+/* Appends one tensor (``key``: a new reference, or NULL for none) to the columns: -1 on a
+ * Python error (the key is released). */
+static int
+columns_add(Columns *k, const Cursor *c, const Tensor *t, PyObject *key, unsigned int mask)
+{
+    if (key != NULL && append_new(k->keys, key) < 0)
+        return -1;
+    if (append_new(k->classes, PyLong_FromLongLong(t->cls)) < 0 ||
+        append_new(k->names, t->skey_index >= 0 ? PyLong_FromLongLong(t->skey_index) :
+                   PyUnicode_DecodeASCII((const char *)c->p + t->skey_at, t->skey_len,
+                                         "strict")) < 0 ||
+        append_new(k->numels, PyLong_FromLongLong(t->numel)) < 0 ||
+        append_new(k->offsets, PyLong_FromLongLong(t->offset)) < 0 ||
+        append_new(k->sizes, make_tuple(t->size_v, t->nsize)) < 0 ||
+        append_new(k->strides, make_tuple(t->stride_v, t->nstride)) < 0 ||
+        PyList_Append(k->grads, t->grad ? Py_True : Py_False) < 0)
+        return -1;
+    k->masks[k->count] = (unsigned char)mask;
+    k->count += 1;
+    return 0;
+}
+
+/* A BINUNICODE string at ``at`` (its opcode) as the interpreter decodes it: 1 and a new
+ * reference with the string's end; 0 when it is not one (or not UTF-8); -1 on an error. */
+static int
+binunicode(const Cursor *c, Py_ssize_t at, PyObject **out, Py_ssize_t *end, Py_ssize_t *len)
+{
+    uint32_t length;
+    if (at < 0 || at > c->n - 5 || c->p[at] != 'X' || !u32(c, at + 1, &length))
+        return 0;
+    if ((Py_ssize_t)length > c->n - (at + 5))
+        return 0;
+    *out = PyUnicode_DecodeUTF8((const char *)c->p + at + 5, (Py_ssize_t)length,
+                                "surrogatepass");
+    if (*out == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError))
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    *end = at + 5 + (Py_ssize_t)length;
+    *len = (Py_ssize_t)length;
+    return 1;
 }
 
 PyDoc_STRVAR(entries_doc,
@@ -236,192 +436,198 @@ entries(PyObject *self, PyObject *args)
     long long memo_len;
     if (!PyArg_ParseTuple(args, "y*nnL", &view, &start, &limit, &memo_len))
         return NULL;
-    Cursor c = {(const unsigned char *)view.buf, view.len, start};
-    PyObject *keys = PyList_New(0), *classes = PyList_New(0), *skeys = PyList_New(0),
-             *numels = PyList_New(0), *offsets = PyList_New(0), *sizes = PyList_New(0),
-             *strides = PyList_New(0), *grads = PyList_New(0), *result = NULL;
-    PyObject *masks = NULL;
-    unsigned char *maskbuf = NULL;
-    int64_t shared[4] = {-1, -1, -1, -1};
-    int64_t next = memo_len, cost = 0, puts = 0;
-    Py_ssize_t count = 0, end = start, last_op = -1;
-    int64_t size_v[MAX_DIMS], stride_v[MAX_DIMS];
-    if (!keys || !classes || !skeys || !numels || !offsets || !sizes || !strides || !grads)
+    Cursor cur = {(const unsigned char *)view.buf, view.len, start};
+    Cursor *c = &cur;
+    Columns k;
+    PyObject *result = NULL, *masks = NULL;
+    Py_ssize_t end = start, last = -1;
+    int64_t next = memo_len;
+    Tensor tensor, *t = &tensor;
+    if (limit > view.len)  /* (each entry takes more than a byte) */
+        limit = view.len;
+    if (columns_init(&k, limit) < 0)
         goto done;
-    if (start < 0 || limit < 0 || memo_len < 0)
+    if (start < 0 || start > view.len || limit < 0 || memo_len < 0)
         goto none;
-    maskbuf = PyMem_Malloc(limit > 0 ? (size_t)limit : 1);
-    if (maskbuf == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    while (count < limit) {
-        /* everything of one entry is read into locals first; only a whole entry is kept */
-        Py_ssize_t at_op, last = -1;
-        int64_t index, entry_next = next, g[4], cls, skey_index = -1, numel, offset;
-        int64_t ch, entry_cost, charged = 0;
-        Py_ssize_t nsize, nstride, key_at, key_len, skey_at = 0, skey_len = 0;
-        unsigned int mask = 0;
-        int grad;
-        uint32_t length;
-        next = entry_next;
-        c.pos = end;
-        /* the key: BINUNICODE */
-        if (c.pos + 5 > c.n || c.p[c.pos] != 'X' || !u32(&c, c.pos + 1, &length))
-            goto stop;
-        key_at = c.pos + 5;
-        key_len = (Py_ssize_t)length;
-        if (key_len > c.n - key_at)
-            goto stop;
-        c.pos = key_at + key_len;
-        at_op = c.pos;
-        PUT(0);                                   /* the key's BINPUT */
-        if (!get(&c, &g[0]))                      /* the global */
-            goto stop;
-        EXPECT('(');
-        EXPECT('(');
-        if (!get(&c, &g[1]))                      /* 'storage' */
-            goto stop;
-        if (!get(&c, &cls))                       /* the storage class */
-            goto stop;
-        if (c.pos < c.n && c.p[c.pos] == 'X') {   /* the storage key, written out */
-            uint32_t klen;
-            if (!u32(&c, c.pos + 1, &klen) || klen < 1 || klen > 20)
-                goto stop;
-            skey_at = c.pos + 5;
-            skey_len = (Py_ssize_t)klen;
-            if (skey_len > c.n - skey_at)
-                goto stop;
-            for (Py_ssize_t i = 0; i < skey_len; i++)
-                if (c.p[skey_at + i] < '0' || c.p[skey_at + i] > '9')
-                    goto stop;
-            c.pos = skey_at + skey_len;
-            charged += 96 + 4 * skey_len;
+    while (k.count < limit) {
+        /* a whole entry is read before anything of it is kept */
+        int64_t entry_next = next;
+        PyObject *key;
+        Py_ssize_t key_end, key_len;
+        int got = binunicode(c, end, &key, &key_end, &key_len);
+        if (got < 0)
+            goto done;
+        if (got == 0)
+            break;
+        c->pos = key_end;
+        t->mask = 0;
+        t->last = -1;
+        /* the key's BINPUT */
+        int64_t index;
+        int put = opt_put(c, &index);
+        unsigned int key_mask = 0;
+        if (put > 0 && index == next) {
+            next += 1;
+            key_mask = 1;
         }
-        else {                                    /* ... or a BINGET of it */
-            if (!get(&c, &skey_index))
-                goto stop;
-            charged += 16;
+        if (put < 0 || (put > 0 && !key_mask) || !parse_tensor(c, &next, t) ||
+            !same_shared(&k, t)) {
+            Py_DECREF(key);
+            next = entry_next;
+            break;
         }
-        at_op = c.pos;
-        PUT(1);
-        if (!get(&c, &g[2]))                      /* the location */
-            goto stop;
-        if (!small_int(&c, &numel, &ch))
-            goto stop;
-        charged += ch;
-        EXPECT('t');
-        at_op = c.pos;
-        PUT(2);                                   /* the persistent id */
-        EXPECT('Q');
-        if (!small_int(&c, &offset, &ch) || offset < 0)
-            goto stop;
-        charged += ch;
-        if (!int_tuple(&c, size_v, &nsize, &ch))
-            goto stop;
-        charged += ch;
-        at_op = c.pos;
-        PUT(3);
-        if (!int_tuple(&c, stride_v, &nstride, &ch) || nstride != nsize)
-            goto stop;
-        charged += ch;
-        at_op = c.pos;
-        PUT(4);
-        if (c.pos >= c.n || (c.p[c.pos] != 0x88 && c.p[c.pos] != 0x89))
-            goto stop;
-        grad = c.p[c.pos] == 0x88;
-        c.pos += 1;
-        if (!get(&c, &g[3]))                      /* OrderedDict */
-            goto stop;
-        EXPECT(')');
-        at_op = c.pos;
-        EXPECT('R');
-        last = at_op;
-        at_op = c.pos;
-        PUT(5);                                   /* the hooks */
-        EXPECT('t');
-        at_op = c.pos;
-        PUT(6);                                   /* the arguments */
-        at_op = c.pos;
-        EXPECT('R');
-        last = at_op;
-        at_op = c.pos;
-        PUT(7);                                   /* the tensor */
-        /* the same four BINGETs in every entry */
-        if (count == 0)
-            memcpy(shared, g, sizeof shared);
-        else if (memcmp(shared, g, sizeof shared) != 0)
-            goto stop;
-        /* the key, as BINUNICODE decodes it */
-        PyObject *key = PyUnicode_DecodeUTF8((const char *)c.p + key_at, key_len,
-                                             "surrogatepass");
-        if (key == NULL) {
-            if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError))
-                goto done;
-            PyErr_Clear();
-            goto stop;
-        }
-        if (append_new(keys, key) < 0)
+        if (columns_add(&k, c, t, key, t->mask | key_mask) < 0)
             goto done;
-        if (append_new(classes, PyLong_FromLongLong(cls)) < 0)
-            goto done;
-        if (append_new(skeys, skey_index >= 0 ? PyLong_FromLongLong(skey_index) :
-                       PyUnicode_DecodeASCII((const char *)c.p + skey_at, skey_len,
-                                             "strict")) < 0)
-            goto done;
-        if (append_new(numels, PyLong_FromLongLong(numel)) < 0 ||
-            append_new(offsets, PyLong_FromLongLong(offset)) < 0 ||
-            append_new(sizes, make_tuple(size_v, nsize)) < 0 ||
-            append_new(strides, make_tuple(stride_v, nstride)) < 0)
-            goto done;
-        if (PyList_Append(grads, grad ? Py_True : Py_False) < 0)
-            goto done;
-        maskbuf[count] = (unsigned char)mask;
         {
+            /* the BINUNICODE key, the BINGET of the global, the tensor's opcodes, a memo
+             * slot per BINPUT (the _Machine.entry_run formula, entry by entry) */
             int64_t entry_puts = next - entry_next;
-            /* BINUNICODE key, BINGET of the global, the tensor's opcodes, a memo slot per
-             * BINPUT (the _Machine.entry_run formula, entry by entry) */
-            entry_cost = 96 + 16 + 1304 + 16 * entry_puts + 4 * (int64_t)key_len + charged;
-            cost += entry_cost;
-            puts += entry_puts;
+            k.cost += 96 + 16 + 1304 + 16 * entry_puts + 4 * (int64_t)key_len + t->charged;
+            k.puts += entry_puts;
         }
-        last_op = last;
-        count += 1;
-        end = c.pos;
-        continue;
-    stop:
-        next = entry_next;
-        break;
+        last = t->last;
+        end = c->pos;
     }
-    if (count == 0)
+    if (k.count == 0)
         goto none;
-    masks = PyBytes_FromStringAndSize((const char *)maskbuf, count);
+    masks = PyBytes_FromStringAndSize((const char *)k.masks, k.count);
     if (masks == NULL)
         goto done;
-    result = Py_BuildValue("(nnnOO(LLLL)OOOOOOOLL)", count, end, last_op, keys, masks,
-                           (long long)shared[0], (long long)shared[1], (long long)shared[2],
-                           (long long)shared[3], classes, skeys, numels, offsets, sizes,
-                           strides, grads, (long long)puts, (long long)cost);
+    result = Py_BuildValue("(nnnOO(LLLL)OOOOOOOLL)", k.count, end, last, k.keys, masks,
+                           (long long)k.shared[0], (long long)k.shared[1],
+                           (long long)k.shared[2], (long long)k.shared[3], k.classes, k.names,
+                           k.numels, k.offsets, k.sizes, k.strides, k.grads,
+                           (long long)k.puts, (long long)k.cost);
     goto done;
 none:
     result = Py_NewRef(Py_None);
 done:
-    PyMem_Free(maskbuf);
     Py_XDECREF(masks);
-    Py_XDECREF(keys);
-    Py_XDECREF(classes);
-    Py_XDECREF(skeys);
-    Py_XDECREF(numels);
-    Py_XDECREF(offsets);
-    Py_XDECREF(sizes);
-    Py_XDECREF(strides);
-    Py_XDECREF(grads);
+    columns_free(&k);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+PyDoc_STRVAR(units_doc,
+"units(data, pos, limit, memo_len) -> tuple | None\n\n"
+"An optimizer's state from ``pos``: dicts of tensors under int keys, each as torch pickles\n"
+"it (the int, EMPTY_DICT, its BINPUT, MARK, then each key as a BINGET and its tensor as\n"
+"``_ENTRY_V2`` reads it after a key without a BINPUT, then SETITEMS), at most ``limit``\n"
+"tensors in all, every BINPUT (the dicts' among the tensors') storing the next memo index\n"
+"from ``memo_len`` on: ``(count, end, ints, per_unit, key_gets, masks, shared, classes,\n"
+"storage_keys, numels, offsets, sizes, strides, grads, puts, cost)``: the units' int keys,\n"
+"how many tensors each holds, each tensor's key BINGET index, and the tensors' columns as\n"
+"``entries`` gives them (``cost`` covering the ints, dicts, MARKs and SETITEMS too). None\n"
+"when no unit is there.");
+
+static PyObject *
+units(PyObject *self, PyObject *args)
+{
+    (void)self;
+    Py_buffer view;
+    Py_ssize_t start, limit;
+    long long memo_len;
+    if (!PyArg_ParseTuple(args, "y*nnL", &view, &start, &limit, &memo_len))
+        return NULL;
+    Cursor cur = {(const unsigned char *)view.buf, view.len, start};
+    Cursor *c = &cur;
+    Columns k;
+    PyObject *result = NULL, *masks = NULL, *ints = PyList_New(0), *per_unit = PyList_New(0),
+             *key_gets = PyList_New(0);
+    Py_ssize_t end = start, nunits = 0;
+    int64_t next = memo_len;
+    if (limit > view.len)  /* (each tensor takes more than a byte) */
+        limit = view.len;
+    if (columns_init(&k, limit) < 0 || !ints || !per_unit || !key_gets)
+        goto done;
+    if (start < 0 || start > view.len || limit < 0 || memo_len < 0)
+        goto none;
+    for (;;) {
+        /* a whole unit is read before anything of it is kept */
+        int64_t unit_next = next, value, ch, unit_cost;
+        Tensor unit[16];
+        int64_t gets[16];
+        Py_ssize_t size = 0;
+        c->pos = end;
+        if (!small_int(c, &value, &ch))
+            break;
+        unit_cost = ch + 96 + 16 + 88 + 64;    /* the int, EMPTY_DICT, its BINPUT, MARK,
+                                                  SETITEMS */
+        if (c->pos + 6 > c->n || c->p[c->pos] != '}' || c->p[c->pos + 1] != 'r')
+            break;
+        {
+            uint32_t put;
+            if (!u32(c, c->pos + 2, &put) || put != next)
+                break;
+        }
+        next += 1;
+        c->pos += 6;
+        if (c->pos >= c->n || c->p[c->pos] != '(')
+            break;
+        c->pos += 1;
+        int ok = 1;
+        while (c->pos < c->n && c->p[c->pos] != 'u') {
+            if (size == 16 || k.count + size >= limit || !get(c, &gets[size]) ||
+                !parse_tensor(c, &next, &unit[size])) {
+                ok = 0;
+                break;
+            }
+            if (k.count == 0 && size == 0)
+                memcpy(k.shared, unit[0].g, sizeof k.shared);
+            else if (memcmp(k.shared, unit[size].g, sizeof k.shared) != 0) {
+                ok = 0;
+                break;
+            }
+            size += 1;
+        }
+        if (!ok || size == 0 || c->pos >= c->n) {
+            next = unit_next;
+            break;
+        }
+        c->pos += 1;                            /* SETITEMS */
+        if (append_new(ints, PyLong_FromLongLong(value)) < 0 ||
+            append_new(per_unit, PyLong_FromSsize_t(size)) < 0)
+            goto done;
+        for (Py_ssize_t i = 0; i < size; i++) {
+            if (append_new(key_gets, PyLong_FromLongLong(gets[i])) < 0 ||
+                columns_add(&k, c, &unit[i], NULL, unit[i].mask) < 0)
+                goto done;
+            /* the key's BINGET, the global's, the tensor's opcodes, SETITEMS per pair */
+            unit_cost += 16 + 16 + 1304 + 64 + unit[i].charged;
+        }
+        unit_cost += 16 * (next - unit_next - 1);  /* the tensors' BINPUTs (the dict's is in
+                                                      the base) */
+        k.puts += next - unit_next - 1;          /* (the tensors' BINPUTs) */
+        k.cost += unit_cost;
+        nunits += 1;
+        end = c->pos;
+    }
+    if (nunits == 0)
+        goto none;
+    masks = PyBytes_FromStringAndSize((const char *)k.masks, k.count);
+    if (masks == NULL)
+        goto done;
+    result = Py_BuildValue("(nnOOOO(LLLL)OOOOOOOLL)", nunits, end, ints, per_unit, key_gets,
+                           masks, (long long)k.shared[0], (long long)k.shared[1],
+                           (long long)k.shared[2], (long long)k.shared[3], k.classes, k.names,
+                           k.numels, k.offsets, k.sizes, k.strides, k.grads,
+                           (long long)k.puts, (long long)k.cost);
+    goto done;
+none:
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(masks);
+    Py_XDECREF(ints);
+    Py_XDECREF(per_unit);
+    Py_XDECREF(key_gets);
+    columns_free(&k);
     PyBuffer_Release(&view);
     return result;
 }
 
 static PyMethodDef methods[] = {
     {"entries", entries, METH_VARARGS, entries_doc},
+    {"units", units, METH_VARARGS, units_doc},
     {NULL, NULL, 0, NULL},
 };
 

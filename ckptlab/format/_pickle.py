@@ -373,6 +373,8 @@ class _TorchHandlers:
         """:meth:`fused_v2` of many tensors (lists in pickle order): all or None, having
         changed nothing when some one of them would not be taken."""
         tags, types, keys, locations, numels = zip(*pids)
+        if set(map(type, tags)) != {str}:  # (before hashing them: any object, even a deep one)
+            return None
         known_of = {}  # id -> (class, dtype, itemsize, name) of each storage class seen
         for storage_type in {id(t): t for t in types}.values():
             known = self.storage_types.get(id(storage_type))

@@ -395,9 +395,11 @@ def _need(stack: list[Any], k: int, code: int) -> None:
 
 
 try:  # the entries' byte work in C, where ckptlab was built with a compiler (setup.py)
-    from ckptlab.format._entries import entries as _c_entries
-except ImportError:  # the same walk by _ENTRY_V2 / _EntrySpec patterns
-    _c_entries = None
+    from ckptlab.format import _entries as _compiled
+except ImportError:  # the same walks by _ENTRY_V2 / _EntrySpec patterns
+    _compiled = None
+_c_entries = getattr(_compiled, "entries", None)
+_c_units = getattr(_compiled, "units", None)
 # which of the eight BINPUTs of _ENTRY_PUTS an entry has, from its bit mask
 _MASKS = tuple(tuple(bool(m >> i & 1) for i in range(8)) for m in range(256))
 
@@ -1292,29 +1294,11 @@ class _Machine:
          strides, grads, puts, cost) = got
         if count < 2:
             return count
-        g_global, g_tag, g_location, g_hooks = shared
-        if max(shared) >= size0 or memo[g_global] is not self.fast_global or \
-                memo[g_hooks] is not self.odict_global or self.odict_handler is None:
-            return count
-        type_of = dict.fromkeys(classes)
-        if max(type_of) >= size0:
-            return count
-        for index in type_of:
-            type_of[index] = memo[index]
-        if set(map(type, names)) != _STR_ONLY:  # storage keys by BINGET: strings stored before
-            if max(k for k in names if type(k) is int) >= size0:
-                return count
-            names = [memo[k] if type(k) is int else k for k in names]
-        if cost > budget:
-            return count  # one at a time: the loop says where it runs out
-        tag, location = memo[g_tag], memo[g_location]
-        pids = list(zip(repeat(tag), map(type_of.__getitem__, classes), names,
-                        repeat(location), numels))
-        first = masks[0]
-        put_mask = list(_MASKS[first]) if masks.count(first) == count else list(
-            map(_MASKS.__getitem__, masks))
-        done = self.fuse((put_mask, None, puts, offsets, sizes, strides, grads, None, names,
-                          pids), keys)
+        cols = self.checked_columns(size0, count, masks, shared, classes, names, numels,
+                                    offsets, sizes, strides, grads, puts)
+        if cols is None or cost > budget:
+            return count  # (the budget: one opcode at a time, the loop says where)
+        done = self.fuse(cols, keys)
         if done is None:
             return count
         results, stored = done
@@ -1338,6 +1322,8 @@ class _Machine:
         batch, its last unit's tensors become patterns (:class:`_EntrySpec`) the next batch
         matches position by position.
         """
+        if _c_units is not None:
+            return self.state_run_c(pos, budget, stack)
         data = self.data
         n = self.n
         memo = self.memo
@@ -1429,6 +1415,75 @@ class _Machine:
             if None not in made:
                 self.unit_specs = made  # type: ignore[assignment]
         return pos, budget - cost, pos - 1
+
+    def state_run_c(self, pos: int, budget: int, stack: list[Any]
+                    ) -> tuple[int, int, int] | int:
+        """:meth:`state_run` with the units located and decoded by the compiled scanner
+        (:mod:`ckptlab.format._entries`), taken on the same checks as
+        :meth:`entry_run_c`'s (the keys: strings stored before the batch)."""
+        memo = self.memo
+        size0 = len(memo)
+        got = _c_units(self.data, pos, BULK_BATCH, size0)  # type: ignore[misc]
+        if got is None:
+            return 0
+        (units, end, ints, per_unit, key_gets, masks, shared, classes, names, numels, offsets,
+         sizes, strides, grads, puts, cost) = got
+        if units < 2:
+            return units
+        cols = self.checked_columns(size0, len(key_gets), masks, shared, classes, names,
+                                    numels, offsets, sizes, strides, grads, puts)
+        if cols is None or max(key_gets) >= size0:
+            return units
+        keys = list(map(memo.__getitem__, key_gets))
+        if set(map(type, keys)) != _STR_ONLY or cost > budget:
+            return units  # (the budget: one opcode at a time, the loop says where)
+        done = self.fuse(cols, keys)
+        if done is None:
+            return units
+        results, stored = done
+        put_mask = cols[0]
+        ends = list(accumulate(map(sum, put_mask) if type(put_mask[0]) is not bool else
+                               repeat(sum(put_mask), len(keys)), initial=0))
+        bounds = list(accumulate(per_unit, initial=0))
+        for key, a, b in zip(ints, bounds, bounds[1:]):
+            target: dict[Any, Any] = {}
+            target.update(zip(keys[a:b], results[a:b]))
+            memo.append(target)
+            memo += stored[ends[a]:ends[b]]
+            stack += (key, target)
+        return end, budget - cost, end - 1
+
+    def checked_columns(self, size0: int, count: int, masks: bytes, shared: tuple[int, ...],
+                        classes: list[int], names: list[Any], numels: list[int],
+                        offsets: list[int], sizes: list[Any], strides: list[Any],
+                        grads: list[bool], puts: int) -> tuple[Any, ...] | None:
+        """The columns of a compiled walk's tensors as :meth:`fuse` takes them, when what
+        the memo holds is what a batch needs: the four shared BINGETs, the storage classes
+        and the storage keys read by BINGET all stored before the batch (``size0``), the
+        global torch's tensor rebuild, the hooks' ``OrderedDict``, the keys strings."""
+        memo = self.memo
+        g_global, g_tag, g_location, g_hooks = shared
+        if max(shared) >= size0 or memo[g_global] is not self.fast_global or \
+                memo[g_hooks] is not self.odict_global or self.odict_handler is None:
+            return None
+        type_of = dict.fromkeys(classes)
+        if max(type_of) >= size0:
+            return None
+        for index in type_of:
+            type_of[index] = memo[index]
+        if set(map(type, names)) != _STR_ONLY:  # storage keys by BINGET: strings stored before
+            if max(k for k in names if type(k) is int) >= size0:
+                return None
+            names = [memo[k] if type(k) is int else k for k in names]
+        tag, location = memo[g_tag], memo[g_location]
+        if type(tag) is not str or type(location) is not str:
+            return None  # (the loop says what is wrong, without hashing what they are)
+        pids = list(zip(repeat(tag), map(type_of.__getitem__, classes), names,
+                        repeat(location), numels))
+        first = masks[0]
+        put_mask = list(_MASKS[first]) if masks.count(first) == count else list(
+            map(_MASKS.__getitem__, masks))
+        return put_mask, None, puts, offsets, sizes, strides, grads, None, names, pids
 
     def fuse(self, got: tuple[Any, ...], keys: list[Any]) -> tuple[list[Any], list[Any]] | None:
         """The persistent ids and the handler of a batch's tensors (``got``, from
@@ -1531,6 +1586,8 @@ class _Machine:
                 memo[where[3]] is not self.odict_global or self.odict_handler is None:
             return None
         tag, location = memo[where[1]], memo[where[2]]
+        if type(tag) is not str or type(location) is not str:
+            return None  # (the loop says what is wrong, without hashing what they are)
         type_of = {op: _memo_index(op) for op in set(type_ops)}  # storage classes, the same
         if max(type_of.values()) >= size0:
             return None

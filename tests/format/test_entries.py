@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import random
+import sys
 import zipfile
 
 import pytest
@@ -19,8 +20,8 @@ from hypothesis import strategies as st
 
 from ckptlab.format import _unpickle
 
-entries = _unpickle._c_entries
-if entries is None:
+entries, units = _unpickle._c_entries, _unpickle._c_units
+if entries is None or units is None:
     if os.environ.get("CI"):
         raise RuntimeError("ckptlab.format._entries is not built (pip install -e . with gcc)")
     pytest.skip("ckptlab.format._entries is not built (no C compiler at install)",
@@ -107,13 +108,47 @@ def test_the_entries_the_pattern_finds(protocol: int) -> None:
     assert few is not None and few[0] == 7 and few[1] == want[6][1]
 
 
+def test_the_units_of_an_optimizer_state() -> None:
+    """An Adam state's dicts (``{i: {"step": t, "exp_avg": t, "exp_avg_sq": t}}``) from the
+    first whose BINPUTs are LONG_BINPUTs (memo indices past 255) on."""
+    import itertools
+    import pickletools
+
+    n = 200
+    state = {i: {"step": torch.tensor(float(i)), "exp_avg": torch.zeros(2, 3),
+                 "exp_avg_sq": torch.zeros(3)} for i in range(n)}
+    data = data_pkl({"state": state})
+    ops = list(pickletools.genops(data))
+    heads = [(at, put[1]) for (op, _, at), (op2, _, _), put in zip(ops, ops[1:], ops[2:])
+             if op.name in ("BININT1", "BININT2") and op2.name == "EMPTY_DICT"
+             and put[0].name == "LONG_BINPUT"]
+    (pos, memo_len), first = heads[0], n - len(heads)
+    got = units(data, pos, 10_000, memo_len)
+    assert got is not None
+    count, end, ints, per_unit, key_gets, masks, shared, classes, names, numels, offsets, \
+        sizes, strides, grads, puts, cost = got
+    assert count == len(heads) and ints == list(range(first, n)) and per_unit == [3] * count
+    assert data[end - 1] == 0x75 and len(set(key_gets)) == 3 and max(key_gets) < memo_len
+    assert sizes[:3] == [(), (2, 3), (3,)] and strides[:3] == [(), (3, 1), (1,)]
+    assert offsets == [0] * 3 * count and numels[:3] == [1, 6, 3] and not any(grads)
+    assert len(masks) == len(names) == len(classes) == 3 * count
+    assert all(map(str.isdigit, names)) and len(set(shared)) == 4
+    assert puts == (5 + 7 + 7) * count and cost > 3 * count * 1416  # (a scalar: 5 BINPUTs)
+    # at most a limit of tensors, whole units only
+    few = units(data, pos, 7, memo_len)
+    assert few is not None and few[0] == 2 and few[3] == [3, 3]
+    assert units(data, pos, 10_000, memo_len + 1) is None
+    assert list(itertools.islice(ints, 2)) == [first, first + 1]
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=400), st.integers(0, 500), st.integers(0, 5000),
        st.integers(0, 2**33))
 def test_random_bytes(data: bytes, pos: int, limit: int, memo_len: int) -> None:
-    got = entries(data, pos, limit, memo_len)
-    if got is not None:
-        assert 0 < got[0] <= limit and pos < got[1] <= len(data)
+    for walk in (entries, units):
+        got = walk(data, pos, limit, memo_len)
+        if got is not None:
+            assert 0 < got[0] <= limit and pos < got[1] <= len(data)
 
 
 def test_cut_and_mutated_pickles_anywhere() -> None:
@@ -131,6 +166,9 @@ def test_cut_and_mutated_pickles_anywhere() -> None:
         got = entries(bytes(mutated), pos, rng.randrange(0, 80), rng.randrange(0, 400))
         if got is not None:
             assert pos < got[1] <= len(mutated) and got[0] == len(got[3]) == len(got[4])
+        got = units(bytes(mutated), pos, rng.randrange(0, 80), rng.randrange(0, 400))
+        if got is not None:
+            assert pos < got[1] <= len(mutated) and got[0] == len(got[2]) == len(got[3])
 
 
 def test_buffers_and_bad_arguments() -> None:
@@ -142,5 +180,10 @@ def test_buffers_and_bad_arguments() -> None:
     assert entries(memoryview(data), pos, 50, memo_len) == a
     assert entries(data, -1, 50, memo_len) is None and entries(data, pos, 0, memo_len) is None
     assert entries(data, len(data) + 10, 50, memo_len) is None
+    # a start past the end (near the largest index: no position arithmetic wraps) and a
+    # limit larger than the buffer (no allocation of it)
+    for walk in (entries, units):
+        assert walk(b"X\0\0\0\0", sys.maxsize - 2, 4, 0) is None
+        assert walk(data, pos, 1 << 40, memo_len) == walk(data, pos, 10_000, memo_len)
     with pytest.raises(TypeError):
         entries("not bytes", 0, 1, 0)

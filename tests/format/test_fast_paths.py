@@ -482,6 +482,7 @@ class _Batches:
                  spec_min: int = 2, scanner: str = "patterns") -> None:
         if scanner == "patterns":
             monkeypatch.setattr(_unpickle, "_c_entries", None)
+            monkeypatch.setattr(_unpickle, "_c_units", None)
         monkeypatch.setattr(_unpickle, "BULK_MIN_NBYTES", 0)
         monkeypatch.setattr(_unpickle, "BULK_BATCH", batch)
         monkeypatch.setattr(_unpickle, "BULK_PAUSE", pause)
@@ -738,6 +739,45 @@ def test_batches_stop_at_a_key_that_is_not_utf8(monkeypatch, scanner) -> None:
     assert batches.taken > 5 and (scanner == "compiled" or batches.specialised > 5)
 
 
+def test_a_batch_never_hashes_a_storage_tag_that_is_not_a_string(monkeypatch, scanner) -> None:
+    """The storage tag's BINGET of the entries reading a dict stored before (or a tuple a
+    million deep, whose hash recurses in C): the batch declines before hashing it, and the
+    loop reports the persistent id (found by a review: a TypeError, or a crash)."""
+    import pickletools
+
+    _Batches(monkeypatch, batch=8, pause=0, scanner=scanner)
+    data = data_pkl(save({f"w{i}": torch.zeros(2) for i in range(12)}))
+    ops = list(pickletools.genops(data))
+    assert data[:5] == b"\x80\x02}q\x00"  # the root dict: memo 0
+    tag = next(ops[i + 1][1] for i, (_, arg, _) in enumerate(ops) if arg == "storage")
+    out = bytearray(data)
+    for _, _, at in [op for op in ops if op[0].name == "BINGET" and op[1] == tag][1:]:
+        out[at + 1] = 0
+    got = all_ways(bytes(out))
+    assert got[:2] == ("error", "PickleDataError") and "persistent id" in got[2]
+    # a deep tuple, through scan_pickle at ckptlab's own batch sizes
+    monkeypatch.undo()
+    if scanner == "patterns":
+        monkeypatch.setattr(_unpickle, "_c_entries", None)
+    from ckptlab.errors import CorruptArchiveError
+    from ckptlab.format._pickle import scan_pickle
+
+    obj: dict[str, Any] = {"pad": "p" * 300_000, "deep": (7,)}
+    obj.update({f"w{i}": torch.zeros(2) for i in range(200)})
+    data = data_pkl(save(obj))
+    ops = list(pickletools.genops(data))
+    deep_at = data.index(b"K\x07\x85")
+    deep = next(arg for _, arg, at in ops if at == deep_at + 3)
+    tag = next(ops[i + 1][1] for i, (_, arg, _) in enumerate(ops) if arg == "storage")
+    out = bytearray(data)
+    for _, _, at in [op for op in ops if op[0].name in ("BINGET", "LONG_BINGET")
+                     and op[1] == tag][17:]:
+        out[at + 1] = deep
+    out = out[:deep_at] + b")" + b"\x85" * 1_000_000 + out[deep_at + 3:]
+    with pytest.raises(CorruptArchiveError, match="persistent id"):
+        scan_pickle(bytes(out))
+
+
 # batches of several storage classes: a BatchNorm's int64 counter, bf16 scales among floats
 
 
@@ -812,8 +852,9 @@ class _Units:
         monkeypatch.setattr(_unpickle._Machine, "state_run", counted)
 
 
-def test_optimizer_states_are_taken_a_batch_of_units_at_a_time(monkeypatch) -> None:
-    _Batches(monkeypatch, batch=7, pause=1)
+def test_optimizer_states_are_taken_a_batch_of_units_at_a_time(monkeypatch,
+                                                               scanner) -> None:
+    _Batches(monkeypatch, batch=7, pause=1, scanner=scanner)
     units = _Units(monkeypatch)
     sgd = {"state": {i: {"momentum_buffer": torch.zeros(4)} for i in range(300)}}
     for obj in (adam_state(300), sgd, {"model": uniform_run(90), "optimizer": adam_state(90)},
@@ -825,8 +866,8 @@ def test_optimizer_states_are_taken_a_batch_of_units_at_a_time(monkeypatch) -> N
 
 
 def test_optimizer_state_batches_agree_on_mutations_truncations_and_budgets(
-        monkeypatch) -> None:
-    _Batches(monkeypatch, batch=7, pause=0)
+        monkeypatch, scanner) -> None:
+    _Batches(monkeypatch, batch=7, pause=0, scanner=scanner)
     units = _Units(monkeypatch)
     data = data_pkl(save(adam_state(120)))
     for cut in range(0, len(data), max(1, len(data) // 120)):
@@ -847,12 +888,13 @@ def test_optimizer_state_batches_agree_on_mutations_truncations_and_budgets(
     assert units.taken > 10
 
 
-def test_optimizer_state_keys_must_be_strings_stored_before(monkeypatch) -> None:
+def test_optimizer_state_keys_must_be_strings_stored_before(monkeypatch,
+                                                             scanner) -> None:
     """A unit whose key BINGET reads a tensor, a dict, an int, or an index not stored yet: the
     loop's to do (the same outcome as one opcode at a time)."""
     import pickletools
 
-    _Batches(monkeypatch, batch=7, pause=0)
+    _Batches(monkeypatch, batch=7, pause=0, scanner=scanner)
     units = _Units(monkeypatch)
     # a model first: the optimizer's keys are stored past index 255 (LONG_BINGETs)
     data = data_pkl(save({"model": uniform_run(300), "optimizer": adam_state(80)}))
