@@ -36,21 +36,21 @@ u32(const Cursor *c, Py_ssize_t at, uint32_t *out)
     return 1;
 }
 
-/* BINPUT q<1> / LONG_BINPUT r<4>, optional: 1 and the memo index, 0 when absent, -1 on a
- * truncated one */
+/* A memo opcode: ``one`` with a 1-byte index or ``four`` with a 4-byte one. 1 and the
+ * index, 0 when the byte is neither, -1 when its index is cut off. */
 static int
-opt_put(Cursor *c, int64_t *index)
+memo_op(Cursor *c, unsigned char one, unsigned char four, int64_t *index)
 {
     if (c->pos >= c->n)
         return 0;
-    if (c->p[c->pos] == 'q') {
+    if (c->p[c->pos] == one) {
         if (c->pos + 2 > c->n)
             return -1;
         *index = c->p[c->pos + 1];
         c->pos += 2;
         return 1;
     }
-    if (c->p[c->pos] == 'r') {
+    if (c->p[c->pos] == four) {
         uint32_t v;
         if (!u32(c, c->pos + 1, &v))
             return -1;
@@ -61,28 +61,19 @@ opt_put(Cursor *c, int64_t *index)
     return 0;
 }
 
-/* BINGET h<1> / LONG_BINGET j<4> */
+/* BINPUT q<1> / LONG_BINPUT r<4>, optional: 1 and the memo index, 0 when absent, -1 on a
+ * truncated one */
+static int
+opt_put(Cursor *c, int64_t *index)
+{
+    return memo_op(c, 'q', 'r', index);
+}
+
+/* BINGET h<1> / LONG_BINGET j<4>: 1 and the index, else 0 */
 static int
 get(Cursor *c, int64_t *index)
 {
-    if (c->pos >= c->n)
-        return 0;
-    if (c->p[c->pos] == 'h') {
-        if (c->pos + 2 > c->n)
-            return 0;
-        *index = c->p[c->pos + 1];
-        c->pos += 2;
-        return 1;
-    }
-    if (c->p[c->pos] == 'j') {
-        uint32_t v;
-        if (!u32(c, c->pos + 1, &v))
-            return 0;
-        *index = v;
-        c->pos += 5;
-        return 1;
-    }
-    return 0;
+    return memo_op(c, 'h', 'j', index) > 0;
 }
 
 /* BININT1 / BININT2 / BININT: the value and what the interpreter charges for it */
