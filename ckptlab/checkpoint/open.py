@@ -35,6 +35,7 @@ from ckptlab.checkpoint.model import (
     tensor_name,
 )
 from ckptlab.errors import ArchiveError, CorruptArchiveError, UnsupportedFormatError
+from ckptlab.format._bulk import BuiltOnce
 from ckptlab.format._paths import resolve_inside
 from ckptlab.format._source import ByteSource, file_url_path, is_url
 from ckptlab.format.inspect import not_a_checkpoint, sniff
@@ -162,48 +163,38 @@ def _checkpoint(format: str, path: str, models: list[FileModel], root: str,
                       _Values(models, prefix_files), reader or _reader(root), notes)
 
 
-class _Values(MutableMapping[str, Any]):
+class _Values(BuiltOnce[dict[str, Any]], MutableMapping[str, Any]):
     """Name -> non-tensor value of every file, named when first looked at: a whole
     ``nn.Module`` pickled holds a dozen values per module (flags, hook dicts), hundreds of
     thousands that opening it need not name."""
 
-    __slots__ = ("_models", "_prefix", "_value")
+    __slots__ = ()
 
     def __init__(self, models: list[FileModel], prefix_files: bool) -> None:
-        self._models: list[FileModel] | None = models
-        self._prefix = prefix_files
-        self._value: dict[str, Any] | None = None
-
-    def _named(self) -> dict[str, Any]:
-        value = self._value
-        if value is None:
-            models = self._models
-            if models is None:  # another thread named them meanwhile (it sets _value first)
-                return self._value  # type: ignore[return-value]
+        def named() -> dict[str, Any]:
             value = {}
             for m in models:
-                prefix = (m.entry.path,) if self._prefix else ()
+                prefix = (m.entry.path,) if prefix_files else ()
                 for vpath, item in m.objects:
                     value[tensor_name((*prefix, *vpath))] = item
-            if self._value is None:
-                self._value = value
-            self._models = None
-        return self._value
+            return value
+
+        super().__init__(named)
 
     def __getitem__(self, name: str) -> Any:
-        return self._named()[name]
+        return self.value()[name]
 
     def __setitem__(self, name: str, value: Any) -> None:  # (an index's metadata, added)
-        self._named()[name] = value
+        self.value()[name] = value
 
     def __delitem__(self, name: str) -> None:
-        del self._named()[name]
+        del self.value()[name]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._named())
+        return iter(self.value())
 
     def __len__(self) -> int:
-        return len(self._named())
+        return len(self.value())
 
 
 def _renamed(t: TensorEntry, path: tuple[Any, ...]) -> TensorEntry:

@@ -31,11 +31,12 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import repeat
-from typing import Any, SupportsIndex, TypeVar, overload
+from typing import Any, Generic, SupportsIndex, TypeVar, overload
 
-__all__ = ["LazyTuple", "build", "gc_paused"]
+__all__ = ["BuiltOnce", "LazyTuple", "build", "gc_paused"]
 
 T = TypeVar("T")
+V = TypeVar("V")
 
 
 def _fields(cls: type) -> tuple[Any, ...]:
@@ -138,7 +139,39 @@ def gc_paused() -> Iterator[None]:
                 gc.enable()
 
 
-class LazyTuple(Sequence[T]):
+class BuiltOnce(Generic[V]):
+    """The base of stand-ins for a value made when first used: :meth:`value` returns what
+    ``make()`` returns, made once (with the collector paused: :func:`gc_paused`), then
+    ``make`` is dropped. Threads that race may each make it; the first made is the one every
+    caller gets."""
+
+    __slots__ = ("_make", "_value")
+
+    def __init__(self, make: Callable[[], V]) -> None:
+        self._make: Callable[[], V] | None = make
+        self._value: V | None = None
+
+    @property
+    def built(self) -> bool:
+        """Whether the value has been made."""
+        return self._value is not None
+
+    def value(self) -> V:
+        """The value (made on the first call)."""
+        value = self._value
+        if value is None:
+            make = self._make
+            if make is None:  # another thread made it meanwhile (it sets _value first)
+                return self._value  # type: ignore[return-value]
+            with gc_paused():
+                value = make()
+            if self._value is None:  # the first one made is the one kept
+                self._value = value
+            self._make = None
+        return self._value  # type: ignore[return-value]
+
+
+class LazyTuple(BuiltOnce[tuple[T, ...]], Sequence[T]):
     """A tuple of ``count`` items made by ``make()`` when first used, standing in for it.
 
     ``len()`` is known before (unless ``count`` is None: then it builds the tuple too);
@@ -149,33 +182,17 @@ class LazyTuple(Sequence[T]):
     they come from instead of the objects until somebody looks at them.
     """
 
-    __slots__ = ("_count", "_make", "_value")
+    __slots__ = ("_count",)
 
     def __init__(self, count: int | None, make: Callable[[], Iterable[T]]) -> None:
+        def made() -> tuple[T, ...]:
+            value = tuple(make())
+            if count is not None and len(value) != count:
+                raise RuntimeError(f"made {len(value)} items for a LazyTuple of {count}")
+            return value
+
+        super().__init__(made)
         self._count = count
-        self._make: Callable[[], Iterable[T]] | None = make
-        self._value: tuple[T, ...] | None = None
-
-    @property
-    def built(self) -> bool:
-        """Whether the items have been made."""
-        return self._value is not None
-
-    def value(self) -> tuple[T, ...]:
-        """The items as a plain tuple (made on the first call)."""
-        value = self._value
-        if value is None:
-            make = self._make
-            if make is None:  # another thread made them meanwhile (it sets _value first)
-                return self._value  # type: ignore[return-value]
-            with gc_paused():
-                value = tuple(make())
-            if self._count is not None and len(value) != self._count:
-                raise RuntimeError(f"made {len(value)} items for a LazyTuple of {self._count}")
-            if self._value is None:  # the first one made is the one kept
-                self._value = value
-            self._make = None
-        return self._value
 
     def __len__(self) -> int:
         count = self._count

@@ -4,11 +4,14 @@
  * torch's ~28 opcodes of one ``_rebuild_tensor_v2`` call) a batch at a time
  * (``_Machine.entry_run``). This module does the part of that which is byte work: it walks
  * the entries from a position, each exactly as the regular expression ``_ENTRY_V2`` (after its
- * key) reads it, and returns their columns. It reads the buffer and nothing else: it never
+ * key) reads it, and returns their columns; it also takes two shapes that expression leaves
+ * to the loop: a tensor wrapped in a Parameter, and a storage key read back by BINGET from
+ * the BINPUT of an earlier entry of the walk (views of one storage). It reads the buffer and
+ * nothing else: it never
  * touches the interpreter's memo or stack, calls no handler and decides nothing. The caller
  * checks the columns against the memo and the budget and applies the batch, all or nothing,
  * exactly as it does for the entries its expression finds; without this module (no compiler
- * where ckptlab was installed) that expression does the same walk.
+ * where ckptlab was installed) that expression does the same walk, up to those two shapes.
  *
  * Every read is bounds-checked against the buffer's length before it is made (positions stay
  * within it: a start past the end is refused); an entry that is not exactly the expected
@@ -182,11 +185,15 @@ typedef struct {
     int64_t cls;                  /* BINGET of the storage class */
     int64_t skey_index;           /* the storage key's BINGET, or -1: written out at skey_at */
     Py_ssize_t skey_at, skey_len;
+    Py_ssize_t skey_entry;        /* the earlier entry of the walk whose storage key that
+                                     BINGET reads, or -1 (set by the walk, not the parse) */
+    int64_t skey_put;             /* the memo index its storage key is stored at, or -1 */
     int64_t numel, offset;
     int64_t size_v[MAX_DIMS], stride_v[MAX_DIMS];
     Py_ssize_t nsize, nstride;
     int grad;
-    unsigned int mask;            /* bits 1-7: which of the tensor's seven BINPUTs it has */
+    unsigned int mask;            /* bits 1-7: which of the tensor's seven BINPUTs it has;
+                                     bits 8-10: its Parameter's three (parameter_tail) */
     int64_t charged;              /* the interpreter's charges for the ints, the tuples and
                                      the storage key */
     Py_ssize_t last;              /* offset of the last opcode taken */
@@ -226,6 +233,8 @@ parse_tensor(Cursor *c, int64_t *next, Tensor *t)
     t->charged = 0;
     t->skey_index = -1;
     t->skey_at = t->skey_len = 0;
+    t->skey_entry = -1;
+    t->skey_put = -1;
     if (!get(c, &t->g[0]))                    /* the global */
         return 0;
     EXPECT('(');
@@ -254,6 +263,8 @@ parse_tensor(Cursor *c, int64_t *next, Tensor *t)
         t->charged += 16;
     }
     PUT(1);
+    if (t->mask & 2u)
+        t->skey_put = *next - 1;
     if (!get(c, &t->g[2]))                    /* the location */
         return 0;
     if (!small_int(c, &t->numel, &ch))
@@ -293,6 +304,46 @@ parse_tensor(Cursor *c, int64_t *next, Tensor *t)
     return 1;
 }
 
+/* what ``params`` says of an entry: a Parameter, its requires_grad, its BINPUTs (bits 8-10
+ * of the mask, shifted down) */
+#define PARAM_IS 0x10u
+#define PARAM_GRAD 0x08u
+
+/* A Parameter around the tensor just read (torch writes ``_rebuild_parameter(tensor,
+ * requires_grad, OrderedDict())`` as its BINGET before the tensor's and, after the tensor:
+ * NEWTRUE/NEWFALSE, the BINGET of ``OrderedDict`` (the tensor's own hooks' one), EMPTY_TUPLE,
+ * REDUCE, TUPLE3, REDUCE, each result with an optional BINPUT). 1 and what ``params`` says of
+ * it (in *param), the cursor after it; 0 when the bytes are not that. */
+static int
+parameter_tail(Cursor *c, int64_t *next, Tensor *t, unsigned int *param)
+{
+    int64_t hooks;
+    Py_ssize_t at;
+    if (c->pos >= c->n || (c->p[c->pos] != 0x88 && c->p[c->pos] != 0x89))
+        return 0;
+    *param = PARAM_IS | (c->p[c->pos] == 0x88 ? PARAM_GRAD : 0u);
+    c->pos += 1;
+    if (!get(c, &hooks) || hooks != t->g[3])
+        return 0;
+    EXPECT(')');
+    at = c->pos;
+    EXPECT('R');
+    t->last = at;
+    PUT(8);                                   /* the Parameter's hooks */
+    EXPECT(0x87);                             /* TUPLE3 */
+    PUT(9);                                   /* its arguments */
+    at = c->pos;
+    EXPECT('R');
+    t->last = at;
+    PUT(10);                                  /* the Parameter */
+    *param |= (t->mask >> 8) & 7u;
+    t->mask &= 0xFFu;
+    /* the loop's charges: the BINGET of _rebuild_parameter, the bool, the BINGET of
+     * OrderedDict, EMPTY_TUPLE and its call, TUPLE3, the call (the BINPUTs: the walk's) */
+    t->charged += 16 + 16 + 16 + 336 + 96 + 320;
+    return 1;
+}
+
 static int
 append_new(PyObject *list, PyObject *item)
 {
@@ -306,9 +357,11 @@ append_new(PyObject *list, PyObject *item)
 /* The columns of a walk, one list per field, and what is shared. */
 typedef struct {
     PyObject *keys, *classes, *names, *numels, *offsets, *sizes, *strides, *grads;
-    unsigned char *masks;
-    Py_ssize_t count, limit;
+    unsigned char *masks, *params;
+    Py_ssize_t count, limit, nparams;
     int64_t shared[4];
+    int64_t g_param;              /* the BINGET of _rebuild_parameter, alike in every
+                                     Parameter; -1 before the first */
     int64_t puts, cost;
 } Columns;
 
@@ -325,11 +378,13 @@ columns_init(Columns *k, Py_ssize_t limit)
     k->sizes = PyList_New(0);
     k->strides = PyList_New(0);
     k->grads = PyList_New(0);
+    k->g_param = -1;
     k->masks = PyMem_Malloc(limit > 0 ? (size_t)limit : 1);
+    k->params = PyMem_Calloc(limit > 0 ? (size_t)limit : 1, 1);
     if (!k->keys || !k->classes || !k->names || !k->numels || !k->offsets || !k->sizes ||
         !k->strides || !k->grads)
         return -1;
-    if (k->masks == NULL) {
+    if (k->masks == NULL || k->params == NULL) {
         PyErr_NoMemory();
         return -1;
     }
@@ -340,6 +395,7 @@ static void
 columns_free(Columns *k)
 {
     PyMem_Free(k->masks);
+    PyMem_Free(k->params);
     Py_XDECREF(k->keys);
     Py_XDECREF(k->classes);
     Py_XDECREF(k->names);
@@ -361,6 +417,18 @@ same_shared(Columns *k, const Tensor *t)
     return memcmp(k->shared, t->g, sizeof k->shared) == 0;
 }
 
+/* The storage key column's item of ``t``: what an earlier entry's key BINPUT stored, a
+ * BINGET index, or the key written out (a new reference) */
+static PyObject *
+storage_key(Columns *k, const Cursor *c, const Tensor *t)
+{
+    if (t->skey_entry >= 0)
+        return Py_NewRef(PyList_GET_ITEM(k->names, t->skey_entry));
+    if (t->skey_index >= 0)
+        return PyLong_FromLongLong(t->skey_index);
+    return PyUnicode_DecodeASCII((const char *)c->p + t->skey_at, t->skey_len, "strict");
+}
+
 /* Appends one tensor (``key``: a new reference, or NULL for none) to the columns: -1 on a
  * Python error (the key is released). */
 static int
@@ -369,9 +437,7 @@ columns_add(Columns *k, const Cursor *c, const Tensor *t, PyObject *key, unsigne
     if (key != NULL && append_new(k->keys, key) < 0)
         return -1;
     if (append_new(k->classes, PyLong_FromLongLong(t->cls)) < 0 ||
-        append_new(k->names, t->skey_index >= 0 ? PyLong_FromLongLong(t->skey_index) :
-                   PyUnicode_DecodeASCII((const char *)c->p + t->skey_at, t->skey_len,
-                                         "strict")) < 0 ||
+        append_new(k->names, storage_key(k, c, t)) < 0 ||
         append_new(k->numels, PyLong_FromLongLong(t->numel)) < 0 ||
         append_new(k->offsets, PyLong_FromLongLong(t->offset)) < 0 ||
         append_new(k->sizes, make_tuple(t->size_v, t->nsize)) < 0 ||
@@ -406,40 +472,74 @@ binunicode(const Cursor *c, Py_ssize_t at, PyObject **out, Py_ssize_t *end, Py_s
     return 1;
 }
 
+/* The arguments entries() and units() take: the buffer, the start, the most entries (or
+ * tensors) and the memo's length. */
+typedef struct {
+    Py_buffer view;
+    Py_ssize_t start, limit;
+    long long memo_len;
+} Walk;
+
+/* 1 with the arguments (the view to release), the limit cut to what the buffer can hold
+ * (an entry or a tensor takes more than 16 bytes), ``*valid`` 0 when they name no walk (a
+ * start outside the buffer, a negative limit or memo); 0 with a Python error. */
+static int
+walk_args(PyObject *args, Walk *w, int *valid)
+{
+    if (!PyArg_ParseTuple(args, "y*nnL", &w->view, &w->start, &w->limit, &w->memo_len))
+        return 0;
+    *valid = w->start >= 0 && w->start <= w->view.len && w->limit >= 0 && w->memo_len >= 0;
+    if (w->limit > w->view.len / 16 + 1)
+        w->limit = w->view.len / 16 + 1;
+    return 1;
+}
+
 PyDoc_STRVAR(entries_doc,
 "entries(data, pos, limit, memo_len) -> tuple | None\n\n"
 "The state dict entries from ``pos`` (a BINUNICODE key, then its tensor as ``_ENTRY_V2``\n"
-"reads it), at most ``limit``, each BINPUT storing the next memo index from ``memo_len``\n"
-"on: ``(count, end, last, keys, masks, shared, classes, storage_keys, numels, offsets,\n"
-"sizes, strides, grads, puts, cost)``. ``shared`` holds the four BINGET indices every entry\n"
-"has alike (the global, the storage tag, the location, the hooks' global), ``classes`` the\n"
-"storage class BINGET of each, ``storage_keys`` a str (written out) or an int (a BINGET\n"
-"index), ``masks`` a bytes of which of the eight BINPUTs each entry has, ``last`` the\n"
-"offset of the last opcode taken and ``cost`` what the interpreter charges for them all.\n"
-"None when no entry is there.");
+"reads it, or that tensor as a Parameter's), at most ``limit``, each BINPUT storing the next\n"
+"memo index from ``memo_len`` on: ``(count, end, last, keys, masks, shared, classes,\n"
+"storage_keys, numels, offsets, sizes, strides, grads, puts, cost, g_param, params)``.\n"
+"``shared`` holds the four BINGET indices every entry has alike (the global, the storage\n"
+"tag, the location, the hooks' global), ``classes`` the storage class BINGET of each,\n"
+"``storage_keys`` a str (written out, or stored by an earlier entry's BINPUT and read back\n"
+"by BINGET) or an int (a BINGET index below ``memo_len``), ``masks`` a bytes of which of the\n"
+"eight BINPUTs each entry has, ``last`` the offset of the last opcode taken and ``cost``\n"
+"what the interpreter charges for them all. ``params`` is None when no entry is a\n"
+"Parameter, else a bytes, one per entry: 0, or 0x10 for a Parameter, 0x08 for its\n"
+"requires_grad and bits 0-2 for which of its three BINPUTs (hooks, arguments, result) it\n"
+"has; ``g_param`` the BINGET index of ``_rebuild_parameter`` every Parameter has alike\n"
+"(-1: none). None when no entry is there.");
 
 static PyObject *
 entries(PyObject *self, PyObject *args)
 {
     (void)self;
-    Py_buffer view;
-    Py_ssize_t start, limit;
-    long long memo_len;
-    if (!PyArg_ParseTuple(args, "y*nnL", &view, &start, &limit, &memo_len))
+    Walk w;
+    int valid;
+    if (!walk_args(args, &w, &valid))
         return NULL;
-    Cursor cur = {(const unsigned char *)view.buf, view.len, start};
+    Py_ssize_t start = w.start, limit = w.limit;
+    long long memo_len = w.memo_len;
+    Cursor cur = {(const unsigned char *)w.view.buf, w.view.len, start};
     Cursor *c = &cur;
     Columns k;
-    PyObject *result = NULL, *masks = NULL;
+    PyObject *result = NULL, *masks = NULL, *params = NULL;
     Py_ssize_t end = start, last = -1;
     int64_t next = memo_len;
+    /* for each memo index the walk stores (from memo_len on, at most 11 an entry): the entry
+     * whose storage key it holds, else -1 */
+    int32_t *owner = NULL;
     Tensor tensor, *t = &tensor;
-    if (limit > view.len)  /* (each entry takes more than a byte) */
-        limit = view.len;
     if (columns_init(&k, limit) < 0)
         goto done;
-    if (start < 0 || start > view.len || limit < 0 || memo_len < 0)
+    if (!valid)
         goto none;
+    owner = PyMem_Malloc(sizeof(int32_t) * 11 * (size_t)(limit > 0 ? limit : 1));
+    if (owner == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     while (k.count < limit) {
         /* a whole entry is read before anything of it is kept */
         int64_t entry_next = next;
@@ -456,16 +556,45 @@ entries(PyObject *self, PyObject *args)
         /* the key's BINPUT */
         int64_t index;
         int put = opt_put(c, &index);
-        unsigned int key_mask = 0;
+        unsigned int key_mask = 0, param = 0;
         if (put > 0 && index == next) {
             next += 1;
             key_mask = 1;
         }
-        if (put < 0 || (put > 0 && !key_mask) || !parse_tensor(c, &next, t) ||
-            !same_shared(&k, t)) {
+        int ok = put >= 0 && !(put > 0 && !key_mask);
+        /* a Parameter: the BINGET of _rebuild_parameter, then the tensor's */
+        int64_t g_param = -1;
+        if (ok) {
+            Py_ssize_t before = c->pos;
+            if (!get(c, &g_param) || c->pos >= c->n ||
+                (c->p[c->pos] != 'h' && c->p[c->pos] != 'j')) {
+                g_param = -1;
+                c->pos = before;
+            }
+        }
+        ok = ok && parse_tensor(c, &next, t) && same_shared(&k, t) &&
+                 (g_param < 0 || (parameter_tail(c, &next, t, &param) &&
+                                  (k.g_param < 0 || k.g_param == g_param)));
+        if (ok && t->skey_index >= memo_len) {
+            /* a storage key stored by an earlier entry of the walk: its item */
+            int64_t at = t->skey_index - memo_len;
+            ok = at < entry_next - memo_len && owner[at] >= 0;
+            if (ok)
+                t->skey_entry = owner[at];
+        }
+        if (!ok) {
             Py_DECREF(key);
             next = entry_next;
             break;
+        }
+        for (int64_t i = entry_next; i < next; i++)
+            owner[i - memo_len] = -1;
+        if (t->skey_put >= 0)
+            owner[t->skey_put - memo_len] = (int32_t)k.count;
+        if (param) {
+            k.params[k.count] = (unsigned char)param;
+            k.g_param = g_param;
+            k.nparams += 1;
         }
         if (columns_add(&k, c, t, key, t->mask | key_mask) < 0)
             goto done;
@@ -482,20 +611,25 @@ entries(PyObject *self, PyObject *args)
     if (k.count == 0)
         goto none;
     masks = PyBytes_FromStringAndSize((const char *)k.masks, k.count);
-    if (masks == NULL)
+    params = k.nparams ? PyBytes_FromStringAndSize((const char *)k.params, k.count) :
+                         Py_NewRef(Py_None);
+    if (masks == NULL || params == NULL)
         goto done;
-    result = Py_BuildValue("(nnnOO(LLLL)OOOOOOOLL)", k.count, end, last, k.keys, masks,
+    result = Py_BuildValue("(nnnOO(LLLL)OOOOOOOLLLO)", k.count, end, last, k.keys, masks,
                            (long long)k.shared[0], (long long)k.shared[1],
                            (long long)k.shared[2], (long long)k.shared[3], k.classes, k.names,
                            k.numels, k.offsets, k.sizes, k.strides, k.grads,
-                           (long long)k.puts, (long long)k.cost);
+                           (long long)k.puts, (long long)k.cost, (long long)k.g_param,
+                           params);
     goto done;
 none:
     result = Py_NewRef(Py_None);
 done:
+    PyMem_Free(owner);
     Py_XDECREF(masks);
+    Py_XDECREF(params);
     columns_free(&k);
-    PyBuffer_Release(&view);
+    PyBuffer_Release(&w.view);
     return result;
 }
 
@@ -515,23 +649,21 @@ static PyObject *
 units(PyObject *self, PyObject *args)
 {
     (void)self;
-    Py_buffer view;
-    Py_ssize_t start, limit;
-    long long memo_len;
-    if (!PyArg_ParseTuple(args, "y*nnL", &view, &start, &limit, &memo_len))
+    Walk w;
+    int valid;
+    if (!walk_args(args, &w, &valid))
         return NULL;
-    Cursor cur = {(const unsigned char *)view.buf, view.len, start};
+    Py_ssize_t start = w.start, limit = w.limit;
+    Cursor cur = {(const unsigned char *)w.view.buf, w.view.len, start};
     Cursor *c = &cur;
     Columns k;
     PyObject *result = NULL, *masks = NULL, *ints = PyList_New(0), *per_unit = PyList_New(0),
              *key_gets = PyList_New(0);
     Py_ssize_t end = start, nunits = 0;
-    int64_t next = memo_len;
-    if (limit > view.len)  /* (each tensor takes more than a byte) */
-        limit = view.len;
+    int64_t next = w.memo_len;
     if (columns_init(&k, limit) < 0 || !ints || !per_unit || !key_gets)
         goto done;
-    if (start < 0 || start > view.len || limit < 0 || memo_len < 0)
+    if (!valid)
         goto none;
     for (;;) {
         /* a whole unit is read before anything of it is kept */
@@ -612,7 +744,7 @@ done:
     Py_XDECREF(per_unit);
     Py_XDECREF(key_gets);
     columns_free(&k);
-    PyBuffer_Release(&view);
+    PyBuffer_Release(&w.view);
     return result;
 }
 

@@ -672,6 +672,9 @@ class _TorchHandlers:
 
 # OrderedDict() with no arguments, for the interpreter's hot path (a frame less per call)
 _TorchHandlers.ordered_dict.ckptlab_no_args = StateDict  # type: ignore[attr-defined]
+# Parameters in batches: rebuild_parameter never raises (for a batch's tensor, a bool and an
+# empty hooks dict), so a batch of them is all or nothing as the interpreter needs
+_TorchHandlers.rebuild_parameter.ckptlab_batchable = True  # type: ignore[attr-defined]
 
 
 def torch_handlers() -> tuple[_TorchHandlers, dict[tuple[str, str], Any]]:

@@ -57,7 +57,7 @@ from __future__ import annotations
 import codecs
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from itertools import accumulate, chain, compress, repeat
 from operator import itemgetter
 from typing import Any
@@ -168,7 +168,8 @@ _INT64 = 1 << 64
 
 
 _NOTHING = object()  # never on the stack nor in the memo
-_FAST_GLOBALS = (("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict"))
+_FAST_GLOBALS = (("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict"),
+                 ("torch._utils", "_rebuild_parameter"))
 _ERRORS = (PickleDataError, UnicodeDecodeError, RecursionError, MemoryError)
 
 
@@ -402,6 +403,8 @@ _c_entries = getattr(_compiled, "entries", None)
 _c_units = getattr(_compiled, "units", None)
 # which of the eight BINPUTs of _ENTRY_PUTS an entry has, from its bit mask
 _MASKS = tuple(tuple(bool(m >> i & 1) for i in range(8)) for m in range(256))
+# a Parameter's three BINPUTs (hooks, arguments, result) from the bits 0-2 of its params byte
+_PARAM_MASKS = tuple(tuple(bool(m >> i & 1) for i in range(3)) for m in range(256))
 
 _SPEC_MIN = 16  # entries in a batch before the next batch is tried with their shapes' patterns
 _SPECS = 8  # the shapes (specialised patterns) kept: a layer's few, an MoE expert's three
@@ -511,6 +514,7 @@ class _Machine:
         "buildable",
         "data",
         "entry_after",
+        "entry_pause",
         "entry_specs",
         "fast_global",
         "fast_handler",
@@ -527,6 +531,8 @@ class _Machine:
         "n",
         "odict_global",
         "odict_handler",
+        "param_global",
+        "param_handler",
         "persistent",
         "pos",
         "proto",
@@ -558,12 +564,15 @@ class _Machine:
         self.fast_handler: Handler | None = None
         self.odict_global: Any = _NOTHING
         self.odict_handler: Handler | None = None
+        self.param_global: Any = _NOTHING  # _rebuild_parameter, for batches (entry_run_c)
+        self.param_handler: Handler | None = None
         self.fused: Callable[..., Any] | None = None
         self.fused_batch: Callable[..., Any] | None = None
         # the shapes of the last batches' entries as specialised patterns (_entry_spec)
         self.entry_specs: list[_EntrySpec] = []
         self.entry_after: dict[tuple[Any, Any], _EntrySpec] = {}  # see entry_run
         self.unit_specs: list[_EntrySpec] = []  # the tensors of a state_run unit, in order
+        self.entry_pause = BULK_PAUSE // 4  # entries to let pass before entry_run is tried
         self.state_pause = 0  # SETITEMS to let pass before state_run is tried again
         # tuple opcodes -> (value, charge, whether it is a valid size: ints >= 0, <= 64 dims)
         self.tuples: dict[bytes, tuple[tuple[int, ...], int, bool]] = {}
@@ -626,14 +635,20 @@ class _Machine:
             self.seen_globals.append(f"{module}.{name}")
             if self.fast_paths and key in _FAST_GLOBALS:
                 handler = self.handlers.get(key)
-                if handler is not None and key == _FAST_GLOBALS[0]:
+                if handler is None:
+                    pass
+                elif key == _FAST_GLOBALS[0]:
                     if self.persistent is not None:
                         self.fast_global, self.fast_handler = found, handler
-                elif handler is not None:
+                elif key == _FAST_GLOBALS[1]:
                     # what the handler does with no arguments (``ckptlab_no_args``, a class
                     # it would return an instance of, saves a frame per call), else itself
                     self.odict_global = found
                     self.odict_handler = getattr(handler, "ckptlab_no_args", handler)
+                elif getattr(handler, "ckptlab_batchable", False):
+                    # Parameters in batches: a handler that says it never raises for a
+                    # tensor of the batch, a bool and an empty hooks dict
+                    self.param_global, self.param_handler = found, handler
         return found
 
     def call(self, func: Any, args: Any, kwargs: Any = None) -> Any:
@@ -1136,17 +1151,21 @@ class _Machine:
         if done is None:
             return None
         bulk = self.fused_batch is not None and n >= BULK_MIN_NBYTES
-        pause = BULK_PAUSE // 4  # a run of a few entries (between other objects) goes alone
+        # entries go alone until a batch is due: a few entries between other objects are
+        # not worth one, nor the entries a batch not taken looked at (up to this run's end).
+        # The count goes on across runs: Parameters, which tensor_v2 leaves to the loop, end
+        # each run but not a batch.
+        self.entry_pause = min(self.entry_pause, BULK_PAUSE // 4)
         while True:
             pos, budget, result, last = done
             push(result)
             if bulk:
-                if pause:
-                    pause -= 1
+                if self.entry_pause:
+                    self.entry_pause -= 1
                 else:
                     ran = self.entry_run(pos, budget, push.__self__)  # type: ignore[attr-defined]
                     if type(ran) is int:
-                        pause = max(BULK_PAUSE, ran)
+                        self.entry_pause = max(BULK_PAUSE, ran)
                     else:
                         pos, budget, last = ran
             # the next entry's key: a BINUNICODE the loop would take the same way
@@ -1291,14 +1310,17 @@ class _Machine:
         if got is None:
             return 0
         (count, end, last, keys, masks, shared, classes, names, numels, offsets, sizes,
-         strides, grads, puts, cost) = got
+         strides, grads, puts, cost, g_param, params) = got
         if count < 2:
             return count
         cols = self.checked_columns(size0, count, masks, shared, classes, names, numels,
                                     offsets, sizes, strides, grads, puts)
         if cols is None or cost > budget:
             return count  # (the budget: one opcode at a time, the loop says where)
-        done = self.fuse(cols, keys)
+        if params is not None and (g_param >= size0 or memo[g_param] is not self.param_global
+                                   or self.param_handler is None):
+            return count
+        done = self.fuse(cols, keys, params)
         if done is None:
             return count
         results, stored = done
@@ -1462,22 +1484,14 @@ class _Machine:
         and the storage keys read by BINGET all stored before the batch (``size0``), the
         global torch's tensor rebuild, the hooks' ``OrderedDict``, the keys strings."""
         memo = self.memo
-        g_global, g_tag, g_location, g_hooks = shared
-        if max(shared) >= size0 or memo[g_global] is not self.fast_global or \
-                memo[g_hooks] is not self.odict_global or self.odict_handler is None:
+        stored = self.batch_memo(shared, classes, size0)
+        if stored is None:
             return None
-        type_of = dict.fromkeys(classes)
-        if max(type_of) >= size0:
-            return None
-        for index in type_of:
-            type_of[index] = memo[index]
+        tag, location, type_of = stored
         if set(map(type, names)) != _STR_ONLY:  # storage keys by BINGET: strings stored before
             if max(k for k in names if type(k) is int) >= size0:
                 return None
             names = [memo[k] if type(k) is int else k for k in names]
-        tag, location = memo[g_tag], memo[g_location]
-        if type(tag) is not str or type(location) is not str:
-            return None  # (the loop says what is wrong, without hashing what they are)
         pids = list(zip(repeat(tag), map(type_of.__getitem__, classes), names,
                         repeat(location), numels))
         first = masks[0]
@@ -1485,10 +1499,34 @@ class _Machine:
             map(_MASKS.__getitem__, masks))
         return put_mask, None, puts, offsets, sizes, strides, grads, None, names, pids
 
-    def fuse(self, got: tuple[Any, ...], keys: list[Any]) -> tuple[list[Any], list[Any]] | None:
+    def batch_memo(self, shared: Sequence[int], classes: Iterable[int], size0: int
+                   ) -> tuple[str, str, dict[int, Any]] | None:
+        """What a batch's BINGETs read, when the memo holds what a batch needs: the four
+        every tensor has (``shared``: the global, torch's tensor rebuild; the storage tag
+        and the location, strings; the hooks' ``OrderedDict``) and the storage classes
+        (``classes``), all of indices stored before the batch (below ``size0``). Returns the
+        tag, the location and ``{class index: class}``; None: not a batch."""
+        memo = self.memo
+        g_global, g_tag, g_location, g_hooks = shared
+        if max(shared) >= size0 or memo[g_global] is not self.fast_global or \
+                memo[g_hooks] is not self.odict_global or self.odict_handler is None:
+            return None
+        tag, location = memo[g_tag], memo[g_location]
+        if type(tag) is not str or type(location) is not str:
+            return None  # (the loop says what is wrong, without hashing what they are)
+        class_of = dict.fromkeys(classes)
+        if max(class_of) >= size0:
+            return None
+        for index in class_of:
+            class_of[index] = memo[index]
+        return tag, location, class_of
+
+    def fuse(self, got: tuple[Any, ...], keys: list[Any], params: bytes | None = None
+             ) -> tuple[list[Any], list[Any]] | None:
         """The persistent ids and the handler of a batch's tensors (``got``, from
         :meth:`tensor_columns`; ``keys`` their dict keys), all at once or not at all: the
-        results, and what the tensors' BINPUTs store, in memo order. None: nothing changed."""
+        results, and what the tensors' BINPUTs store, in memo order. None: nothing changed.
+        ``params``: which tensors are Parameters (the compiled walk's column)."""
         put_mask, _, _, offsets, sizes, strides, grads, _, names, pids = got
         both = self.fused_batch(pids, offsets, sizes, strides, grads)  # type: ignore[misc]
         if both is None:
@@ -1498,9 +1536,33 @@ class _Machine:
         hooks = [odict() for _ in range(len(refs))]  # type: ignore[misc]
         args = list(zip(refs, offsets, sizes, strides, grads, hooks))
         values = (keys, names, pids, sizes, strides, hooks, args, results)
+        if params is not None:
+            return self.parameters(values, put_mask, params)
         if type(put_mask[0]) is bool:  # the same BINPUTs in every tensor
             return results, list(chain.from_iterable(zip(*compress(values, put_mask))))
         return results, list(chain.from_iterable(map(compress, zip(*values), put_mask)))
+
+    def parameters(self, values: tuple[list[Any], ...], put_mask: list[Any], params: bytes
+                   ) -> tuple[list[Any], list[Any]]:
+        """:meth:`fuse`'s results and memo entries for a batch with Parameters: each tensor
+        ``params`` marks (``0x10``; ``0x08`` its requires_grad, bits 0-2 its BINPUTs) goes
+        through the ``_rebuild_parameter`` handler as the loop would call it, with its own
+        empty hooks dict (the handler never raises: ``ckptlab_batchable``)."""
+        tensors = values[7]
+        count = len(tensors)
+        handler = self.param_handler
+        odict = self.odict_handler
+        hooks: list[Any] = [None] * count
+        args: list[Any] = [None] * count
+        results = list(tensors)
+        for i in compress(range(count), params):
+            hooks[i] = odict()  # type: ignore[misc]
+            args[i] = (tensors[i], params[i] & 0x08 != 0, hooks[i])
+            results[i] = handler(*args[i])  # type: ignore[misc]
+        tensor_masks = repeat(tuple(put_mask)) if type(put_mask[0]) is bool else put_mask
+        masks = map(tuple.__add__, tensor_masks, map(_PARAM_MASKS.__getitem__, params))
+        return results, list(chain.from_iterable(map(compress, zip(
+            *values, hooks, args, results), masks)))
 
     def tensor_columns(self, matches: list[re.Match[Any]], used: list[_EntrySpec],
                        size0: int) -> tuple[Any, ...] | None:
@@ -1513,7 +1575,6 @@ class _Machine:
         and ``charged`` is what the loop charges for the ints and tuples. None: not taken.
         """
         count = len(matches)
-        memo = self.memo
         tuples = self.tuples
         kinds = dict.fromkeys(used)  # the shapes of this batch's entries, when specialised
         if kinds:
@@ -1580,19 +1641,12 @@ class _Machine:
             sizes = [(*t[0],) for t in size_ops]  # tuples of their own, as the loop builds
             strides = [(*t[0],) for t in stride_ops]
             grads = list(map(b"\x88".__eq__, cols[15]))
-        # the shared BINGETs: of indices stored before the batch
-        where = list(map(_memo_index, shared_ops))
-        if max(where) >= size0 or memo[where[0]] is not self.fast_global or \
-                memo[where[3]] is not self.odict_global or self.odict_handler is None:
+        index_of = {op: _memo_index(op) for op in set(type_ops)}  # storage classes, the same
+        stored = self.batch_memo(list(map(_memo_index, shared_ops)), index_of.values(), size0)
+        if stored is None:
             return None
-        tag, location = memo[where[1]], memo[where[2]]
-        if type(tag) is not str or type(location) is not str:
-            return None  # (the loop says what is wrong, without hashing what they are)
-        type_of = {op: _memo_index(op) for op in set(type_ops)}  # storage classes, the same
-        if max(type_of.values()) >= size0:
-            return None
-        for op, index in type_of.items():
-            type_of[op] = memo[index]
+        tag, location, class_of = stored
+        type_of = {op: class_of[index] for op, index in index_of.items()}
         # storage keys: written out (X) in every entry, each of its declared length
         if bytes(map(_FIRST, key_ops)) != b"X" * count:
             return None

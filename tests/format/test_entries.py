@@ -90,7 +90,8 @@ def test_the_entries_the_pattern_finds(protocol: int) -> None:
     got = entries(data, pos, 1000, memo_len)
     assert got is not None
     count, end, last, keys, masks, shared, classes, names, numels, offsets, sizes, strides, \
-        grads, puts, cost = got
+        grads, puts, cost, g_param, params = got
+    assert g_param == -1 and params is None  # (no Parameter)
     assert count == 295 and end == want[-1][1] and keys == [k for k, _ in want]
     assert len(set(shared)) == 4 and max(shared) < memo_len  # stored before: the first entries
     assert len(masks) == count and {len(c) for c in (classes, names, numels, offsets, sizes,
@@ -106,6 +107,61 @@ def test_the_entries_the_pattern_finds(protocol: int) -> None:
     # a limit: that many, ending where the pattern's entry ends
     few = entries(data, pos, 7, memo_len)
     assert few is not None and few[0] == 7 and few[1] == want[6][1]
+
+
+def parameters_and_views(n: int) -> dict[str, torch.Tensor]:
+    """A Parameter, two views of one storage and a bfloat16 vector per layer, as
+    ``benchmarks/open.py``'s ``mix``; every seventh Parameter requires grad."""
+    out: dict[str, torch.Tensor] = {}
+    for i in range(n):
+        w = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=i % 7 == 0)
+        base = torch.zeros(8)
+        out.update({f"l.{i}.w": w, f"l.{i}.a": base[:4], f"l.{i}.b": base[4:].view(2, 2),
+                    f"l.{i}.bias": torch.zeros(3, dtype=torch.bfloat16)})
+    return out
+
+
+def test_parameters_and_views_of_one_storage() -> None:
+    """Parameters (``_rebuild_parameter(tensor, requires_grad, OrderedDict())``) and storage
+    keys read back by BINGET from an earlier entry of the walk are taken: the columns say
+    which entries are Parameters, and a view's storage key is the earlier entry's string."""
+    import pickletools
+
+    n = 60
+    t = parameters_and_views(n)
+    data = data_pkl(t)
+    pos = data.index(b"X", data.index(b"l.2.w") - 5)  # (the first layers name the globals)
+    memo_len = 1 + max(arg for op, arg, at in pickletools.genops(data)
+                       if at < pos and op.name in ("BINPUT", "LONG_BINPUT"))
+    got = entries(data, pos, 10_000, memo_len)
+    assert got is not None
+    count, keys, names, sizes, g_param, params = (got[0], got[3], got[7], got[10], got[15],
+                                                  got[16])
+    assert count == 4 * (n - 2) and keys == list(t)[8:]
+    assert 0 <= g_param < memo_len and len(params) == count
+    for key, flags, name, size in zip(keys, params, names, sizes):
+        want = t[key]
+        assert bool(flags & 0x10) == isinstance(want, torch.nn.Parameter)
+        assert bool(flags & 0x08) == want.requires_grad and size == tuple(want.shape)
+        assert isinstance(name, str) and name.isdigit()
+    # each view ``b`` reads its storage key back from view ``a`` (the same string object)
+    for i in range(1, count, 4):
+        assert keys[i].endswith(".a") and names[i + 1] is names[i]
+    # a storage key BINGET that reads an earlier entry's *key* (not its storage key): the
+    # walk ends before that entry
+    ops = list(pickletools.genops(data))
+    at_b = next(i for i, (op, arg, _) in enumerate(ops) if arg == "l.30.b")
+    at_a = next(i for i, (op, arg, _) in enumerate(ops) if arg == "l.30.a")
+    skey_get, a_key_put = ops[at_b + 7], ops[at_a + 1]
+    assert skey_get[0].name == "LONG_BINGET" and a_key_put[0].name == "LONG_BINPUT"
+    bad = bytearray(data)
+    bad[skey_get[2] + 1:skey_get[2] + 5] = a_key_put[1].to_bytes(4, "little")
+    cut = entries(bytes(bad), pos, 10_000, memo_len)
+    assert cut is not None and cut[3][-1] == "l.30.a"
+    # ... and one of an index no entry of the walk has stored yet: the same
+    bad[skey_get[2] + 1:skey_get[2] + 5] = (skey_get[1] + 1).to_bytes(4, "little")
+    cut = entries(bytes(bad), pos, 10_000, memo_len)
+    assert cut is not None and cut[3][-1] == "l.30.a"
 
 
 def test_the_units_of_an_optimizer_state() -> None:

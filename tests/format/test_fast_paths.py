@@ -826,6 +826,87 @@ def test_one_storage_under_two_classes_in_a_batch(monkeypatch, scanner) -> None:
     assert all_ways(bad)[0] == "error"
 
 
+# Parameters and views of one storage among the entries (the compiled walk takes them)
+
+
+def mix_run(n: int) -> dict[str, Any]:
+    """Per layer: a Parameter (every third requires grad), two views of one storage (the
+    second names it by BINGET of the first's BINPUT), a bfloat16 vector."""
+    out: dict[str, Any] = {}
+    for i in range(n):
+        base = torch.zeros(8)
+        out.update({f"l.{i}.w": torch.nn.Parameter(torch.zeros(2, 2), requires_grad=i % 3 == 0),
+                    f"l.{i}.a": base[:4], f"l.{i}.b": base[4:].view(2, 2),
+                    f"l.{i}.bias": torch.zeros(3, dtype=torch.bfloat16)})
+    return out
+
+
+def test_parameters_and_views_agree_and_are_taken(monkeypatch, scanner) -> None:
+    batches = _Batches(monkeypatch, batch=9, pause=1, scanner=scanner)
+    for protocol in (2, 3):
+        for obj in (mix_run(60), {"model": mix_run(20), "step": 3, "more": mix_run(5)}):
+            got = all_ways(data_pkl(save(obj, protocol)))
+            assert got[0] != "error"
+    # the compiled walk takes Parameters and views in its batches (the patterns leave both
+    # to the loop: they end a batch)
+    if scanner == "compiled":
+        assert batches.taken > 40
+    memo = all_ways(_memo_exposed(data_pkl(save(mix_run(40)))))
+    assert memo[0] != "error" and len(memo[0][1][1][1]) > 4 * 40 * 8
+
+
+def test_parameter_batches_agree_on_mutations_truncations_and_budgets(monkeypatch,
+                                                                      scanner) -> None:
+    _Batches(monkeypatch, batch=8, pause=0, scanner=scanner)
+    data = data_pkl(save(mix_run(30)))
+    rng = random.Random(29)
+    hot = [i for i in range(len(data)) if data[i] in (0x72, 0x71, 0x68, 0x6A, 0x87, 0x88, 0x89)]
+    for _ in range(300):
+        mutated = bytearray(data)
+        at = rng.choice(hot) if rng.random() < 0.7 else rng.randrange(len(mutated))
+        if rng.random() < 0.5 and at + 1 < len(mutated):
+            at += 1  # an index rather than the opcode
+        mutated[at] = rng.choice((rng.randrange(256), mutated[at] ^ 1, mutated[at] + 1 & 255,
+                                  0x71, 0x72, 0x68, 0x6A, 0x87, 0x86, 0x88, 0x89, 0x52))
+        all_ways(bytes(mutated))
+    for cut in range(0, len(data), max(1, len(data) // 120)):
+        assert all_ways(data[:cut])[0] == "error"
+    assert len(budget_errors(data, all_ways, monkeypatch, 300_000, 1_499)) > 100
+
+
+def test_a_parameter_handler_that_may_raise_is_called_one_at_a_time(monkeypatch,
+                                                                    scanner) -> None:
+    """Only a ``_rebuild_parameter`` handler that says it never raises
+    (``ckptlab_batchable``) is called in a batch: another one, here one that raises on the
+    tenth Parameter, is called by the loop, which says where."""
+    batches = _Batches(monkeypatch, batch=8, pause=0, scanner=scanner)
+    data = data_pkl(save(mix_run(30)))
+    calls = []
+
+    def strict(data: Any = None, requires_grad: Any = False, hooks: Any = None) -> Any:
+        calls.append(requires_grad)
+        if len(calls) == 10:
+            raise TypeError("the tenth")
+        return data
+
+    def run(fast: bool) -> Any:
+        calls.clear()
+        handlers, table = torch_handlers()
+        table[("torch._utils", "_rebuild_parameter")] = strict
+        try:
+            interpret(data, handlers=table, persistent_load=handlers.persistent_load,
+                      buildable=_BUILDABLE, fast_paths=fast,
+                      fused_tensor_v2=handlers.fused_v2 if fast else None,
+                      fused_tensor_v2_batch=handlers.fused_v2_batch if fast else None)
+        except PickleDataError as exc:
+            return str(exc), _unpickle.failure_offset(exc), list(calls)
+        raise AssertionError("no error")
+
+    fast = run(True)
+    assert fast == run(False) and len(fast[2]) == 10 and "the tenth" in fast[0]
+    assert batches.taken == 0  # (a walk with a Parameter is left to the loop whole)
+
+
 # an optimizer's state: dicts of tensors under int keys, taken a batch of units at a time
 
 
