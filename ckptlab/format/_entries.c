@@ -482,11 +482,16 @@ typedef struct {
 
 /* 1 with the arguments (the view to release), the limit cut to what the buffer can hold
  * (an entry or a tensor takes more than 16 bytes), ``*valid`` 0 when they name no walk (a
- * start outside the buffer, a negative limit or memo); 0 with a Python error. */
+ * start outside the buffer, a negative limit or memo); 0 with a Python error. ``params``:
+ * where entries() takes its flag (whether Parameters may be in the walk; unless told, they
+ * may), else NULL. */
 static int
-walk_args(PyObject *args, Walk *w, int *valid)
+walk_args(PyObject *args, Walk *w, int *valid, int *params)
 {
-    if (!PyArg_ParseTuple(args, "y*nnL", &w->view, &w->start, &w->limit, &w->memo_len))
+    if (params != NULL ?
+            !PyArg_ParseTuple(args, "y*nnL|p", &w->view, &w->start, &w->limit, &w->memo_len,
+                              params) :
+            !PyArg_ParseTuple(args, "y*nnL", &w->view, &w->start, &w->limit, &w->memo_len))
         return 0;
     *valid = w->start >= 0 && w->start <= w->view.len && w->limit >= 0 && w->memo_len >= 0;
     if (w->limit > w->view.len / 16 + 1)
@@ -495,15 +500,17 @@ walk_args(PyObject *args, Walk *w, int *valid)
 }
 
 PyDoc_STRVAR(entries_doc,
-"entries(data, pos, limit, memo_len) -> tuple | None\n\n"
+"entries(data, pos, limit, memo_len, params=True) -> tuple | None\n\n"
 "The state dict entries from ``pos`` (a BINUNICODE key, then its tensor as ``_ENTRY_V2``\n"
-"reads it, or that tensor as a Parameter's), at most ``limit``, each BINPUT storing the next\n"
+"reads it, or, where ``params`` is true, that tensor as a Parameter's), at most ``limit``,\n"
+"each BINPUT storing the next\n"
 "memo index from ``memo_len`` on: ``(count, end, last, keys, masks, shared, classes,\n"
 "storage_keys, numels, offsets, sizes, strides, grads, puts, cost, g_param, params)``.\n"
 "``shared`` holds the four BINGET indices every entry has alike (the global, the storage\n"
 "tag, the location, the hooks' global), ``classes`` the storage class BINGET of each,\n"
-"``storage_keys`` a str (written out, or stored by an earlier entry's BINPUT and read back\n"
-"by BINGET) or an int (a BINGET index below ``memo_len``), ``masks`` a bytes of which of the\n"
+"``storage_keys`` a str (written out) or an int (a BINGET index below ``memo_len``): a\n"
+"storage key read back by BINGET from an earlier entry's BINPUT is that entry's item,\n"
+"``masks`` a bytes of which of the\n"
 "eight BINPUTs each entry has, ``last`` the offset of the last opcode taken and ``cost``\n"
 "what the interpreter charges for them all. ``params`` is None when no entry is a\n"
 "Parameter, else a bytes, one per entry: 0, or 0x10 for a Parameter, 0x08 for its\n"
@@ -516,8 +523,8 @@ entries(PyObject *self, PyObject *args)
 {
     (void)self;
     Walk w;
-    int valid;
-    if (!walk_args(args, &w, &valid))
+    int valid, take_params = 1;
+    if (!walk_args(args, &w, &valid, &take_params))
         return NULL;
     Py_ssize_t start = w.start, limit = w.limit;
     long long memo_len = w.memo_len;
@@ -528,18 +535,14 @@ entries(PyObject *self, PyObject *args)
     Py_ssize_t end = start, last = -1;
     int64_t next = memo_len;
     /* for each memo index the walk stores (from memo_len on, at most 11 an entry): the entry
-     * whose storage key it holds, else -1 */
+     * whose storage key it holds, else -1; grown as the walk goes */
     int32_t *owner = NULL;
+    Py_ssize_t owner_size = 0;
     Tensor tensor, *t = &tensor;
     if (columns_init(&k, limit) < 0)
         goto done;
     if (!valid)
         goto none;
-    owner = PyMem_Malloc(sizeof(int32_t) * 11 * (size_t)(limit > 0 ? limit : 1));
-    if (owner == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
     while (k.count < limit) {
         /* a whole entry is read before anything of it is kept */
         int64_t entry_next = next;
@@ -564,7 +567,7 @@ entries(PyObject *self, PyObject *args)
         int ok = put >= 0 && !(put > 0 && !key_mask);
         /* a Parameter: the BINGET of _rebuild_parameter, then the tensor's */
         int64_t g_param = -1;
-        if (ok) {
+        if (ok && take_params) {
             Py_ssize_t before = c->pos;
             if (!get(c, &g_param) || c->pos >= c->n ||
                 (c->p[c->pos] != 'h' && c->p[c->pos] != 'j')) {
@@ -586,6 +589,19 @@ entries(PyObject *self, PyObject *args)
             Py_DECREF(key);
             next = entry_next;
             break;
+        }
+        if (next - memo_len > owner_size) {
+            Py_ssize_t size = owner_size > 32 ? owner_size : 32;
+            while (size < next - memo_len)
+                size *= 2;
+            int32_t *grown = PyMem_Realloc(owner, sizeof(int32_t) * (size_t)size);
+            if (grown == NULL) {
+                Py_DECREF(key);
+                PyErr_NoMemory();
+                goto done;
+            }
+            owner = grown;
+            owner_size = size;
         }
         for (int64_t i = entry_next; i < next; i++)
             owner[i - memo_len] = -1;
@@ -651,7 +667,7 @@ units(PyObject *self, PyObject *args)
     (void)self;
     Walk w;
     int valid;
-    if (!walk_args(args, &w, &valid))
+    if (!walk_args(args, &w, &valid, NULL))
         return NULL;
     Py_ssize_t start = w.start, limit = w.limit;
     Cursor cur = {(const unsigned char *)w.view.buf, w.view.len, start};

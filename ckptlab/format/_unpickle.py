@@ -573,6 +573,7 @@ class _Machine:
         self.entry_after: dict[tuple[Any, Any], _EntrySpec] = {}  # see entry_run
         self.unit_specs: list[_EntrySpec] = []  # the tensors of a state_run unit, in order
         self.entry_pause = BULK_PAUSE // 4  # entries to let pass before entry_run is tried
+        # (see tensor_entries)
         self.state_pause = 0  # SETITEMS to let pass before state_run is tried again
         # tuple opcodes -> (value, charge, whether it is a valid size: ints >= 0, <= 64 dims)
         self.tuples: dict[bytes, tuple[tuple[int, ...], int, bool]] = {}
@@ -1151,11 +1152,9 @@ class _Machine:
         if done is None:
             return None
         bulk = self.fused_batch is not None and n >= BULK_MIN_NBYTES
-        # entries go alone until a batch is due: a few entries between other objects are
-        # not worth one, nor the entries a batch not taken looked at (up to this run's end).
-        # The count goes on across runs: Parameters, which tensor_v2 leaves to the loop, end
-        # each run but not a batch.
-        self.entry_pause = min(self.entry_pause, BULK_PAUSE // 4)
+        # entries go alone until a batch is due (entry_pause): a file's first few are not
+        # worth one, nor the entries a batch not taken looked at. The count goes on across
+        # runs: Parameters, which tensor_v2 leaves to the loop, end each run but not a batch.
         while True:
             pos, budget, result, last = done
             push(result)
@@ -1306,19 +1305,20 @@ class _Machine:
         and keys read by BINGET, all stored before the batch) and the budget."""
         memo = self.memo
         size0 = len(memo)
-        got = _c_entries(self.data, pos, BULK_BATCH, size0)  # type: ignore[misc]
+        # Parameters only with a handler of _rebuild_parameter that may go in a batch
+        got = _c_entries(self.data, pos, BULK_BATCH, size0,  # type: ignore[misc]
+                         self.param_handler is not None)
         if got is None:
             return 0
         (count, end, last, keys, masks, shared, classes, names, numels, offsets, sizes,
          strides, grads, puts, cost, g_param, params) = got
-        if count < 2:
+        if count < 2 or cost > budget:
+            return count  # (the budget: one opcode at a time, the loop says where)
+        if params is not None and (g_param >= size0 or memo[g_param] is not self.param_global):
             return count
         cols = self.checked_columns(size0, count, masks, shared, classes, names, numels,
                                     offsets, sizes, strides, grads, puts)
-        if cols is None or cost > budget:
-            return count  # (the budget: one opcode at a time, the loop says where)
-        if params is not None and (g_param >= size0 or memo[g_param] is not self.param_global
-                                   or self.param_handler is None):
+        if cols is None:
             return count
         done = self.fuse(cols, keys, params)
         if done is None:

@@ -147,6 +147,14 @@ def test_parameters_and_views_of_one_storage() -> None:
     # each view ``b`` reads its storage key back from view ``a`` (the same string object)
     for i in range(1, count, 4):
         assert keys[i].endswith(".a") and names[i + 1] is names[i]
+    # told to take no Parameter: the walk ends before the first
+    assert entries(data, pos, 10_000, memo_len, False) is None  # (it starts at one)
+    at = data.index(b"X", data.index(b"l.2.a") - 5)
+    stored = 1 + max(arg for op, arg, where in pickletools.genops(data)
+                     if where < at and op.name in ("BINPUT", "LONG_BINPUT"))
+    few = entries(data, at, 10_000, stored, False)
+    assert few is not None and few[3] == ["l.2.a", "l.2.b", "l.2.bias"] and few[16] is None
+    assert entries(data, at, 10_000, stored)[0] == count - 1  # (and with them: to the end)
     # a storage key BINGET that reads an earlier entry's *key* (not its storage key): the
     # walk ends before that entry
     ops = list(pickletools.genops(data))
