@@ -1302,7 +1302,14 @@ class _Machine:
         ints, sizes and strides, its UTF-8 key, its BINPUTs storing the next memo indices in
         order and the four BINGETs alike in every entry, and worked out the charges; what is
         left here is what the memo holds (the global, the hooks' global, the storage classes
-        and keys read by BINGET, all stored before the batch) and the budget."""
+        and keys read by BINGET, all stored before the batch) and the budget.
+
+        The scanner also takes two shapes the patterns leave to the loop: a tensor wrapped in
+        a Parameter (its ``_rebuild_parameter`` BINGET alike in every one, the global stored
+        before the batch; asked for only where that handler may go in a batch:
+        :meth:`parameters`), and a storage key read back by BINGET from an earlier entry's
+        BINPUT (a view of the storage before it), which the scanner resolves to that entry's
+        key."""
         memo = self.memo
         size0 = len(memo)
         # Parameters only with a handler of _rebuild_parameter that may go in a batch

@@ -818,7 +818,7 @@ def test_one_storage_under_two_classes_in_a_batch(monkeypatch, scanner) -> None:
     got = all_ways(data)
     assert got[0] != "error"
     taken = batches.taken
-    assert taken > 5
+    assert taken >= 5  # (batches of 8 among the 80 entries around the two)
     # the uint8 view's numel made to disagree (16 -> 17 bytes): an error, the same every way
     view_at = data.index(b"ByteStorage")
     numel_at = data.index(b"K\x10", view_at)
@@ -904,7 +904,8 @@ def test_a_parameter_handler_that_may_raise_is_called_one_at_a_time(monkeypatch,
 
     fast = run(True)
     assert fast == run(False) and len(fast[2]) == 10 and "the tenth" in fast[0]
-    assert batches.taken == 0  # (a walk with a Parameter is left to the loop whole)
+    if scanner == "compiled":  # the walk stops at each Parameter: the entries between go
+        assert batches.taken > 0  # in batches
 
 
 # an optimizer's state: dicts of tensors under int keys, taken a batch of units at a time
