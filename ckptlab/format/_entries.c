@@ -764,9 +764,327 @@ done:
     return result;
 }
 
+
+/* ---------------------------------------------------------------------------------------
+ * opcodes(): the interpreter's plain opcodes, many at a time
+ *
+ * _Machine.run hands each opcode it meets to this first: the opcodes that only move objects
+ * (memo, stack, MARKs, ints, bools, empty containers, tuples, SETITEMS into a plain dict and
+ * OrderedDict() as the loop's fast path takes it) are done here, exactly as the loop does
+ * them, with the same charges; at the first opcode that is anything else, or that would fail
+ * or overrun the budget, it stops *before* it and the loop does that one (and says what is
+ * wrong, where). A whole pickled nn.Module is mostly such opcodes.
+ */
+
+#define STOP_BEFORE() goto stop
+
+/* Pops the list on top of ``meta`` (a new reference); meta must not be empty. */
+static PyObject *
+meta_pop(PyObject *meta)
+{
+    Py_ssize_t m = PyList_GET_SIZE(meta);
+    PyObject *top = Py_NewRef(PyList_GET_ITEM(meta, m - 1));
+    if (PyList_SetSlice(meta, m - 1, m, NULL) < 0) {
+        Py_DECREF(top);
+        return NULL;
+    }
+    return top;
+}
+
+static int
+push_new(PyObject *stack, PyObject *item)
+{
+    return append_new(stack, item);
+}
+
+PyDoc_STRVAR(opcodes_doc,
+"opcodes(data, pos, stack, metastack, memo, budget, odict_global, odict_new, fast_global,\n"
+"        units) -> (pos, stack, budget, last)\n\n"
+"The plain opcodes from ``pos`` done as ``_Machine.run`` does them (the same objects pushed\n"
+"and stored, the same charges), up to the first it leaves to the loop: where the loop goes\n"
+"on, the stack on top (a MARK starts a new one), the budget left and the offset of the last\n"
+"opcode done (-1: none). ``odict_global`` /\n"
+"``odict_new``: the OrderedDict global and what it makes with no arguments (the loop's fast\n"
+"path); ``fast_global``: torch's tensor rebuild, whose BINGET is left to the loop;\n"
+"``units``: whether a SETITEMS before an int is left to the loop (an optimizer state's).");
+
+static PyObject *
+opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "opcodes() takes 10 arguments");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    Py_ssize_t pos = PyLong_AsSsize_t(args[1]);
+    long long budget = PyLong_AsLongLong(args[5]);
+    PyObject *stack = args[2], *meta = args[3], *memo = args[4];
+    PyObject *odict_global = args[6], *odict_new = args[7], *fast_global = args[8];
+    int units = PyObject_IsTrue(args[9]);
+    PyObject *result = NULL;
+    if ((pos == -1 || budget == -1) && PyErr_Occurred())
+        goto fail_early;
+    if (units < 0)
+        goto fail_early;
+    if (!PyList_CheckExact(stack) || !PyList_CheckExact(meta) || !PyList_CheckExact(memo)) {
+        PyErr_SetString(PyExc_TypeError, "opcodes(): stack, metastack and memo are lists");
+        goto fail_early;
+    }
+    const unsigned char *p = (const unsigned char *)view.buf;
+    Py_ssize_t n = view.len;
+    Py_ssize_t last = -1;   /* the offset of the last opcode done */
+    Py_INCREF(stack);  /* the stack on top: a reference of our own */
+    if (pos < 0)
+        pos = n;
+    while (pos < n) {
+        unsigned char code = p[pos];
+        Py_ssize_t at = pos;
+        Py_ssize_t size = PyList_GET_SIZE(stack);
+        switch (code) {
+        case 'h': case 'j': {                               /* BINGET / LONG_BINGET */
+            Py_ssize_t width = code == 'h' ? 2 : 5;
+            if (pos + width > n || budget < 16)
+                STOP_BEFORE();
+            Py_ssize_t idx = code == 'h' ? p[pos + 1] :
+                (Py_ssize_t)((uint32_t)p[pos + 1] | ((uint32_t)p[pos + 2] << 8) |
+                             ((uint32_t)p[pos + 3] << 16) | ((uint32_t)p[pos + 4] << 24));
+            if (idx >= PyList_GET_SIZE(memo))
+                STOP_BEFORE();
+            PyObject *value = PyList_GET_ITEM(memo, idx);
+            if (value == fast_global)
+                STOP_BEFORE();
+            if (PyList_Append(stack, value) < 0)
+                goto fail;
+            budget -= 16;
+            pos += width;
+            if (value == odict_global && pos + 2 <= n && p[pos] == ')' && p[pos + 1] == 'R'
+                && budget >= 336) {
+                /* OrderedDict(): EMPTY_TUPLE and REDUCE at once, and its LONG_BINPUT when
+                 * it appends to the memo (as the loop's fast path) */
+                PyObject *made = PyObject_CallNoArgs(odict_new);
+                if (made == NULL)
+                    goto fail;
+                Py_ssize_t top = PyList_GET_SIZE(stack) - 1;
+                if (PyList_SetItem(stack, top, made) < 0)   /* (steals made) */
+                    goto fail;
+                budget -= 336;
+                at = pos + 1;   /* (the REDUCE) */
+                pos += 2;
+                if (pos + 5 <= n && p[pos] == 'r' && budget >= 16) {
+                    uint32_t put = (uint32_t)p[pos + 1] | ((uint32_t)p[pos + 2] << 8) |
+                                   ((uint32_t)p[pos + 3] << 16) | ((uint32_t)p[pos + 4] << 24);
+                    if ((Py_ssize_t)put == PyList_GET_SIZE(memo)) {
+                        if (PyList_Append(memo, made) < 0)
+                            goto fail;
+                        budget -= 16;
+                        at = pos;
+                        pos += 5;
+                    }
+                }
+            }
+            break;
+        }
+        case 'q': case 'r': {                               /* BINPUT / LONG_BINPUT */
+            Py_ssize_t width = code == 'q' ? 2 : 5;
+            if (pos + width > n || size == 0 || budget < 16)
+                STOP_BEFORE();
+            Py_ssize_t idx = code == 'q' ? p[pos + 1] :
+                (Py_ssize_t)((uint32_t)p[pos + 1] | ((uint32_t)p[pos + 2] << 8) |
+                             ((uint32_t)p[pos + 3] << 16) | ((uint32_t)p[pos + 4] << 24));
+            if (idx != PyList_GET_SIZE(memo))
+                STOP_BEFORE();
+            if (PyList_Append(memo, PyList_GET_ITEM(stack, size - 1)) < 0)
+                goto fail;
+            budget -= 16;
+            pos += width;
+            break;
+        }
+        case 0x94:                                          /* MEMOIZE */
+            if (size == 0 || budget < 16)
+                STOP_BEFORE();
+            if (PyList_Append(memo, PyList_GET_ITEM(stack, size - 1)) < 0)
+                goto fail;
+            budget -= 16;
+            pos += 1;
+            break;
+        case '(': {                                         /* MARK */
+            if (budget < 88)
+                STOP_BEFORE();
+            PyObject *fresh = PyList_New(0);
+            if (fresh == NULL)
+                goto fail;
+            if (PyList_Append(meta, stack) < 0) {
+                Py_DECREF(fresh);
+                goto fail;
+            }
+            Py_SETREF(stack, fresh);
+            budget -= 88;
+            pos += 1;
+            break;
+        }
+        case 't': {                                         /* TUPLE */
+            if (PyList_GET_SIZE(meta) == 0 || budget < 72 + 8 * (long long)size)
+                STOP_BEFORE();
+            PyObject *items = PyList_AsTuple(stack);
+            if (items == NULL)
+                goto fail;
+            PyObject *below = meta_pop(meta);
+            if (below == NULL) {
+                Py_DECREF(items);
+                goto fail;
+            }
+            Py_SETREF(stack, below);
+            if (push_new(stack, items) < 0)
+                goto fail;
+            budget -= 72 + 8 * (long long)size;
+            pos += 1;
+            break;
+        }
+        case 0x85: case 0x86: case 0x87: {                  /* TUPLE1 / TUPLE2 / TUPLE3 */
+            Py_ssize_t k = code - 0x84;
+            if (size < k || budget < 72 + 8 * k)
+                STOP_BEFORE();
+            PyObject *items = PyTuple_New(k);
+            if (items == NULL)
+                goto fail;
+            for (Py_ssize_t i = 0; i < k; i++)
+                PyTuple_SET_ITEM(items, i, Py_NewRef(PyList_GET_ITEM(stack, size - k + i)));
+            if (PyList_SetSlice(stack, size - k, size, NULL) < 0) {
+                Py_DECREF(items);
+                goto fail;
+            }
+            if (push_new(stack, items) < 0)
+                goto fail;
+            budget -= 72 + 8 * k;
+            pos += 1;
+            break;
+        }
+        case ')':                                           /* EMPTY_TUPLE */
+            if (budget < 16)
+                STOP_BEFORE();
+            if (push_new(stack, PyTuple_New(0)) < 0)
+                goto fail;
+            budget -= 16;
+            pos += 1;
+            break;
+        case '}':                                           /* EMPTY_DICT */
+            if (budget < 96)
+                STOP_BEFORE();
+            if (push_new(stack, PyDict_New()) < 0)
+                goto fail;
+            budget -= 96;
+            pos += 1;
+            break;
+        case ']':                                           /* EMPTY_LIST */
+            if (budget < 88)
+                STOP_BEFORE();
+            if (push_new(stack, PyList_New(0)) < 0)
+                goto fail;
+            budget -= 88;
+            pos += 1;
+            break;
+        case 'N': case 0x88: case 0x89:                     /* NONE, NEWTRUE, NEWFALSE */
+            if (budget < 16)
+                STOP_BEFORE();
+            if (PyList_Append(stack, code == 'N' ? Py_None : code == 0x88 ? Py_True :
+                              Py_False) < 0)
+                goto fail;
+            budget -= 16;
+            pos += 1;
+            break;
+        case 'K':                                           /* BININT1 */
+            if (pos + 2 > n || budget < 16)
+                STOP_BEFORE();
+            if (push_new(stack, PyLong_FromLong(p[pos + 1])) < 0)
+                goto fail;
+            budget -= 16;
+            pos += 2;
+            break;
+        case 'M':                                           /* BININT2 */
+            if (pos + 3 > n || budget < 48)
+                STOP_BEFORE();
+            if (push_new(stack, PyLong_FromLong((long)p[pos + 1] | ((long)p[pos + 2] << 8))) < 0)
+                goto fail;
+            budget -= 48;
+            pos += 3;
+            break;
+        case 'J': {                                         /* BININT */
+            if (pos + 5 > n || budget < 48)
+                STOP_BEFORE();
+            uint32_t u = (uint32_t)p[pos + 1] | ((uint32_t)p[pos + 2] << 8) |
+                         ((uint32_t)p[pos + 3] << 16) | ((uint32_t)p[pos + 4] << 24);
+            if (push_new(stack, PyLong_FromLong((long)(int32_t)u)) < 0)
+                goto fail;
+            budget -= 48;
+            pos += 5;
+            break;
+        }
+        case 'G': {                                         /* BINFLOAT (big-endian) */
+            if (pos + 9 > n || budget < 48)
+                STOP_BEFORE();
+            double d = PyFloat_Unpack8((const char *)p + pos + 1, 0);
+            if (d == -1.0 && PyErr_Occurred())
+                goto fail;
+            if (push_new(stack, PyFloat_FromDouble(d)) < 0)
+                goto fail;
+            budget -= 48;
+            pos += 9;
+            break;
+        }
+        case 'u': {                                         /* SETITEMS into a plain dict */
+            Py_ssize_t m = PyList_GET_SIZE(meta);
+            if (m == 0 || size % 2)
+                STOP_BEFORE();
+            PyObject *below = PyList_GET_ITEM(meta, m - 1);
+            Py_ssize_t depth = PyList_GET_SIZE(below);
+            long long cost = 64 * (long long)(size / 2 + 1);
+            if (depth == 0 || budget < cost)
+                STOP_BEFORE();
+            PyObject *target = PyList_GET_ITEM(below, depth - 1);
+            if (!PyDict_CheckExact(target))
+                STOP_BEFORE();
+            for (Py_ssize_t i = 0; i < size; i += 2)
+                if (!PyUnicode_CheckExact(PyList_GET_ITEM(stack, i)))
+                    STOP_BEFORE();
+            /* an optimizer state's next int: the loop tries its batch after this SETITEMS */
+            if (units && pos + 1 < n &&
+                (p[pos + 1] == 'K' || p[pos + 1] == 'M' || p[pos + 1] == 'J'))
+                STOP_BEFORE();
+            for (Py_ssize_t i = 0; i < size; i += 2)
+                if (PyDict_SetItem(target, PyList_GET_ITEM(stack, i),
+                                   PyList_GET_ITEM(stack, i + 1)) < 0)
+                    goto fail;
+            below = meta_pop(meta);
+            if (below == NULL)
+                goto fail;
+            Py_SETREF(stack, below);
+            budget -= cost;
+            pos += 1;
+            break;
+        }
+        default:
+            STOP_BEFORE();
+        }
+        last = at;
+    }
+stop:
+    result = Py_BuildValue("(nOLn)", pos, stack, budget, last);
+fail:
+    Py_DECREF(stack);
+    PyBuffer_Release(&view);
+    return result;
+fail_early:
+    PyBuffer_Release(&view);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"entries", entries, METH_VARARGS, entries_doc},
     {"units", units, METH_VARARGS, units_doc},
+    {"opcodes", (PyCFunction)(void (*)(void))opcodes, METH_FASTCALL, opcodes_doc},
     {NULL, NULL, 0, NULL},
 };
 

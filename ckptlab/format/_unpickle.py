@@ -401,6 +401,9 @@ except ImportError:  # the same walks by _ENTRY_V2 / _EntrySpec patterns
     _compiled = None
 _c_entries = getattr(_compiled, "entries", None)
 _c_units = getattr(_compiled, "units", None)
+# the plain opcodes (memo, stack, MARKs, ints, empty containers, tuples, SETITEMS into a dict,
+# OrderedDict()) many at a time, exactly as run() does them (a build without it: one at a time)
+_c_opcodes = getattr(_compiled, "opcodes", None)
 # which of the eight BINPUTs of _ENTRY_PUTS an entry has, from its bit mask
 _MASKS = tuple(tuple(bool(m >> i & 1) for i in range(8)) for m in range(256))
 # a Parameter's three BINPUTs (hooks, arguments, result) from the bits 0-2 of its params byte
@@ -747,8 +750,16 @@ class _Machine:
         pos = 0
         op = 0
         units = self.fused_batch is not None and n >= BULK_MIN_NBYTES  # state_run tried
+        plain = _c_opcodes if self.fast_paths else None
         try:
             while True:
+                if plain is not None:  # the plain opcodes from here, up to one left to the loop
+                    pos, stack, budget, last = plain(data, pos, stack, metastack, memo, budget,
+                                                     self.odict_global, self.odict_handler,
+                                                     self.fast_global, units)
+                    push = stack.append
+                    if last >= 0:
+                        op = last
                 if pos >= n:
                     raise PickleDataError("the pickle ends without a STOP opcode")
                 op = pos

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 from ckptlab.format import _unpickle
 
-entries, units = _unpickle._c_entries, _unpickle._c_units
-if entries is None or units is None:
+entries, units, opcodes = _unpickle._c_entries, _unpickle._c_units, _unpickle._c_opcodes
+if entries is None or units is None or opcodes is None:
     if os.environ.get("CI"):
         raise RuntimeError("ckptlab.format._entries is not built (pip install -e . with gcc)")
     pytest.skip("ckptlab.format._entries is not built (no C compiler at install)",
@@ -251,3 +251,66 @@ def test_buffers_and_bad_arguments() -> None:
         assert walk(data, pos, 1 << 40, memo_len) == walk(data, pos, 10_000, memo_len)
     with pytest.raises(TypeError):
         entries("not bytes", 0, 1, 0)
+
+
+# opcodes(): the plain opcodes many at a time (what _Machine.run leaves to it)
+
+
+def run_opcodes(data: bytes, pos: int, budget: int = 1 << 40, units: bool = False) -> tuple:
+    stack: list = []
+    meta: list = []
+    memo: list = []
+    got = opcodes(data, pos, stack, meta, memo, budget, None, dict, object(), units)
+    return got, meta, memo
+
+
+def test_opcodes_stop_before_what_they_leave_to_the_loop() -> None:
+    import pickle
+
+    data = pickle.dumps({"a": [1, (2, 3.5), None], "b": {}}, 2)
+    (pos, stack, budget, last), meta, memo = run_opcodes(data, 2)  # (after PROTO)
+    # EMPTY_DICT, BINPUT, MARK, "a" (BINUNICODE: the loop's) -> stops at the key
+    assert data[pos] == 0x58 and last == pos - 1 and len(meta) == 1 and len(memo) == 1
+    assert stack == [] and meta[0] == [{}] and budget == (1 << 40) - 96 - 16 - 88
+    # nothing done: the same position, last -1
+    again = opcodes(data, pos, [], [], [], 1 << 40, None, dict, object(), False)
+    assert again[0] == pos and again[3] == -1
+    # a budget that does not cover the next opcode: stop before it
+    (pos2, _, budget2, _), _, _ = run_opcodes(data, 2, budget=100)
+    assert pos2 == 3 and budget2 == 4  # EMPTY_DICT (96) done, BINPUT (16) not
+    # a BINGET of an index never stored, a BINPUT out of order: the loop's
+    assert run_opcodes(b"h\x05", 0)[0][0] == 0
+    assert run_opcodes(b"Nq\x01", 0)[0][0] == 1
+    # SETITEMS into a dict with str keys is done; with an int key, or before an int when an
+    # optimizer state's batch may follow, it is left to the loop
+    def setitems(data: bytes, units: bool = False) -> tuple:
+        return opcodes(data, 0, [], [], ["a"], 1 << 40, None, dict, object(), units)
+
+    pos, stack, _, _ = setitems(b"}(h\x00K\x01u.")
+    assert pos == 7 and stack == [{"a": 1}]
+    assert setitems(b"}(K\x02K\x01u.")[0] == 6  # (an int key: the loop's)
+    assert setitems(b"}(h\x00K\x01uK\x00", units=True)[0] == 6
+    assert setitems(b"}(h\x00K\x01uK\x00")[0] == 9
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=300), st.integers(-3, 320), st.integers(0, 3000), st.booleans())
+def test_opcodes_on_random_bytes(data: bytes, pos: int, budget: int, units: bool) -> None:
+    stack: list = [1]
+    meta: list = [[0]]
+    memo: list = ["m", {}, ()]
+    end, top, left, last = opcodes(data, pos, stack, meta, memo, budget, memo[1], dict,
+                                   memo[0], units)
+    start = len(data) if pos < 0 else pos
+    assert start <= end <= max(start, len(data)) and 0 <= left <= budget
+    assert last == -1 if end == start else start <= last < end
+    assert isinstance(top, list)
+
+
+def test_opcodes_bad_arguments() -> None:
+    with pytest.raises(TypeError):
+        opcodes(b"", 0, [], [], [], 0, None, dict, None)  # nine
+    with pytest.raises(TypeError):
+        opcodes(b"N", 0, (), [], [], 0, None, dict, None, False)  # a tuple for the stack
+    with pytest.raises(TypeError):
+        opcodes("N", 0, [], [], [], 0, None, dict, None, False)

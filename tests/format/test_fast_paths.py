@@ -28,6 +28,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import ckptlab
 from ckptlab import _torch_compat as tc
@@ -248,6 +250,87 @@ def test_module_pickles_agree_and_take_the_hook_dict_path(monkeypatch) -> None:
     assert len(budget_errors(data, both, monkeypatch, 400_000, 997)) > 100
 
 
+# the plain opcodes many at a time (ckptlab.format._entries.opcodes): what run() leaves to it
+
+
+@pytest.fixture(params=["compiled", "none"])
+def plain_opcodes(request: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The compiled plain-opcode runner, counting the opcodes it did (``"none"``: a build
+    without it, every opcode one at a time in run())."""
+    if request.param == "none":
+        monkeypatch.setattr(_unpickle, "_c_opcodes", None)
+        return None
+    runner = _unpickle._c_opcodes
+    if runner is None:
+        if os.environ.get("CI"):
+            pytest.fail("ckptlab.format._entries is not built (pip install -e . with gcc)")
+        pytest.skip("ckptlab.format._entries is not built (no C compiler at install)")
+    done = {"calls": 0, "advanced": 0}
+
+    def counted(data: Any, pos: int, *args: Any) -> Any:
+        got = runner(data, pos, *args)
+        done["calls"] += 1
+        done["advanced"] += got[0] > pos
+        return got
+
+    monkeypatch.setattr(_unpickle, "_c_opcodes", counted)
+    return done
+
+
+_plain_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 40), 1 << 40) | st.floats(allow_nan=False)
+    | st.text(max_size=8) | st.binary(max_size=4),
+    lambda inner: st.lists(inner, max_size=5) | st.tuples(inner) | st.tuples(inner, inner)
+    | st.tuples(inner, inner, inner) | st.lists(inner, min_size=4, max_size=6).map(tuple)
+    | st.dictionaries(st.text(max_size=4), inner, max_size=5)
+    | st.dictionaries(st.integers(-3, 300), inner, max_size=3),
+    max_leaves=30)
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(obj=_plain_values, protocol=st.integers(0, 5), shared=st.booleans())
+def test_plain_objects_agree(plain_opcodes, obj, protocol, shared) -> None:
+    """Any tree of plain values (shared ones too: memo BINGETs), every protocol: the same
+    objects, memo and budget, run one way or the other."""
+    import pickle
+
+    data = pickle.dumps([obj, obj] if shared else obj, protocol)
+    assert both(data)[0] != "error"
+
+
+def test_plain_opcodes_agree_on_mutations_truncations_and_budgets(plain_opcodes,
+                                                                  monkeypatch) -> None:
+    import pickle
+
+    obj = {"a": [1, 2.5, None, True, (3, "x"), {"k": [(), {}, []]}] * 6,
+           "b": {i: (i, -i, i << 20) for i in range(30)}, "c": ("s",) * 4}
+    for protocol in (2, 4):
+        data = pickle.dumps([obj, obj["a"]], protocol)
+        assert both(data)[0] != "error"
+        rng = random.Random(protocol)
+        for _ in range(300):
+            mutated = bytearray(data)
+            for _ in range(rng.choice((1, 1, 2))):
+                at = rng.randrange(len(mutated))
+                mutated[at] = rng.choice((rng.randrange(256), mutated[at] ^ 1, 0x71, 0x72,
+                                          0x68, 0x6A, 0x28, 0x74, 0x75, 0x85, 0x86, 0x87, 0x29,
+                                          0x7D, 0x5D, 0x4E, 0x2E, 0x94, 0x65))
+            both(bytes(mutated))
+        for cut in range(0, len(data), max(1, len(data) // 150)):
+            assert both(data[:cut])[0] == "error"
+        assert len(budget_errors(data, both, monkeypatch, 40_000, 97)) > 50
+    if plain_opcodes is not None:
+        assert plain_opcodes["advanced"] > 100
+
+
+def test_module_pickles_go_through_the_plain_opcodes(plain_opcodes) -> None:
+    got = both(module_pickle())
+    assert got[0] != "error"
+    if plain_opcodes is not None:  # (the loop meets a few opcodes between its runs)
+        assert plain_opcodes["advanced"] > 100
+
+
 def test_module_values_are_listed_when_first_looked_at(tmp_path: Path) -> None:
     """A pickled module's values (flags, hook dicts) are named on first use, and are what
     the walk over every container gives."""
@@ -440,8 +523,6 @@ def test_large_checkpoint_round_trip(tmp_path: Path) -> None:
 # state dict entries in batches (_Machine.entry_run, with the fused torch handlers)
 # --------------------------------------------------------------------------------------------
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 
 def outcome_batched(data: bytes, mode: str, **kw: Any) -> Any:
@@ -480,9 +561,10 @@ class _Batches:
 
     def __init__(self, monkeypatch: Any, batch: int = 5, pause: int = 4,
                  spec_min: int = 2, scanner: str = "patterns") -> None:
-        if scanner == "patterns":
+        if scanner == "patterns":  # (a build without the compiled part)
             monkeypatch.setattr(_unpickle, "_c_entries", None)
             monkeypatch.setattr(_unpickle, "_c_units", None)
+            monkeypatch.setattr(_unpickle, "_c_opcodes", None)
         monkeypatch.setattr(_unpickle, "BULK_MIN_NBYTES", 0)
         monkeypatch.setattr(_unpickle, "BULK_BATCH", batch)
         monkeypatch.setattr(_unpickle, "BULK_PAUSE", pause)
