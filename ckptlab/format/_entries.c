@@ -1,4 +1,5 @@
-/* The state dict entries of a torch pickle, located and decoded in one pass.
+/* The state dict entries of a torch pickle, located and decoded in one pass; the plain
+ * opcodes of any pickle, many at a time.
  *
  * ckptlab.format._unpickle takes a pickle's runs of state dict entries (a key string, then
  * torch's ~28 opcodes of one ``_rebuild_tensor_v2`` call) a batch at a time
@@ -12,6 +13,11 @@
  * checks the columns against the memo and the budget and applies the batch, all or nothing,
  * exactly as it does for the entries its expression finds; without this module (no compiler
  * where ckptlab was installed) that expression does the same walk, up to those two shapes.
+ *
+ * A third function, opcodes(), is the interpreter's loop for its plain opcodes (memo, stack,
+ * MARKs, ints, empty containers, tuples, SETITEMS into a dict, OrderedDict()): it does them as
+ * the loop does, with the same charges, and stops before the first opcode it leaves to the
+ * loop (a call, a persistent id, a string, anything that would fail or overrun the budget).
  *
  * Every read is bounds-checked against the buffer's length before it is made (positions stay
  * within it: a start past the end is refused); an entry that is not exactly the expected
@@ -791,12 +797,6 @@ meta_pop(PyObject *meta)
     return top;
 }
 
-static int
-push_new(PyObject *stack, PyObject *item)
-{
-    return append_new(stack, item);
-}
-
 PyDoc_STRVAR(opcodes_doc,
 "opcodes(data, pos, stack, metastack, memo, budget, odict_global, odict_new, fast_global,\n"
 "        units) -> (pos, stack, budget, last)\n\n"
@@ -937,7 +937,7 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 goto fail;
             }
             Py_SETREF(stack, below);
-            if (push_new(stack, items) < 0)
+            if (append_new(stack, items) < 0)
                 goto fail;
             budget -= 72 + 8 * (long long)size;
             pos += 1;
@@ -956,49 +956,30 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 Py_DECREF(items);
                 goto fail;
             }
-            if (push_new(stack, items) < 0)
+            if (append_new(stack, items) < 0)
                 goto fail;
             budget -= 72 + 8 * k;
             pos += 1;
             break;
         }
-        case ')':                                           /* EMPTY_TUPLE */
-            if (budget < 16)
+        case ')': case '}': case ']': case 'N': case 0x88: case 0x89: {
+            /* EMPTY_TUPLE, EMPTY_DICT, EMPTY_LIST, NONE, NEWTRUE, NEWFALSE */
+            long long cost = code == '}' ? 96 : code == ']' ? 88 : 16;
+            if (budget < cost)
                 STOP_BEFORE();
-            if (push_new(stack, PyTuple_New(0)) < 0)
+            PyObject *made = code == ')' ? PyTuple_New(0) : code == '}' ? PyDict_New() :
+                             code == ']' ? PyList_New(0) :
+                             Py_NewRef(code == 'N' ? Py_None : code == 0x88 ? Py_True : Py_False);
+            if (append_new(stack, made) < 0)
                 goto fail;
-            budget -= 16;
+            budget -= cost;
             pos += 1;
             break;
-        case '}':                                           /* EMPTY_DICT */
-            if (budget < 96)
-                STOP_BEFORE();
-            if (push_new(stack, PyDict_New()) < 0)
-                goto fail;
-            budget -= 96;
-            pos += 1;
-            break;
-        case ']':                                           /* EMPTY_LIST */
-            if (budget < 88)
-                STOP_BEFORE();
-            if (push_new(stack, PyList_New(0)) < 0)
-                goto fail;
-            budget -= 88;
-            pos += 1;
-            break;
-        case 'N': case 0x88: case 0x89:                     /* NONE, NEWTRUE, NEWFALSE */
-            if (budget < 16)
-                STOP_BEFORE();
-            if (PyList_Append(stack, code == 'N' ? Py_None : code == 0x88 ? Py_True :
-                              Py_False) < 0)
-                goto fail;
-            budget -= 16;
-            pos += 1;
-            break;
+        }
         case 'K':                                           /* BININT1 */
             if (pos + 2 > n || budget < 16)
                 STOP_BEFORE();
-            if (push_new(stack, PyLong_FromLong(p[pos + 1])) < 0)
+            if (append_new(stack, PyLong_FromLong(p[pos + 1])) < 0)
                 goto fail;
             budget -= 16;
             pos += 2;
@@ -1006,7 +987,7 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         case 'M':                                           /* BININT2 */
             if (pos + 3 > n || budget < 48)
                 STOP_BEFORE();
-            if (push_new(stack, PyLong_FromLong((long)p[pos + 1] | ((long)p[pos + 2] << 8))) < 0)
+            if (append_new(stack, PyLong_FromLong((long)p[pos + 1] | ((long)p[pos + 2] << 8))) < 0)
                 goto fail;
             budget -= 48;
             pos += 3;
@@ -1016,7 +997,7 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 STOP_BEFORE();
             uint32_t u = (uint32_t)p[pos + 1] | ((uint32_t)p[pos + 2] << 8) |
                          ((uint32_t)p[pos + 3] << 16) | ((uint32_t)p[pos + 4] << 24);
-            if (push_new(stack, PyLong_FromLong((long)(int32_t)u)) < 0)
+            if (append_new(stack, PyLong_FromLong((long)(int32_t)u)) < 0)
                 goto fail;
             budget -= 48;
             pos += 5;
@@ -1028,7 +1009,7 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             double d = PyFloat_Unpack8((const char *)p + pos + 1, 0);
             if (d == -1.0 && PyErr_Occurred())
                 goto fail;
-            if (push_new(stack, PyFloat_FromDouble(d)) < 0)
+            if (append_new(stack, PyFloat_FromDouble(d)) < 0)
                 goto fail;
             budget -= 48;
             pos += 9;
