@@ -799,49 +799,57 @@ meta_pop(PyObject *meta)
 
 PyDoc_STRVAR(opcodes_doc,
 "opcodes(data, pos, stack, metastack, memo, budget, odict_global, odict_new, fast_global,\n"
-"        units) -> (pos, stack, budget, last)\n\n"
+"        units, failed) -> (pos, stack, budget, last)\n\n"
 "The plain opcodes from ``pos`` done as ``_Machine.run`` does them (the same objects pushed\n"
 "and stored, the same charges), up to the first it leaves to the loop: where the loop goes\n"
 "on, the stack on top (a MARK starts a new one), the budget left and the offset of the last\n"
 "opcode done (-1: none). ``odict_global`` /\n"
 "``odict_new``: the OrderedDict global and what it makes with no arguments (the loop's fast\n"
 "path); ``fast_global``: torch's tensor rebuild, whose BINGET is left to the loop;\n"
-"``units``: whether a SETITEMS before an int is left to the loop (an optimizer state's).");
+"``units``: whether a SETITEMS before an int is left to the loop (an optimizer state's);\n"
+"``failed``: a list whose first item is set to the offset of the opcode an error was\n"
+"raised on (an OrderedDict handler's, or no memory), for the loop to report.");
 
 static PyObject *
 opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 10) {
-        PyErr_SetString(PyExc_TypeError, "opcodes() takes 10 arguments");
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "opcodes() takes 11 arguments");
         return NULL;
     }
+    PyObject *stack = args[2], *meta = args[3], *memo = args[4];
+    PyObject *odict_global = args[6], *odict_new = args[7], *fast_global = args[8];
+    PyObject *failed = args[10];
+    if (!PyList_CheckExact(stack) || !PyList_CheckExact(meta) || !PyList_CheckExact(memo) ||
+        !PyList_CheckExact(failed) || PyList_GET_SIZE(failed) < 1) {
+        PyErr_SetString(PyExc_TypeError,
+                        "opcodes(): stack, metastack, memo and failed (one item) are lists");
+        return NULL;
+    }
+    Py_ssize_t pos = PyLong_AsSsize_t(args[1]);
+    if (pos == -1 && PyErr_Occurred())
+        return NULL;
+    long long budget = PyLong_AsLongLong(args[5]);
+    if (budget == -1 && PyErr_Occurred())
+        return NULL;
+    int units = PyObject_IsTrue(args[9]);
+    if (units < 0)
+        return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
         return NULL;
-    Py_ssize_t pos = PyLong_AsSsize_t(args[1]);
-    long long budget = PyLong_AsLongLong(args[5]);
-    PyObject *stack = args[2], *meta = args[3], *memo = args[4];
-    PyObject *odict_global = args[6], *odict_new = args[7], *fast_global = args[8];
-    int units = PyObject_IsTrue(args[9]);
     PyObject *result = NULL;
-    if ((pos == -1 || budget == -1) && PyErr_Occurred())
-        goto fail_early;
-    if (units < 0)
-        goto fail_early;
-    if (!PyList_CheckExact(stack) || !PyList_CheckExact(meta) || !PyList_CheckExact(memo)) {
-        PyErr_SetString(PyExc_TypeError, "opcodes(): stack, metastack and memo are lists");
-        goto fail_early;
-    }
     const unsigned char *p = (const unsigned char *)view.buf;
     Py_ssize_t n = view.len;
     Py_ssize_t last = -1;   /* the offset of the last opcode done */
+    Py_ssize_t at = pos;    /* ... and of the one being done */
     Py_INCREF(stack);  /* the stack on top: a reference of our own */
     if (pos < 0)
         pos = n;
     while (pos < n) {
         unsigned char code = p[pos];
-        Py_ssize_t at = pos;
+        at = pos;
         Py_ssize_t size = PyList_GET_SIZE(stack);
         switch (code) {
         case 'h': case 'j': {                               /* BINGET / LONG_BINGET */
@@ -1054,12 +1062,17 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 stop:
     result = Py_BuildValue("(nOLn)", pos, stack, budget, last);
 fail:
+    if (result == NULL) {  /* the opcode it failed on, for the loop's error offset */
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        PyObject *where = PyLong_FromSsize_t(at);
+        if (where == NULL || PyList_SetItem(failed, 0, where) < 0)
+            PyErr_Clear();
+        PyErr_Restore(type, value, traceback);
+    }
     Py_DECREF(stack);
     PyBuffer_Release(&view);
     return result;
-fail_early:
-    PyBuffer_Release(&view);
-    return NULL;
 }
 
 static PyMethodDef methods[] = {

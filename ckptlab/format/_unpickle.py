@@ -750,13 +750,20 @@ class _Machine:
         pos = 0
         op = 0
         units = self.fused_batch is not None and n >= BULK_MIN_NBYTES  # state_run tried
-        plain = _c_opcodes if self.fast_paths else None
+        # the plain opcodes in C (a budget of a C long long: memory_per_byte may be anything)
+        plain = _c_opcodes if self.fast_paths and type(budget) is int and \
+            0 <= budget < 1 << 62 else None
+        failed = [0]  # where an error raised in it was raised
         try:
             while True:
                 if plain is not None:  # the plain opcodes from here, up to one left to the loop
-                    pos, stack, budget, last = plain(data, pos, stack, metastack, memo, budget,
-                                                     self.odict_global, self.odict_handler,
-                                                     self.fast_global, units)
+                    try:
+                        pos, stack, budget, last = plain(
+                            data, pos, stack, metastack, memo, budget, self.odict_global,
+                            self.odict_handler, self.fast_global, units, failed)
+                    except _ERRORS:
+                        op = failed[0]
+                        raise
                     push = stack.append
                     if last >= 0:
                         op = last

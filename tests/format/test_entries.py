@@ -260,7 +260,7 @@ def run_opcodes(data: bytes, pos: int, budget: int = 1 << 40, units: bool = Fals
     stack: list = []
     meta: list = []
     memo: list = []
-    got = opcodes(data, pos, stack, meta, memo, budget, None, dict, object(), units)
+    got = opcodes(data, pos, stack, meta, memo, budget, None, dict, object(), units, [0])
     return got, meta, memo
 
 
@@ -273,7 +273,7 @@ def test_opcodes_stop_before_what_they_leave_to_the_loop() -> None:
     assert data[pos] == 0x58 and last == pos - 1 and len(meta) == 1 and len(memo) == 1
     assert stack == [] and meta[0] == [{}] and budget == (1 << 40) - 96 - 16 - 88
     # nothing done: the same position, last -1
-    again = opcodes(data, pos, [], [], [], 1 << 40, None, dict, object(), False)
+    again = opcodes(data, pos, [], [], [], 1 << 40, None, dict, object(), False, [0])
     assert again[0] == pos and again[3] == -1
     # a budget that does not cover the next opcode: stop before it
     (pos2, _, budget2, _), _, _ = run_opcodes(data, 2, budget=100)
@@ -284,7 +284,7 @@ def test_opcodes_stop_before_what_they_leave_to_the_loop() -> None:
     # SETITEMS into a dict with str keys is done; with an int key, or before an int when an
     # optimizer state's batch may follow, it is left to the loop
     def setitems(data: bytes, units: bool = False) -> tuple:
-        return opcodes(data, 0, [], [], ["a"], 1 << 40, None, dict, object(), units)
+        return opcodes(data, 0, [], [], ["a"], 1 << 40, None, dict, object(), units, [0])
 
     pos, stack, _, _ = setitems(b"}(h\x00K\x01u.")
     assert pos == 7 and stack == [{"a": 1}]
@@ -300,7 +300,7 @@ def test_opcodes_on_random_bytes(data: bytes, pos: int, budget: int, units: bool
     meta: list = [[0]]
     memo: list = ["m", {}, ()]
     end, top, left, last = opcodes(data, pos, stack, meta, memo, budget, memo[1], dict,
-                                   memo[0], units)
+                                   memo[0], units, [0])
     start = len(data) if pos < 0 else pos
     assert start <= end <= max(start, len(data)) and 0 <= left <= budget
     assert last == -1 if end == start else start <= last < end
@@ -309,8 +309,24 @@ def test_opcodes_on_random_bytes(data: bytes, pos: int, budget: int, units: bool
 
 def test_opcodes_bad_arguments() -> None:
     with pytest.raises(TypeError):
-        opcodes(b"", 0, [], [], [], 0, None, dict, None)  # nine
+        opcodes(b"", 0, [], [], [], 0, None, dict, None, False)  # ten
     with pytest.raises(TypeError):
-        opcodes(b"N", 0, (), [], [], 0, None, dict, None, False)  # a tuple for the stack
+        opcodes(b"N", 0, (), [], [], 0, None, dict, None, False, [0])  # a tuple for the stack
     with pytest.raises(TypeError):
-        opcodes("N", 0, [], [], [], 0, None, dict, None, False)
+        opcodes(b"N", 0, [], [], [], 0, None, dict, None, False, [])  # no item to set
+    with pytest.raises(TypeError):
+        opcodes("N", 0, [], [], [], 0, None, dict, None, False, [0])
+    with pytest.raises(OverflowError):
+        opcodes(b"N", 0, [], [], [], 1 << 70, None, dict, None, False, [0])
+
+
+def test_opcodes_say_where_an_error_was_raised() -> None:
+    """An OrderedDict handler that raises: ``failed`` holds the offset of its BINGET."""
+    def refuse() -> None:
+        raise ValueError("no")
+
+    failed = [0]
+    odict = object()
+    with pytest.raises(ValueError):
+        opcodes(b"NNh\x00)R.", 0, [], [], [odict], 1 << 20, odict, refuse, None, False, failed)
+    assert failed == [2]

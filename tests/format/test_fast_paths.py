@@ -331,6 +331,41 @@ def test_module_pickles_go_through_the_plain_opcodes(plain_opcodes) -> None:
         assert plain_opcodes["advanced"] > 100
 
 
+def test_budgets_of_any_size_or_type_agree() -> None:
+    """A budget C cannot hold (``memory_per_byte`` is the caller's: a huge int, a float):
+    the plain opcodes go one at a time, with the same outcome."""
+    data = module_pickle()
+    for per_byte in (1 << 62, float("inf"), 64.5):
+        assert both(data, memory_per_byte=per_byte)[0] != "error"
+
+
+def test_an_error_raised_in_the_plain_opcodes_is_reported_where_the_loop_reports_it(
+        monkeypatch) -> None:
+    """An OrderedDict handler that raises (here on its fifth call): the same error at the
+    same offset (its BINGET), with the runner and without it."""
+    from ckptlab.format._pickle import StateDict, _TorchHandlers
+
+    data = module_pickle()
+
+    def got(runner: Any) -> Any:
+        calls = []
+
+        def fifth() -> Any:
+            calls.append(1)
+            if len(calls) == 5:
+                raise PickleDataError("the fifth")
+            return StateDict()
+
+        with monkeypatch.context() as m:
+            m.setattr(_TorchHandlers.ordered_dict, "ckptlab_no_args", fifth)
+            m.setattr(_unpickle, "_c_opcodes", runner)
+            return outcome(data, True)
+
+    with_runner, without = got(_unpickle._c_opcodes), got(None)
+    assert with_runner == without and with_runner[0] == "error"
+    assert data[with_runner[3]] in (0x68, 0x6A)  # (the BINGET of OrderedDict)
+
+
 def test_module_values_are_listed_when_first_looked_at(tmp_path: Path) -> None:
     """A pickled module's values (flags, hook dicts) are named on first use, and are what
     the walk over every container gives."""
