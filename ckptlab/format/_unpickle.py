@@ -342,9 +342,11 @@ def interpret(data: bytes | bytearray | memoryview, *,
         Memory budget per input byte.
     fast_paths
         Interpret torch's tensor rebuild calls (``_rebuild_tensor_v2`` with a storage) at
-        once when their bytes are exactly what torch writes (:meth:`_Machine.tensor_v2`); the
-        result, the memo, the budget and any error are the same as one opcode at a time
-        (False: always one at a time, for tests that compare the two).
+        once when their bytes are exactly what torch writes (:meth:`_Machine.tensor_v2`), and,
+        where the compiled part is built, the plain opcodes many at a time
+        (``ckptlab.format._entries.opcodes``); the result, the memo, the budget and any error
+        are the same as one opcode at a time (False: always one at a time, for tests that
+        compare the two).
     fused_tensor_v2
         ``fused(pid, offset, size, stride, requires_grad) -> (storage, tensor) | None``: what
         ``persistent_load(pid)`` and the ``_rebuild_tensor_v2`` handler together return for a
