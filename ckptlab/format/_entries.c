@@ -853,13 +853,9 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_ssize_t size = PyList_GET_SIZE(stack);
         switch (code) {
         case 'h': case 'j': {                               /* BINGET / LONG_BINGET */
-            Py_ssize_t width = code == 'h' ? 2 : 5;
-            if (pos + width > n || budget < 16)
-                STOP_BEFORE();
-            Py_ssize_t idx = code == 'h' ? p[pos + 1] :
-                (Py_ssize_t)((uint32_t)p[pos + 1] | ((uint32_t)p[pos + 2] << 8) |
-                             ((uint32_t)p[pos + 3] << 16) | ((uint32_t)p[pos + 4] << 24));
-            if (idx >= PyList_GET_SIZE(memo))
+            Cursor c = {p, n, pos};
+            int64_t idx;
+            if (!get(&c, &idx) || budget < 16 || idx >= PyList_GET_SIZE(memo))
                 STOP_BEFORE();
             PyObject *value = PyList_GET_ITEM(memo, idx);
             if (value == fast_global)
@@ -867,7 +863,7 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (PyList_Append(stack, value) < 0)
                 goto fail;
             budget -= 16;
-            pos += width;
+            pos = c.pos;
             if (value == odict_global && pos + 2 <= n && p[pos] == ')' && p[pos + 1] == 'R'
                 && budget >= 336) {
                 /* OrderedDict(): EMPTY_TUPLE and REDUCE at once, and its LONG_BINPUT when
@@ -881,33 +877,28 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 budget -= 336;
                 at = pos + 1;   /* (the REDUCE) */
                 pos += 2;
-                if (pos + 5 <= n && p[pos] == 'r' && budget >= 16) {
-                    uint32_t put = (uint32_t)p[pos + 1] | ((uint32_t)p[pos + 2] << 8) |
-                                   ((uint32_t)p[pos + 3] << 16) | ((uint32_t)p[pos + 4] << 24);
-                    if ((Py_ssize_t)put == PyList_GET_SIZE(memo)) {
-                        if (PyList_Append(memo, made) < 0)
-                            goto fail;
-                        budget -= 16;
-                        at = pos;
-                        pos += 5;
-                    }
+                c.pos = pos;
+                if (pos < n && p[pos] == 'r' && budget >= 16 && opt_put(&c, &idx) > 0 &&
+                    idx == PyList_GET_SIZE(memo)) {
+                    if (PyList_Append(memo, made) < 0)
+                        goto fail;
+                    budget -= 16;
+                    at = pos;
+                    pos = c.pos;
                 }
             }
             break;
         }
         case 'q': case 'r': {                               /* BINPUT / LONG_BINPUT */
-            Py_ssize_t width = code == 'q' ? 2 : 5;
-            if (pos + width > n || size == 0 || budget < 16)
-                STOP_BEFORE();
-            Py_ssize_t idx = code == 'q' ? p[pos + 1] :
-                (Py_ssize_t)((uint32_t)p[pos + 1] | ((uint32_t)p[pos + 2] << 8) |
-                             ((uint32_t)p[pos + 3] << 16) | ((uint32_t)p[pos + 4] << 24));
-            if (idx != PyList_GET_SIZE(memo))
+            Cursor c = {p, n, pos};
+            int64_t idx;
+            if (opt_put(&c, &idx) <= 0 || size == 0 || budget < 16 ||
+                idx != PyList_GET_SIZE(memo))
                 STOP_BEFORE();
             if (PyList_Append(memo, PyList_GET_ITEM(stack, size - 1)) < 0)
                 goto fail;
             budget -= 16;
-            pos += width;
+            pos = c.pos;
             break;
         }
         case 0x94:                                          /* MEMOIZE */
@@ -1001,10 +992,10 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             pos += 3;
             break;
         case 'J': {                                         /* BININT */
-            if (pos + 5 > n || budget < 48)
+            Cursor c = {p, n, pos};
+            uint32_t u;
+            if (!u32(&c, pos + 1, &u) || budget < 48)
                 STOP_BEFORE();
-            uint32_t u = (uint32_t)p[pos + 1] | ((uint32_t)p[pos + 2] << 8) |
-                         ((uint32_t)p[pos + 3] << 16) | ((uint32_t)p[pos + 4] << 24);
             if (append_new(stack, PyLong_FromLong((long)(int32_t)u)) < 0)
                 goto fail;
             budget -= 48;
