@@ -221,6 +221,13 @@ def _put_columns(put_cols: list[Any]) -> tuple[Any, bytes, int]:
     return mask, b"".join(filter(None, chain.from_iterable(zip(*cols)))), sum(map(sum, mask))
 
 
+def _put_ends(put_mask: list[Any], count: int) -> list[int]:
+    """Where each of ``count`` tensors' BINPUTs start in a batch's memo values, and where
+    the last end (``put_mask``: one list of bools for all, or a tuple each)."""
+    return list(accumulate(map(sum, put_mask) if type(put_mask[0]) is not bool else
+                           repeat(sum(put_mask), count), initial=0))
+
+
 def _puts_in_order(joined: bytes, puts: int, first: int) -> bool:
     """Whether ``joined`` is ``puts`` LONG_BINPUTs storing ``first``, ``first + 1``..."""
     if len(joined) != 5 * puts:
@@ -1431,8 +1438,7 @@ class _Machine:
         if set(map(type, keys)) != _STR_ONLY:
             return units
         # every BINPUT in order: each unit's dict, then its tensors'
-        ends = list(accumulate(map(sum, put_mask) if type(put_mask[0]) is not bool else
-                               repeat(sum(put_mask), count), initial=0))
+        ends = _put_ends(put_mask, count)
         bounds = list(accumulate(per_unit, initial=0))
         joined = b"".join(chain.from_iterable(
             (head.group(2), joined[5 * ends[a]:5 * ends[b]])
@@ -1451,13 +1457,7 @@ class _Machine:
         done = self.fuse(got, keys)
         if done is None:
             return units
-        results, stored = done
-        for (key, _), a, b in zip(ints, bounds, bounds[1:]):
-            target: dict[Any, Any] = {}
-            target.update(zip(keys[a:b], results[a:b]))
-            memo.append(target)
-            memo += stored[ends[a]:ends[b]]
-            stack += (key, target)
+        self.unit_dicts(map(_FIRST, ints), bounds, ends, keys, done, stack)
         if not specs and count >= _SPEC_MIN:
             last = matches[-per_unit[-1]:]
             made = [_entry_spec(m) for m in last]
@@ -1489,18 +1489,25 @@ class _Machine:
         done = self.fuse(cols, keys)
         if done is None:
             return units
+        self.unit_dicts(ints, list(accumulate(per_unit, initial=0)),
+                        _put_ends(cols[0], len(keys)), keys, done, stack)
+        return end, budget - cost, end - 1
+
+    def unit_dicts(self, ints: Iterable[int], bounds: list[int], ends: list[int],
+                   keys: list[Any], done: tuple[list[Any], list[Any]], stack: list[Any]
+                   ) -> None:
+        """What the loop leaves of a batch of units (:meth:`fuse`'s ``done``): each unit's
+        int and its dict pushed, the dict then its tensors' BINPUT values in the memo (unit
+        ``u`` holds tensors ``bounds[u]:bounds[u + 1]``, whose values are
+        ``stored[ends[a]:ends[b]]``)."""
+        memo = self.memo
         results, stored = done
-        put_mask = cols[0]
-        ends = list(accumulate(map(sum, put_mask) if type(put_mask[0]) is not bool else
-                               repeat(sum(put_mask), len(keys)), initial=0))
-        bounds = list(accumulate(per_unit, initial=0))
         for key, a, b in zip(ints, bounds, bounds[1:]):
             target: dict[Any, Any] = {}
             target.update(zip(keys[a:b], results[a:b]))
             memo.append(target)
             memo += stored[ends[a]:ends[b]]
             stack += (key, target)
-        return end, budget - cost, end - 1
 
     def checked_columns(self, size0: int, count: int, masks: bytes, shared: tuple[int, ...],
                         classes: list[int], names: list[Any], numels: list[int],
