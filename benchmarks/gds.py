@@ -19,9 +19,11 @@ median, best and worst:
 - loads from a cold page cache (``posix_fadvise(DONTNEED)`` after the fsync drops the file's
   pages; O_DIRECT reads bypass the cache anyway): ``torch.load`` of the 64 and 4096 files,
   ``ckptlab.gds.load`` with each host backend;
-- with CUDA and cuFile (``torch.cuda.gds``): the GPU rows — ``ckptlab.gds.save/load`` with the
-  ``torch`` backend from/to CUDA tensors, registered (``gds_register_buffer``) and not, against
-  ``torch.save``/``torch.load`` of the same CUDA state dict.
+- with CUDA: the GPU rows, interleaved likewise — ``ckptlab.gds.save/load`` from/to CUDA
+  tensors with each cuFile backend that runs (``torch``, ``kvikio``) and with ``odirect``
+  (staged through host memory), against ``torch.save`` / ``torch.load(map_location="cuda")``
+  of the same CUDA state dict (wall time, device synchronized); the ``torch`` backend also
+  with its buffers registered (``gds_register_buffer``).
 
 Every saved file is checked: it must load with plain ``torch.load`` and equal the state dict.
 Targets (issue 14, CPU; each ratio is the median over rounds of the ratio within a round):
@@ -259,6 +261,12 @@ def main() -> int:
           f"O_DIRECT read (target >= 70%: {verdict(load_vs_raw >= 0.7)})")
     if not torch.cuda.is_available():
         print("no CUDA device: GPU rows not run")
+    for b in gpu_backends() if torch.cuda.is_available() else []:
+        print(f"GPU ckptlab.gds.save ({b}): "
+              f"{paired(f'GPU ckptlab.gds.save ({b})', GPU_SAVE_BASE):.2f}x torch.save of the "
+              f"CUDA tensors; gds.load ({b}): "
+              f"{paired(f'GPU ckptlab.gds.load ({b})', GPU_LOAD_BASE):.2f}x "
+              "torch.load(map_location='cuda')")
     if args.json:
         args.json.write_text(json.dumps({"nbytes": nbytes, "seconds": times, "gbps": gbps,
                                          "load": os.getloadavg(), "fs": fs}, indent=1))
@@ -267,61 +275,74 @@ def main() -> int:
     return 0
 
 
-def run_rounds_one(repeat: int, setup: Callable[[], Any],
-                   run: Callable[[Any], float]) -> list[float]:
-    return [run(setup()) for _ in range(repeat)]
+GPU_SAVE_BASE, GPU_LOAD_BASE = "GPU torch.save (64, crc)", "GPU torch.load (64)"
+
+
+def gpu_backends() -> list[str]:
+    """The backends the GPU rows run: the cuFile ones that run here, and odirect (CUDA
+    storages staged through host memory)."""
+    return [s.name for s in gds.backend_status()
+            if s.available and s.name in ("torch", "kvikio")] + ["odirect"]
 
 
 def gpu_benchmark(sd: dict, args: argparse.Namespace) -> dict[str, list[float]]:
-    """GPU rows: torch backend (cuFile) vs torch.save/torch.load of CUDA tensors."""
-    rows: dict[str, list[float]] = {}
-    ok = next(s for s in gds.backend_status() if s.name == "torch")
+    """GPU rows, interleaved like the host rows: each backend's ``gds.save`` of CUDA tensors
+    and ``gds.load`` into CUDA memory (wall time, the device synchronized) against
+    ``torch.save`` / ``torch.load(map_location="cuda")`` of the same state dict."""
     cuda_sd = {k: v.cuda() for k, v in sd.items()}
     torch.cuda.synchronize()
-    path = args.dir / "gpu.pt"
+    backends = gpu_backends()
+    for name in ("torch", "kvikio"):
+        if name not in backends:
+            why = next(s.reason for s in gds.backend_status() if s.name == name)
+            print(f"GPU: backend {name} not run ({why})")
+    path = {b: args.dir / f"gpu-{b}.pt" for b in ["torch.save", *backends]}
 
-    def clean() -> None:
-        if path.exists():
-            path.unlink()
+    def clean(b: str) -> Callable[[], None]:
+        return lambda: path[b].unlink(missing_ok=True)
 
-    rows["GPU torch.save (64, crc)"] = run_rounds_one(
-        args.repeat, clean, lambda _: torch_save(cuda_sd, path, 64, True))
-    drop_cache(path)
-
-    def load_torch(_: Any) -> float:
+    def timed(fn: Callable[[], Any]) -> float:
         t = time.perf_counter()
-        out = torch.load(path, map_location="cuda", weights_only=True)
+        out = fn()
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t
-        assert equal(sd, out)
+        assert equal(sd, getattr(out, "obj", out))  # a LoadResult, or torch.load's dict
         return elapsed
 
-    rows["GPU torch.load (64)"] = run_rounds_one(args.repeat, lambda: drop_cache(path), load_torch)
-    if not ok.available:
-        print(f"GPU: torch backend unavailable ({ok.reason}); only the torch rows ran")
-        return rows
-    rows["GPU ckptlab.gds.save (torch)"] = run_rounds_one(
-        args.repeat, clean, lambda _: gds.save(cuda_sd, path, backend="torch").duration_s)
-    assert equal(sd, torch.load(path, weights_only=True))
+    def save(b: str) -> Callable[[Any], float]:
+        def run(_: Any) -> float:
+            t = time.perf_counter()
+            gds.save(cuda_sd, path[b], backend=b)
+            return time.perf_counter() - t
+        return run
 
-    def load_gds(_: Any) -> float:
-        obj, report = gds.load(path, "cuda", backend="torch")
-        assert equal(sd, obj)
-        return report.duration_s
+    saves: list[Row] = [
+        (GPU_SAVE_BASE, clean("torch.save"),
+         lambda _: torch_save(cuda_sd, path["torch.save"], 64, True)),
+        *[(f"GPU ckptlab.gds.save ({b})", clean(b), save(b)) for b in backends]]
+    rows = run_rounds(saves, args.repeat)
+    for b in backends:
+        assert equal(sd, torch.load(path[b], weights_only=True)), b
+    loads: list[Row] = [
+        (GPU_LOAD_BASE, lambda: drop_cache(path["torch.save"]),
+         lambda _: timed(lambda: torch.load(path["torch.save"], map_location="cuda",
+                                            weights_only=True))),
+        *[(f"GPU ckptlab.gds.load ({b})", lambda b=b: drop_cache(path[b]),
+           lambda _, b=b: timed(lambda: gds.load(path[b], "cuda", backend=b)))
+          for b in backends]]
+    rows.update(run_rounds(loads, args.repeat))
+    if "torch" in backends:
+        from torch.cuda.gds import gds_deregister_buffer, gds_register_buffer
 
-    rows["GPU ckptlab.gds.load (torch)"] = run_rounds_one(args.repeat, lambda: drop_cache(path),
-                                                     load_gds)
-    from torch.cuda.gds import gds_deregister_buffer, gds_register_buffer
-
-    storages = [t.untyped_storage() for t in cuda_sd.values()]
-    for s in storages:
-        gds_register_buffer(s)
-    try:
-        rows["GPU ckptlab.gds.save (torch, registered)"] = run_rounds_one(
-            args.repeat, clean, lambda _: gds.save(cuda_sd, path, backend="torch").duration_s)
-    finally:
+        storages = [t.untyped_storage() for t in cuda_sd.values()]
         for s in storages:
-            gds_deregister_buffer(s)
+            gds_register_buffer(s)
+        try:
+            rows.update(run_rounds([("GPU ckptlab.gds.save (torch, registered)",
+                                     clean("torch"), save("torch"))], args.repeat))
+        finally:
+            for s in storages:
+                gds_deregister_buffer(s)
     return rows
 
 

@@ -15,7 +15,10 @@ its EINVAL fallback, whole transfers, the copy) is :mod:`ckptlab._io`.
 from __future__ import annotations
 
 import abc
+import errno
+import functools
 import os
+import tempfile
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -385,11 +388,20 @@ def _as_storage_error(path: str, offset: int, nbytes: int, what: str) -> Iterato
         yield
     except RuntimeError as exc:
         raise StorageIOError(f"{what} failed: {exc}", path=path, offset=offset,
-                             nbytes=nbytes) from exc
+                             nbytes=nbytes, errno=_errno_in(str(exc))) from exc
 
 
-def torch_gds_status() -> tuple[bool, str]:
-    """Whether torch.cuda.gds can run here, and why not.
+def _errno_in(message: str) -> int | None:
+    """The OS error a library's message names in words (kvikio: "POSIX error on pwrite: No
+    space left on device"), so a full disk is ``errno.ENOSPC`` on every backend."""
+    named = [(len(os.strerror(n)), n) for n in errno.errorcode
+             if os.strerror(n) in message and not os.strerror(n).startswith("Unknown error")]
+    return max(named)[1] if named else None  # the longest: "Not a directory" over a part
+
+
+def torch_gds_status(directory: str | None = None) -> tuple[bool, str]:
+    """Whether torch.cuda.gds can run here (on files in ``directory``, default the temp
+    directory), and why not.
 
     On CPU builds ``torch._C._gds_*`` exist but are Python stubs that raise, so ``hasattr`` is
     no detection: the real ones are C functions.
@@ -405,11 +417,51 @@ def torch_gds_status() -> tuple[bool, str]:
         return False, "this torch build has no cuFile bindings (torch._C._gds_* are stubs)"
     if not torch.cuda.is_available():
         return False, "no CUDA device"
-    return True, "torch.cuda.gds bindings and a CUDA device"
+    refused = _cufile_refusal(directory or tempfile.gettempdir())
+    if refused:
+        return False, refused
+    return True, "torch.cuda.gds bindings, a CUDA device, and cuFile registers files"
 
 
-def kvikio_status() -> tuple[bool, str]:
-    """Whether kvikio can run here (installed and a CUDA device present)."""
+@functools.cache
+def _cufile_refusal(directory: str) -> str | None:
+    """Why cuFile would not register a file in ``directory``, or None when it does.
+
+    Bindings and a device are not enough: ``cuFileHandleRegister`` refuses every file where
+    the nvidia-fs driver is absent and cuFile cannot identify the filesystem's volume, even
+    in compat mode (seen on a virtio-disk VM with an H100: "file descriptor is not
+    registered"). One register / deregister of a scratch file, once per process.
+    """
+    import torch
+
+    try:
+        fd, probe = tempfile.mkstemp(prefix="ckptlab-cufile-", dir=directory)
+    except OSError as exc:
+        return f"no scratch file in {directory} to try cuFile on ({exc})"
+    os.close(fd)
+    try:
+        gds_file = torch.cuda.gds.GdsFile(probe, os.O_RDWR)
+    except RuntimeError as exc:
+        return cufile_refusal_text(directory, exc)
+    finally:
+        os.unlink(probe)
+    gds_file.deregister_handle()
+    del gds_file  # GdsFile.__del__ closes its descriptor
+    return None
+
+
+def cufile_refusal_text(where: str, exc: BaseException) -> str:
+    from ckptlab.gds.readiness import filesystem_of
+
+    fs, mount = filesystem_of(where)
+    return (f"cuFile refused to register a file in {where} ({fs} on {mount}): {exc}; "
+            "it needs the nvidia-fs driver, or compat mode (allow_compat_mode in cufile.json) "
+            "on a filesystem whose volume cuFile can identify")
+
+
+def kvikio_status(directory: str | None = None) -> tuple[bool, str]:
+    """Whether kvikio can run here (installed and a CUDA device present). ``directory`` is
+    not looked at: kvikio falls back to POSIX reads and writes where cuFile cannot run."""
     try:
         import kvikio  # noqa: F401
     except Exception as exc:  # kvikio raises more than ImportError without libcuda
@@ -460,7 +512,8 @@ class GpuBackend(Backend):
     _read_what: ClassVar[str] = "read"
 
     def __init__(self, path: str, flags: int, *, reason: str = "requested") -> None:
-        ok, why = self.status()
+        holder = os.path.dirname(os.path.abspath(path))
+        ok, why = self.status(holder if os.path.isdir(holder) else None)
         if not ok:
             raise BackendUnavailableError(f"backend {self.name!r} cannot run: {why}")
         import torch
@@ -474,8 +527,9 @@ class GpuBackend(Backend):
 
     @staticmethod
     @abc.abstractmethod
-    def status() -> tuple[bool, str]:
-        """Whether the backend can run on this machine, and why (not)."""
+    def status(directory: str | None = None) -> tuple[bool, str]:
+        """Whether the backend can run on this machine (on files in ``directory``), and why
+        (not)."""
 
     @abc.abstractmethod
     def _open(self, path: str, flags: int) -> str:
@@ -494,6 +548,8 @@ class GpuBackend(Backend):
 
     def save_storage(self, storage: Any, offset: int) -> None:
         nbytes = storage.nbytes()
+        if nbytes == 0:  # cuFileWrite refuses a 0-byte request with EINVAL
+            return
         self._torch.cuda.synchronize()  # cuFile is not stream-ordered
         with _as_storage_error(self.path, offset, nbytes, self._write_what):
             self._write(storage, offset)
@@ -502,6 +558,8 @@ class GpuBackend(Backend):
     def load_storage(self, storage: Any, offset: int) -> None:
         nbytes = storage.nbytes()
         _io.check_inside(self._fd(), offset, nbytes, self.path)  # cuFile reads short
+        if nbytes == 0:  # as for writes: nothing to read, and cuFileRead would say EINVAL
+            return
         self._torch.cuda.synchronize()
         with _as_storage_error(self.path, offset, nbytes, self._read_what):
             self._read(storage, offset)
@@ -521,8 +579,12 @@ class TorchGdsBackend(GpuBackend):
     status = staticmethod(torch_gds_status)
 
     def _open(self, path: str, flags: int) -> str:
-        # GdsFile opens with O_DIRECT; register_handle fails without the cuFile driver
-        self.file = self._torch.cuda.gds.GdsFile(path, flags)
+        try:
+            self.file = self._torch.cuda.gds.GdsFile(path, flags)
+        except RuntimeError as exc:  # cuFileHandleRegister refused this file's filesystem
+            raise BackendUnavailableError(
+                f"backend 'torch' cannot open {path}: "
+                + cufile_refusal_text(os.path.dirname(path) or ".", exc)) from exc
         return GDS if os.path.exists("/proc/driver/nvidia-fs") else COMPAT
 
     def _write(self, storage: Any, offset: int) -> None:

@@ -216,7 +216,9 @@ def save(obj: Any, path: str | os.PathLike[str], *, backend: str = "auto",
     pairs, entries, prefix = _plan(path, obj)
     phases["offsets"] = time.perf_counter() - t
     t = time.perf_counter()
-    with gds_open(path, os.O_RDWR, backend=backend) as handle:
+    on_device = bool(pairs) and all(s.device.type != "cpu" for _, s, _ in pairs)
+    with gds_open(path, os.O_RDWR, backend=backend,
+                  device=None if on_device else "cpu") as handle:
         if handle.moves_host_bytes and pairs:
             _write_in_file_order(handle, path, pairs)
         else:  # cuFile backends write storages only: into the skeleton's holes
@@ -376,7 +378,7 @@ def load(path: str | os.PathLike[str], device: Any = "cpu", *, backend: str = "a
     sizes = [s.nbytes for s in layout.storages if s.nbytes] \
         if skip_data_inflates_storages() else None
     # the handle first: whether O_DIRECT fills the host storages decides how they are mapped
-    with gds_open(path, os.O_RDONLY, backend=backend) as handle:
+    with gds_open(path, os.O_RDONLY, backend=backend, device=device) as handle:
         with skeleton_errors("gds.load builds a skip_data skeleton and", path), \
                 torch.serialization.skip_data():
             # host storages: page-aligned memory, so O_DIRECT reads land in place (no bounce)

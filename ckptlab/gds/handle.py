@@ -220,7 +220,7 @@ def _check_offset(offset: object) -> None:
 
 
 def open(path: str | os.PathLike[str], flags: int = os.O_RDWR, *,
-         backend: str = "auto") -> GdsHandle:
+         backend: str = "auto", device: Any = None) -> GdsHandle:
     """Open ``path`` for storage reads and writes through one of the GDS backends.
 
     Parameters
@@ -234,6 +234,10 @@ def open(path: str | os.PathLike[str], flags: int = os.O_RDWR, *,
         ``"auto"`` (torch.cuda.gds when CUDA and real cuFile bindings exist, else kvikio when
         installed with CUDA, else O_DIRECT, which falls back to POSIX if the filesystem refuses
         it), or one of ``"torch"``, ``"kvikio"``, ``"odirect"``, ``"posix"``.
+    device
+        Where the storages this handle will move live, for ``backend="auto"``: for host
+        storages (``"cpu"``) auto skips the cuFile backends, which move device memory only.
+        None (the default) or a CUDA device lets auto take them.
 
     Returns
     -------
@@ -260,9 +264,13 @@ def open(path: str | os.PathLike[str], flags: int = os.O_RDWR, *,
     if backend != "auto":
         return GdsHandle(_CLASSES[backend](path, flags))
     skipped = []
+    on_host = device is not None and getattr(device, "type", str(device).split(":")[0]) == "cpu"
     for status in backend_status():
         if not status.available:
             skipped.append(f"{status.name}: {status.reason}")
+            continue
+        if on_host and not _CLASSES[status.name].moves_host_bytes:
+            skipped.append(f"{status.name}: moves device storages only, and these are on the host")
             continue
         try:
             impl = _CLASSES[status.name](path, flags,

@@ -21,11 +21,19 @@ def status_of(name: str) -> gds.BackendStatus:
     return {s.name: s for s in gds.backend_status()}[name]
 
 
-def require_backend(name: str) -> None:
-    """Skip, with backend_status()'s reason, where backend ``name`` cannot run."""
+def require_backend(name: str, directory: Any = None) -> None:
+    """Skip, with backend_status()'s reason, where backend ``name`` cannot run (on files in
+    ``directory``, when given: cuFile refuses some filesystems, tmpfs among them)."""
     status = status_of(name)
     if not status.available:
         pytest.skip(f"backend {name!r} cannot run here: {status.reason}")
+    if directory is not None:
+        from ckptlab.gds.handle import _CLASSES
+
+        probe = getattr(_CLASSES[name], "status", None)  # the cuFile backends have one
+        ok, why = probe(str(directory)) if probe else (True, "")
+        if not ok:
+            pytest.skip(f"backend {name!r} cannot run on files in {directory}: {why}")
 
 
 def storage_bytes(storage: torch.UntypedStorage) -> bytes:

@@ -4,7 +4,9 @@ attributes, the shared GPU skeleton, and kvikio compat detection against its doc
 from __future__ import annotations
 
 import enum
+import errno
 import os
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -53,9 +55,10 @@ class DeviceOnly(GpuBackend):
     """A GPU backend double: moves 'device' storages by copying bytes, counts calls."""
 
     name = "fake"
+    error = "cuFile said no"
 
     @staticmethod
-    def status() -> tuple[bool, str]:
+    def status(directory: str | None = None) -> tuple[bool, str]:
         return True, "always"
 
     def _open(self, path: str, flags: int) -> str:
@@ -65,7 +68,7 @@ class DeviceOnly(GpuBackend):
 
     def _write(self, storage: Any, offset: int) -> None:
         self.calls.append(("write", offset))
-        raise RuntimeError("cuFile said no")
+        raise RuntimeError(self.error)
 
     def _read(self, storage: Any, offset: int) -> None:
         self.calls.append(("read", offset))
@@ -105,6 +108,53 @@ def test_the_gpu_skeleton_turns_library_errors_into_storage_errors(tmp_path: Pat
     impl.load_storage(storage, 16)
     assert impl.calls == [("write", 4096), ("read", 16)] and impl.direct_nbytes == 16
     impl.close()
+
+
+def test_a_library_error_that_names_an_os_error_carries_its_errno(tmp_path: Path) -> None:
+    """kvikio reports a full disk as RuntimeError text: it is ENOSPC, as on the host backends."""
+    impl = DeviceOnly(str(tmp_path / "f"), os.O_RDWR | os.O_CREAT)
+    impl._torch = SimpleNamespace(cuda=SimpleNamespace(synchronize=lambda: None))
+    storage = torch.zeros(16, dtype=torch.uint8).untyped_storage()
+    for text, number in (("posix_io.hpp:90: POSIX error on pwrite: No space left on device",
+                          errno.ENOSPC),
+                         ("POSIX error on pread: Input/output error", errno.EIO),
+                         ("Not a directory", errno.ENOTDIR),
+                         ("cuFile said no", None)):
+        impl.error = text
+        with pytest.raises(OSError, match=re.escape(text)) as info:
+            impl.save_storage(storage, 0)
+        assert info.value.errno == number, text
+    impl.close()
+
+
+@pytest.fixture
+def a_device_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """backend_status() says a cuFile backend runs (this machine has none), served by the
+    DeviceOnly double: what ``backend="auto"`` does on a CUDA machine, for host storages."""
+    from ckptlab.gds import handle
+
+    real = handle.backend_status()
+    monkeypatch.setattr(handle, "backend_status", lambda: (
+        handle.BackendStatus("torch", True, "a double"), *real[1:]))
+    monkeypatch.setitem(handle._CLASSES, "torch", DeviceOnly)
+
+
+@pytest.mark.usefixtures("a_device_backend")
+def test_auto_gives_host_storages_a_host_backend(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(bytes(4096))
+    with gds.open(path) as h:
+        assert h.backend == "fake"  # no device named: the first backend that runs
+    for device in ("cpu", torch.device("cpu")):
+        with gds.open(path, device=device) as h:
+            assert h.backend in ("odirect", "posix")
+            assert "torch: moves device storages only, and these are on the host" in h.reason
+    sd = {"w": torch.arange(3000.0), "b": torch.ones(5, dtype=torch.int64)}
+    report = gds.save(sd, tmp_path / "m.pt")  # CPU tensors: a host backend writes them
+    assert report.backend in ("odirect", "posix")
+    back, read = gds.load(tmp_path / "m.pt", "cpu")
+    assert read.backend in ("odirect", "posix")
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
 
 
 class Mode(enum.Enum):

@@ -484,6 +484,7 @@ class TestBackendConformance:
 
     def test_disk_full_raises_enospc(self, backend: Backend, tiny_fs: Path,
                                      request: pytest.FixtureRequest) -> None:
+        require_backend(backend.name, tiny_fs)
         path = tiny_fs / "full.bin"
         data = fill(path, BLOCK, seed=6)
         fds = open_fds()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -139,3 +140,47 @@ def test_tutorial_on_cuda_through_a_host_backend(backend: str, ckpt: dict[str, A
     back, _ = gds.load(path, "cuda", backend=backend)
     assert all(t.device.type == "cuda" for _, t in cst.iter_tensors(back))
     assert_round_trip(back, ckpt)
+
+
+def test_auto_moves_host_storages_with_a_host_backend(ckpt: dict[str, Any],
+                                                      tmp_path: Path) -> None:
+    """On a CUDA machine the first backend auto finds may be a cuFile one, which moves device
+    memory only: CPU tensors, saved or loaded to "cpu", go through odirect/posix instead."""
+    require_cuda()
+    path = tmp_path / "model.pt"
+    report = gds.save(ckpt, path)
+    assert report.backend in ("odirect", "posix"), report.reason
+    back, read = gds.load(path, "cpu")
+    assert read.backend in ("odirect", "posix"), read.reason
+    assert_round_trip(back, ckpt)
+    cuda_back, read = gds.load(path, "cuda")
+    first = next(s.name for s in gds.backend_status() if s.available)
+    assert read.backend == first, read.reason  # device storages: the first that runs
+    assert_round_trip(cuda_back, ckpt)
+
+
+def test_torch_status_tells_whether_cufile_registers_files(tmp_path: Path) -> None:
+    """backend_status() tries cuFile on a scratch file: bindings and a device are not enough
+    (a VM's virtio disk is refused even in compat mode). Where it says no, a named open says
+    the same, naming the file."""
+    require_cuda()
+    from ckptlab.errors import BackendUnavailableError
+    from ckptlab.gds._backends import torch_gds_status
+
+    ok, why = torch_gds_status(str(tmp_path))
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(BLOCK))
+    if ok:
+        with gds.open(path, os.O_RDWR, backend="torch") as h:
+            assert h.io_path in ("GDS", "cuFile compat")
+        return
+    if "cuFile refused" not in why:
+        pytest.skip(f"torch.cuda.gds cannot run here: {why}")
+    with pytest.raises(BackendUnavailableError, match=re.escape(str(tmp_path))):
+        gds.open(path, os.O_RDWR, backend="torch")
+    try:  # what the probe saw is what torch itself does
+        torch.cuda.gds.GdsFile(str(path), os.O_RDWR)
+    except RuntimeError as exc:
+        assert str(exc) in why
+    else:
+        pytest.fail("GdsFile registered a file the status said cuFile refuses")
