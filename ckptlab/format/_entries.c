@@ -808,19 +808,85 @@ PyDoc_STRVAR(opcodes_doc,
 "path); ``fast_global``: torch's tensor rebuild, whose BINGET is left to the loop;\n"
 "``units``: whether a SETITEMS before an int is left to the loop (an optimizer state's);\n"
 "``failed``: a list whose first item is set to the offset of the opcode an error was\n"
-"raised on (an OrderedDict handler's, or no memory), for the loop to report.");
+"raised on (an OrderedDict handler's, or no memory), for the loop to report.\n\n"
+"An optional twelfth argument, ``calls`` = (machine, call, build, persistent), lets it do\n"
+"the opcodes that call the machine too, through the machine's own methods: REDUCE and\n"
+"NEWOBJ (``call(func, args)``, with ``machine.budget`` set before and read after, as the\n"
+"loop syncs it), BUILD (``build(target, state)``), BINPERSID (``persistent(pid)``, when it\n"
+"is not None) and BINUNICODE (but not a key whose next opcodes are a BINGET of\n"
+"``fast_global``: the loop's state dict entries start there).");
+
+/* ``machine.budget = budget`` (before a call that charges it) and back (after). */
+static PyObject *budget_name;
+
+static int
+budget_out(PyObject *machine, long long budget)
+{
+    PyObject *value = PyLong_FromLongLong(budget);
+    if (value == NULL)
+        return -1;
+    int done = PyObject_SetAttr(machine, budget_name, value);
+    Py_DECREF(value);
+    return done;
+}
+
+static int
+budget_in(PyObject *machine, long long *budget)
+{
+    PyObject *value = PyObject_GetAttr(machine, budget_name);
+    if (value == NULL)
+        return -1;
+    long long got = PyLong_AsLongLong(value);
+    Py_DECREF(value);
+    if (got == -1 && PyErr_Occurred())
+        return -1;
+    *budget = got;
+    return 0;
+}
+
+/* Whether the opcodes at ``at`` (a string's end) are an optional BINPUT and a BINGET of
+ * ``fast_global``: a state dict entry the loop takes at its key (``tensor_entries``). */
+static int
+entry_follows(const unsigned char *p, Py_ssize_t n, Py_ssize_t at, PyObject *memo,
+              PyObject *fast_global)
+{
+    if (at < n && p[at] == 'q')
+        at += 2;
+    else if (at < n && p[at] == 'r')
+        at += 5;
+    Cursor c = {p, n, at};
+    int64_t idx;
+    return at < n && get(&c, &idx) && idx < PyList_GET_SIZE(memo) &&
+           PyList_GET_ITEM(memo, idx) == fast_global;
+}
 
 static PyObject *
 opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 11) {
-        PyErr_SetString(PyExc_TypeError, "opcodes() takes 11 arguments");
+    if (nargs != 11 && nargs != 12) {
+        PyErr_SetString(PyExc_TypeError, "opcodes() takes 11 or 12 arguments");
         return NULL;
     }
     PyObject *stack = args[2], *meta = args[3], *memo = args[4];
     PyObject *odict_global = args[6], *odict_new = args[7], *fast_global = args[8];
     PyObject *failed = args[10];
+    PyObject *machine = NULL, *call = NULL, *build = NULL, *persistent = NULL;
+    if (nargs == 12 && args[11] != Py_None) {
+        if (!PyTuple_CheckExact(args[11]) || PyTuple_GET_SIZE(args[11]) != 4) {
+            PyErr_SetString(PyExc_TypeError,
+                            "opcodes(): calls is (machine, call, build, persistent) or None");
+            return NULL;
+        }
+        machine = PyTuple_GET_ITEM(args[11], 0);
+        call = PyTuple_GET_ITEM(args[11], 1);
+        build = PyTuple_GET_ITEM(args[11], 2);
+        persistent = PyTuple_GET_ITEM(args[11], 3);
+        if (persistent == Py_None)
+            persistent = NULL;
+        if (budget_name == NULL && (budget_name = PyUnicode_InternFromString("budget")) == NULL)
+            return NULL;
+    }
     if (!PyList_CheckExact(stack) || !PyList_CheckExact(meta) || !PyList_CheckExact(memo) ||
         !PyList_CheckExact(failed) || PyList_GET_SIZE(failed) < 1) {
         PyErr_SetString(PyExc_TypeError,
@@ -1043,6 +1109,81 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             Py_SETREF(stack, below);
             budget -= cost;
             pos += 1;
+            break;
+        }
+        case 'R': case 0x81: {                              /* REDUCE / NEWOBJ */
+            if (machine == NULL || size < 2)
+                STOP_BEFORE();
+            PyObject *func = Py_NewRef(PyList_GET_ITEM(stack, size - 2));
+            PyObject *fargs = Py_NewRef(PyList_GET_ITEM(stack, size - 1));
+            PyObject *made = NULL;
+            if (budget_out(machine, budget) == 0)
+                made = PyObject_CallFunctionObjArgs(call, func, fargs, NULL);
+            Py_DECREF(func);
+            Py_DECREF(fargs);
+            if (made == NULL)
+                goto fail;
+            if (budget_in(machine, &budget) < 0 ||
+                PyList_SetSlice(stack, size - 2, size, NULL) < 0) {
+                Py_DECREF(made);
+                goto fail;
+            }
+            if (append_new(stack, made) < 0)
+                goto fail;
+            pos += 1;
+            break;
+        }
+        case 'b': {                                         /* BUILD */
+            if (machine == NULL || size < 2)
+                STOP_BEFORE();
+            PyObject *target = Py_NewRef(PyList_GET_ITEM(stack, size - 2));
+            PyObject *state = Py_NewRef(PyList_GET_ITEM(stack, size - 1));
+            PyObject *done = PyObject_CallFunctionObjArgs(build, target, state, NULL);
+            Py_DECREF(target);
+            Py_DECREF(state);
+            if (done == NULL)
+                goto fail;
+            Py_DECREF(done);
+            if (PyList_SetSlice(stack, size - 1, size, NULL) < 0)
+                goto fail;
+            pos += 1;
+            break;
+        }
+        case 'Q': {                                         /* BINPERSID */
+            if (persistent == NULL || size == 0 || budget < 160)
+                STOP_BEFORE();
+            PyObject *pid = Py_NewRef(PyList_GET_ITEM(stack, size - 1));
+            PyObject *made = PyObject_CallOneArg(persistent, pid);
+            Py_DECREF(pid);
+            if (made == NULL)
+                goto fail;
+            if (PyList_SetItem(stack, size - 1, made) < 0)  /* (steals made) */
+                goto fail;
+            budget -= 160;
+            pos += 1;
+            break;
+        }
+        case 'X': {                                         /* BINUNICODE */
+            Cursor c = {p, n, pos};
+            uint32_t length;
+            if (machine == NULL || !u32(&c, pos + 1, &length) ||
+                (Py_ssize_t)length > n - pos - 5 || budget < 96 + 4 * (long long)length)
+                STOP_BEFORE();
+            Py_ssize_t end = pos + 5 + (Py_ssize_t)length;
+            if (fast_global != Py_None && entry_follows(p, n, end, memo, fast_global))
+                STOP_BEFORE();
+            PyObject *text = PyUnicode_DecodeUTF8((const char *)p + pos + 5,
+                                                  (Py_ssize_t)length, "surrogatepass");
+            if (text == NULL) {  /* the loop raises it, at this opcode */
+                if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError))
+                    goto fail;
+                PyErr_Clear();
+                STOP_BEFORE();
+            }
+            if (append_new(stack, text) < 0)
+                goto fail;
+            budget -= 96 + 4 * (long long)length;
+            pos = end;
             break;
         }
         default:

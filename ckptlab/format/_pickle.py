@@ -717,7 +717,22 @@ def _children(obj: Any) -> Iterator[tuple[Any, Any]]:
         return enumerate(obj)
     if isinstance(obj, (set, frozenset)):
         return enumerate(v.value if isinstance(v, OpaqueKey) else v for v in obj)
+    if type(obj.state) is dict and not (obj.pairs or obj.args or obj.items):
+        return iter(obj.state.items())  # an object built from its __dict__: a module
     return _reduced_children(obj)
+
+
+# what the walk does with a value of each type: 0 nothing (a plain value), 1 list it (a
+# tensor), 2 walk into it when it is not empty (a container); filled in as types are met
+_LEAF, _TENSOR, _CONTAINER = 0, 1, 2
+_WALK_KIND: dict[type, int] = {}
+
+
+def _walk_kind(kind: type) -> int:
+    found = _TENSOR if issubclass(kind, _TENSOR_REFS) else \
+        _CONTAINER if issubclass(kind, _CONTAINERS) else _LEAF
+    _WALK_KIND[kind] = found
+    return found
 
 
 def _reduced_children(obj: Reduced) -> Iterator[tuple[Any, Any]]:
@@ -778,9 +793,15 @@ def _walk(root: Any) -> tuple[list[tuple[tuple[Any, ...], Any]],
     ids = [id(root)]
     marked = 0  # how many of ids (from the root) are known to be in holds_tensor
     stack = [_children(root)]
+    kinds = _WALK_KIND
     while stack:
         for key, value in stack[-1]:
-            if isinstance(value, _TENSOR_REFS):
+            kind = kinds.get(type(value))
+            if kind is None:
+                kind = _walk_kind(type(value))
+            if not kind:  # _LEAF
+                continue
+            if kind == _TENSOR:
                 if not (isinstance(value, _TensorRef) and value.pending):
                     found.append(((*path, key if type(key) is str else _path_key(key)), value))
                     if marked < len(ids):
@@ -788,7 +809,7 @@ def _walk(root: Any) -> tuple[list[tuple[tuple[Any, ...], Any]],
                         marked = len(ids)
                 continue
             # (an empty container holds no tensor: a module's many hook dicts)
-            if isinstance(value, _CONTAINERS) and value and id(value) not in seen:
+            if value and id(value) not in seen:
                 seen.add(id(value))
                 if len(stack) >= MAX_DEPTH:
                     raise _bad(f"objects nested deeper than {MAX_DEPTH} levels")

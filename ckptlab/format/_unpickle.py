@@ -763,13 +763,16 @@ class _Machine:
         plain = _c_opcodes if self.fast_paths and type(budget) is int and \
             0 <= budget < 1 << 62 else None
         failed = [0]  # where an error raised in it was raised
+        # ... and the opcodes that call the machine (REDUCE, NEWOBJ, BUILD, BINPERSID) and
+        # BINUNICODE, through its own methods
+        calls = (self, self.call, self.build, self.persistent)
         try:
             while True:
                 if plain is not None:  # the plain opcodes from here, up to one left to the loop
                     try:
                         pos, stack, budget, last = plain(
                             data, pos, stack, metastack, memo, budget, self.odict_global,
-                            self.odict_handler, self.fast_global, units, failed)
+                            self.odict_handler, self.fast_global, units, failed, calls)
                     except _ERRORS:
                         op = failed[0]
                         raise
