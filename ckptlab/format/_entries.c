@@ -809,8 +809,9 @@ PyDoc_STRVAR(opcodes_doc,
 "``units``: whether a SETITEMS before an int is left to the loop (an optimizer state's);\n"
 "``failed``: a list whose first item is set to the offset of the opcode an error was\n"
 "raised on (an OrderedDict handler's, or no memory), for the loop to report.\n\n"
-"An optional twelfth argument, ``calls`` = (machine, call, build, persistent), lets it do\n"
-"the opcodes that call the machine too, through the machine's own methods: REDUCE and\n"
+"An optional twelfth argument, ``calls`` = (machine, call, build, persistent, fused), lets\n"
+"it do the opcodes that call the machine too, through the machine's own methods: a tensor\n"
+"rebuild as ``_Machine.tensor_v2`` does it with ``fused`` (from its global's BINGET), REDUCE and\n"
 "NEWOBJ (``call(func, args)``, with ``machine.budget`` set before and read after, as the\n"
 "loop syncs it), BUILD (``build(target, state)``), BINPERSID (``persistent(pid)``, when it\n"
 "is not None) and BINUNICODE (but not a key whose next opcodes are a BINGET of\n"
@@ -844,6 +845,91 @@ budget_in(PyObject *machine, long long *budget)
     return 0;
 }
 
+/* torch's tensor rebuild from the BINGET of ``_rebuild_tensor_v2`` at ``pos``, done at once
+ * as ``_Machine.tensor_v2`` does it on its fused path (and so as the loop would): the bytes
+ * are :c:func:`parse_tensor`'s template with every BINGET reading an index stored before and
+ * the BINPUTs appending in order, the hooks are ``OrderedDict()``, the budget covers it all,
+ * and ``fused(pid, offset, size, stride, requires_grad)`` takes it (not None). Then the
+ * tensor is pushed, its memo entries appended and its charges taken: 1, with *end after its
+ * last opcode and *last that opcode's offset. 0, having changed nothing: the loop does it.
+ * -1: an error (raised by ``fused`` or ``odict_new``, or no memory). */
+static int
+one_tensor(const unsigned char *p, Py_ssize_t n, Py_ssize_t pos, PyObject *stack,
+           PyObject *memo, long long *budget, PyObject *odict_global, PyObject *odict_new,
+           PyObject *fused, Py_ssize_t *end, Py_ssize_t *last)
+{
+    Cursor c = {p, n, pos};
+    Py_ssize_t have = PyList_GET_SIZE(memo);
+    int64_t next = have;
+    Tensor t;
+    if (!parse_tensor(&c, &next, &t))
+        return 0;
+    if (t.g[1] >= have || t.cls >= have || t.g[2] >= have || t.g[3] >= have ||
+        t.skey_index >= have || PyList_GET_ITEM(memo, t.g[3]) != odict_global)
+        return 0;
+    long long count = 0;
+    for (unsigned int bit = 1; bit <= 7; bit++)
+        count += (t.mask >> bit) & 1u;
+    /* the BINGET of the global, then what tensor_v2 charges */
+    long long cost = 16 + t.charged + 1304 + 16 * count;
+    if (*budget < cost)
+        return 0;
+    PyObject *key = t.skey_index >= 0 ? Py_NewRef(PyList_GET_ITEM(memo, t.skey_index)) :
+        PyUnicode_DecodeASCII((const char *)p + t.skey_at, t.skey_len, NULL);
+    PyObject *numel = PyLong_FromLongLong(t.numel);
+    PyObject *offset = PyLong_FromLongLong(t.offset);
+    PyObject *size = make_tuple(t.size_v, t.nsize);
+    PyObject *stride = make_tuple(t.stride_v, t.nstride);
+    PyObject *grad = t.grad ? Py_True : Py_False;
+    PyObject *pid = NULL, *both = NULL, *hooks = NULL, *args = NULL;
+    int done = -1;
+    if (key == NULL || numel == NULL || offset == NULL || size == NULL || stride == NULL)
+        goto out;
+    pid = PyTuple_Pack(5, PyList_GET_ITEM(memo, t.g[1]), PyList_GET_ITEM(memo, t.cls), key,
+                       PyList_GET_ITEM(memo, t.g[2]), numel);
+    if (pid == NULL)
+        goto out;
+    both = PyObject_CallFunctionObjArgs(fused, pid, offset, size, stride, grad, NULL);
+    if (both == NULL)
+        goto out;
+    if (both == Py_None) {  /* fused changed nothing: the loop's slow path says the rest */
+        done = 0;
+        goto out;
+    }
+    if (!PyTuple_CheckExact(both) || PyTuple_GET_SIZE(both) != 2) {
+        PyErr_SetString(PyExc_TypeError, "fused_tensor_v2 returns (storage, tensor) or None");
+        goto out;
+    }
+    hooks = PyObject_CallNoArgs(odict_new);
+    if (hooks == NULL)
+        goto out;
+    PyObject *ref = PyTuple_GET_ITEM(both, 0), *result = PyTuple_GET_ITEM(both, 1);
+    args = PyTuple_Pack(6, ref, offset, size, stride, grad, hooks);
+    if (args == NULL)
+        goto out;
+    PyObject *values[7] = {key, pid, size, stride, hooks, args, result};
+    for (unsigned int bit = 1; bit <= 7; bit++)
+        if ((t.mask >> bit) & 1u && PyList_Append(memo, values[bit - 1]) < 0)
+            goto out;
+    if (PyList_Append(stack, result) < 0)
+        goto out;
+    *budget -= cost;
+    *end = c.pos;
+    *last = t.last;
+    done = 1;
+out:
+    Py_XDECREF(key);
+    Py_XDECREF(numel);
+    Py_XDECREF(offset);
+    Py_XDECREF(size);
+    Py_XDECREF(stride);
+    Py_XDECREF(pid);
+    Py_XDECREF(both);
+    Py_XDECREF(hooks);
+    Py_XDECREF(args);
+    return done;
+}
+
 /* Whether the opcodes at ``at`` (a string's end) are an optional BINPUT and a BINGET of
  * ``fast_global``: a state dict entry the loop takes at its key (``tensor_entries``). */
 static int
@@ -871,19 +957,22 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *stack = args[2], *meta = args[3], *memo = args[4];
     PyObject *odict_global = args[6], *odict_new = args[7], *fast_global = args[8];
     PyObject *failed = args[10];
-    PyObject *machine = NULL, *call = NULL, *build = NULL, *persistent = NULL;
+    PyObject *machine = NULL, *call = NULL, *build = NULL, *persistent = NULL, *fused = NULL;
     if (nargs == 12 && args[11] != Py_None) {
-        if (!PyTuple_CheckExact(args[11]) || PyTuple_GET_SIZE(args[11]) != 4) {
-            PyErr_SetString(PyExc_TypeError,
-                            "opcodes(): calls is (machine, call, build, persistent) or None");
+        if (!PyTuple_CheckExact(args[11]) || PyTuple_GET_SIZE(args[11]) != 5) {
+            PyErr_SetString(PyExc_TypeError, "opcodes(): calls is (machine, call, build, "
+                            "persistent, fused) or None");
             return NULL;
         }
         machine = PyTuple_GET_ITEM(args[11], 0);
         call = PyTuple_GET_ITEM(args[11], 1);
         build = PyTuple_GET_ITEM(args[11], 2);
         persistent = PyTuple_GET_ITEM(args[11], 3);
+        fused = PyTuple_GET_ITEM(args[11], 4);
         if (persistent == Py_None)
             persistent = NULL;
+        if (fused == Py_None || persistent == NULL)
+            fused = NULL;
         if (budget_name == NULL && (budget_name = PyUnicode_InternFromString("budget")) == NULL)
             return NULL;
     }
@@ -924,8 +1013,19 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (!get(&c, &idx) || budget < 16 || idx >= PyList_GET_SIZE(memo))
                 STOP_BEFORE();
             PyObject *value = PyList_GET_ITEM(memo, idx);
-            if (value == fast_global)
-                STOP_BEFORE();
+            if (value == fast_global) {  /* a tensor: at once, or left to the loop */
+                Py_ssize_t end, took;
+                int done = fused == NULL ? 0 :
+                    one_tensor(p, n, pos, stack, memo, &budget, odict_global, odict_new, fused,
+                               &end, &took);
+                if (done < 0)
+                    goto fail;
+                if (done == 0)
+                    STOP_BEFORE();
+                pos = end;
+                at = took;
+                break;
+            }
             if (PyList_Append(stack, value) < 0)
                 goto fail;
             budget -= 16;

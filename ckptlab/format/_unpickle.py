@@ -763,9 +763,9 @@ class _Machine:
         plain = _c_opcodes if self.fast_paths and type(budget) is int and \
             0 <= budget < 1 << 62 else None
         failed = [0]  # where an error raised in it was raised
-        # ... and the opcodes that call the machine (REDUCE, NEWOBJ, BUILD, BINPERSID) and
-        # BINUNICODE, through its own methods
-        calls = (self, self.call, self.build, self.persistent)
+        # ... and the opcodes that call the machine (REDUCE, NEWOBJ, BUILD, BINPERSID, a
+        # tensor rebuild as tensor_v2 does it) and BINUNICODE, through its own methods
+        calls = (self, self.call, self.build, self.persistent, self.fused)
         try:
             while True:
                 if plain is not None:  # the plain opcodes from here, up to one left to the loop

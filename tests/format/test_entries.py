@@ -318,6 +318,83 @@ def test_opcodes_bad_arguments() -> None:
         opcodes("N", 0, [], [], [], 0, None, dict, None, False, [0])
     with pytest.raises(OverflowError):
         opcodes(b"N", 0, [], [], [], 1 << 70, None, dict, None, False, [0])
+    with pytest.raises(TypeError, match="calls"):  # (machine, call, build, persistent, fused)
+        opcodes(b"N", 0, [], [], [], 0, None, dict, None, False, [0], (1, 2, 3, 4))
+    with pytest.raises(TypeError):
+        opcodes(b"N", 0, [], [], [], 0, None, dict, None, False, [0], None, 13)  # thirteen
+
+
+class _Calls:
+    """A machine for ``opcodes``' calls: records each call, charges as ``_Machine.call``."""
+
+    def __init__(self, budget_cost: int = 320) -> None:
+        self.budget = 0
+        self.log: list = []
+        self.cost = budget_cost
+
+    def call(self, func: object, args: object) -> object:
+        self.log.append(("call", func, args))
+        self.budget -= self.cost
+        return ("made", func, args)
+
+    def build(self, target: object, state: object) -> None:
+        self.log.append(("build", target, state))
+
+    def persistent(self, pid: object) -> object:
+        self.log.append(("pid", pid))
+        return ("loaded", pid)
+
+    def calls(self) -> tuple:
+        return (self, self.call, self.build, self.persistent, None)
+
+
+def test_opcodes_call_the_machine() -> None:
+    """REDUCE / NEWOBJ through ``call`` with the budget synced, BUILD through ``build``,
+    BINPERSID through ``persistent`` (charging 160), BINUNICODE decoded; without ``calls``
+    each of them is left to the loop."""
+    m = _Calls()
+    data = b"N)RN)\x81NK\x01bK\x07QX\x02\x00\x00\x00\xc3\xa9."
+    pos, stack, left, last = opcodes(data, 0, [], [], [], 10_000, None, dict, None, False, [0],
+                                     m.calls())
+    assert data[pos:] == b"." and last == pos - 7
+    assert stack == [("made", None, ()), ("made", None, ()), None, ("loaded", 7), "\u00e9"]
+    assert left == 10_000 - (16 + 16 + 320) * 2 - 16 - 16 - 16 - 160 - (96 + 8)
+    assert [e[0] for e in m.log] == ["call", "call", "build", "pid"] and m.log[2][2] == 1
+    for op in (b"N)R", b"N)\x81", b"NNb", b"K\x01Q", b"X\x00\x00\x00\x00"):
+        pos, *_ = opcodes(op + b".", 0, [], [], [], 10_000, None, dict, None, False, [0])
+        assert op[pos] in b"R\x81bQX"  # stopped before it
+
+
+def test_opcodes_leave_what_would_fail_to_the_loop() -> None:
+    m = _Calls()
+    calls = m.calls()
+    run = lambda data, budget=10_000: opcodes(  # noqa: E731
+        data, 0, [], [], [], budget, None, dict, None, False, [0], calls)
+    assert run(b"R.")[0] == 0 and run(b"NR.")[0] == 1  # too few items: the loop says so
+    assert run(b"b.")[0] == 0 and run(b"Q.")[0] == 0
+    assert run(b"NQ.", budget=16 + 159)[0] == 1  # BINPERSID over budget: before the call
+    assert run(b"X\x01\x00\x00\x00\xff.")[0] == 0  # not UTF-8: the loop raises it
+    assert run(b"X\x05\x00\x00\x00ab")[0] == 0  # cut off
+    assert run(b"X\x01\x00\x00\x00a.", budget=99)[0] == 0  # 96 + 4 > 99
+    assert m.log == []  # nothing was called
+    # a key a state dict entry follows (BINPUT, BINGET of fast_global) is the loop's
+    fast = object()
+    key = b"X\x01\x00\x00\x00aq\x01h\x00"
+    assert opcodes(key, 0, [], [], [fast], 10_000, None, dict, fast, False, [0], calls)[0] == 0
+    assert opcodes(key, 0, [], [], [0], 10_000, None, dict, fast, False, [0], calls)[0] == 10
+
+
+def test_a_call_that_raises_says_where() -> None:
+    m = _Calls()
+
+    def refuse(func: object, args: object) -> None:
+        raise ValueError("no")
+
+    failed = [0]
+    with pytest.raises(ValueError):
+        opcodes(b"NN)R.", 0, [], [], [], 10_000, None, dict, None, False, failed,
+                (m, refuse, m.build, m.persistent, None))
+    assert failed == [3]
 
 
 def test_opcodes_say_where_an_error_was_raised() -> None:
