@@ -1307,10 +1307,354 @@ fail:
     return result;
 }
 
+/* -- the object walk (``_pickle._walk``'s first pass) ------------------------------------ */
+
+#define WALK_MAX_FRAMES 1024
+
+typedef struct {
+    PyObject *obj;        /* the container (a strong reference) */
+    PyObject *dict;       /* the dict whose items are walked with PyDict_Next, or NULL */
+    PyObject *iter;       /* ... or an iterator of (key, value) pairs, or NULL: a sequence */
+    Py_ssize_t at;        /* PyDict_Next's position, or the sequence's next index */
+} Frame;
+
+typedef struct {
+    PyObject *dense, *composite, *reduced;    /* _TensorRef, _CompositeRef, Reduced */
+    PyObject *children, *path_key;            /* _children(obj), _path_key(key) */
+    PyObject *pending_name, *state_name, *pairs_name, *args_name, *items_name;
+} WalkTypes;
+
+/* 0 a plain value, 1 a tensor (a _TensorRef or _CompositeRef), 2 a container (dict, list,
+ * tuple, set, frozenset, Reduced): what ``_walk_kind`` says of its type */
+static int
+walk_kind(const WalkTypes *w, PyObject *value)
+{
+    PyTypeObject *tp = Py_TYPE(value);
+    if (tp == &PyUnicode_Type || tp == &PyLong_Type || tp == &PyBool_Type ||
+        tp == &PyFloat_Type || value == Py_None || tp == &PyBytes_Type)
+        return 0;
+    if (PyObject_TypeCheck(value, (PyTypeObject *)w->dense) ||
+        PyObject_TypeCheck(value, (PyTypeObject *)w->composite))
+        return 1;
+    if (PyDict_Check(value) || PyList_Check(value) || PyTuple_Check(value) ||
+        PyAnySet_Check(value) || PyObject_TypeCheck(value, (PyTypeObject *)w->reduced))
+        return 2;
+    return 0;
+}
+
+/* a path element: a str or an int of 64 bits as it is, anything else through _path_key */
+static PyObject *
+walk_key(const WalkTypes *w, PyObject *key)
+{
+    if (PyUnicode_CheckExact(key))
+        return Py_NewRef(key);
+    if (PyLong_CheckExact(key)) {
+        int overflow;
+        (void)PyLong_AsLongLongAndOverflow(key, &overflow);
+        if (!overflow)
+            return Py_NewRef(key);
+    }
+    return PyObject_CallOneArg(w->path_key, key);
+}
+
+/* 1 when ``obj`` (a Reduced) is an object built from its __dict__ alone: state an exact
+ * dict, no pairs, args or items (its children are the state's items); 0 if not; -1 error */
+static int
+plain_reduced(const WalkTypes *w, PyObject *obj, PyObject **state)
+{
+    int plain = 0;
+    PyObject *st = PyObject_GetAttr(obj, w->state_name);
+    if (st == NULL)
+        return -1;
+    if (PyDict_CheckExact(st)) {
+        plain = 1;
+        PyObject *names[3] = {w->pairs_name, w->args_name, w->items_name};
+        for (int i = 0; i < 3 && plain == 1; i++) {
+            PyObject *v = PyObject_GetAttr(obj, names[i]);
+            if (v == NULL) {
+                plain = -1;
+                break;
+            }
+            int full = PyObject_IsTrue(v);
+            Py_DECREF(v);
+            plain = full < 0 ? -1 : full ? 0 : 1;
+        }
+    }
+    if (plain == 1)
+        *state = st;
+    else
+        Py_DECREF(st);
+    return plain;
+}
+
+/* the frame of container ``obj``: 0, or -1 with an error */
+static int
+frame_open(const WalkTypes *w, Frame *f, PyObject *obj)
+{
+    f->obj = Py_NewRef(obj);
+    f->dict = f->iter = NULL;
+    f->at = 0;
+    if (PyDict_CheckExact(obj)) {
+        f->dict = Py_NewRef(obj);
+        return 0;
+    }
+    if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj))
+        return 0;
+    if (PyObject_TypeCheck(obj, (PyTypeObject *)w->reduced)) {
+        PyObject *state;
+        int plain = plain_reduced(w, obj, &state);
+        if (plain < 0)
+            return -1;
+        if (plain) {
+            f->dict = state;
+            return 0;
+        }
+    }
+    PyObject *children = PyObject_CallOneArg(w->children, obj);
+    if (children == NULL)
+        return -1;
+    f->iter = PyObject_GetIter(children);
+    Py_DECREF(children);
+    return f->iter == NULL ? -1 : 0;
+}
+
+static void
+frame_close(Frame *f)
+{
+    Py_CLEAR(f->obj);
+    Py_CLEAR(f->dict);
+    Py_CLEAR(f->iter);
+}
+
+/* the frame's next (key, value), borrowed unless *owned: 1, 0 at its end, -1 error */
+static int
+frame_next(Frame *f, PyObject **key, PyObject **value, PyObject **owned)
+{
+    *owned = NULL;
+    if (f->dict != NULL)
+        return PyDict_Next(f->dict, &f->at, key, value);
+    if (f->iter == NULL) {  /* a list or a tuple: its index and item */
+        Py_ssize_t size = PyList_Check(f->obj) ? PyList_GET_SIZE(f->obj) :
+                                                 PyTuple_GET_SIZE(f->obj);
+        if (f->at >= size)
+            return 0;
+        PyObject *index = PyLong_FromSsize_t(f->at);
+        if (index == NULL)
+            return -1;
+        *value = PyList_Check(f->obj) ? PyList_GET_ITEM(f->obj, f->at) :
+                                        PyTuple_GET_ITEM(f->obj, f->at);
+        f->at += 1;
+        *key = *owned = index;
+        return 1;
+    }
+    PyObject *pair = PyIter_Next(f->iter);
+    if (pair == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2) {
+        Py_DECREF(pair);
+        PyErr_SetString(PyExc_TypeError, "walk(): children gives (key, value) pairs");
+        return -1;
+    }
+    *key = PyTuple_GET_ITEM(pair, 0);
+    *value = PyTuple_GET_ITEM(pair, 1);
+    *owned = pair;
+    return 1;
+}
+
+/* ids[from:to] into ``holds`` */
+static int
+mark_ids(PyObject *holds, PyObject *const *ids, Py_ssize_t from, Py_ssize_t to)
+{
+    for (Py_ssize_t i = from; i < to; i++) {
+        PyObject *id = PyLong_FromVoidPtr(ids[i]);
+        if (id == NULL || PySet_Add(holds, id) < 0) {
+            Py_XDECREF(id);
+            return -1;
+        }
+        Py_DECREF(id);
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(walk_doc,
+"walk(root, dense, composite, reduced, children, path_key, max_depth, too_deep)\n"
+"    -> (found, holds)\n\n"
+"``_pickle._walk``'s first pass over a container ``root``: every tensor (``dense`` or\n"
+"``composite`` instance; a ``dense`` one whose ``pending`` is true left out) with its path,\n"
+"depth first in container order, each container entered once; and the ids of the containers\n"
+"on the way to a tensor. Exact dicts, lists and tuples and the ``reduced`` objects built\n"
+"from a plain dict are walked here, any other container through ``children(obj)`` (pairs);\n"
+"path elements other than str and 64-bit ints go through ``path_key``. Deeper than\n"
+"``max_depth`` containers it raises ``too_deep()``.");
+
+static PyObject *
+walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "walk() takes 8 arguments");
+        return NULL;
+    }
+    PyObject *root = args[0];
+    WalkTypes w = {args[1], args[2], args[3], args[4], args[5], NULL, NULL, NULL, NULL, NULL};
+    PyObject *too_deep = args[7];
+    if (!PyType_Check(w.dense) || !PyType_Check(w.composite) || !PyType_Check(w.reduced)) {
+        PyErr_SetString(PyExc_TypeError, "walk(): dense, composite and reduced are types");
+        return NULL;
+    }
+    Py_ssize_t max_depth = PyLong_AsSsize_t(args[6]);
+    if (max_depth == -1 && PyErr_Occurred())
+        return NULL;
+    if (max_depth < 1 || max_depth > WALK_MAX_FRAMES) {
+        PyErr_SetString(PyExc_ValueError, "walk(): max_depth is 1 to 1024");
+        return NULL;
+    }
+    w.pending_name = PyUnicode_InternFromString("pending");
+    w.state_name = PyUnicode_InternFromString("state");
+    w.pairs_name = PyUnicode_InternFromString("pairs");
+    w.args_name = PyUnicode_InternFromString("args");
+    w.items_name = PyUnicode_InternFromString("items");
+    PyObject *found = PyList_New(0), *holds = PySet_New(NULL), *seen = PySet_New(NULL);
+    PyObject *path = PyList_New(0);
+    PyObject *result = NULL;
+    Frame *frames = PyMem_Calloc(WALK_MAX_FRAMES, sizeof(Frame));
+    PyObject **ids = PyMem_Calloc(WALK_MAX_FRAMES, sizeof(PyObject *));
+    Py_ssize_t depth = 0, marked = 0;
+    if (w.pending_name == NULL || w.state_name == NULL || w.pairs_name == NULL ||
+        w.args_name == NULL || w.items_name == NULL || found == NULL || holds == NULL ||
+        seen == NULL || path == NULL) {
+        goto done;
+    }
+    if (frames == NULL || ids == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    {
+        PyObject *id = PyLong_FromVoidPtr(root);
+        if (id == NULL || PySet_Add(seen, id) < 0) {
+            Py_XDECREF(id);
+            goto done;
+        }
+        Py_DECREF(id);
+    }
+    if (frame_open(&w, &frames[0], root) < 0)
+        goto done;
+    ids[0] = root;
+    depth = 1;
+    while (depth > 0) {
+        Frame *top = &frames[depth - 1];
+        PyObject *key, *value, *owned;
+        int got = frame_next(top, &key, &value, &owned);
+        if (got < 0)
+            goto done;
+        if (got == 0) {  /* this container is done */
+            frame_close(top);
+            depth -= 1;
+            if (marked > depth)
+                marked = depth;
+            Py_ssize_t len = PyList_GET_SIZE(path);
+            if (len > 0 && PyList_SetSlice(path, len - 1, len, NULL) < 0)
+                goto done;
+            continue;
+        }
+        Py_INCREF(key);
+        Py_INCREF(value);
+        Py_XDECREF(owned);
+        int kind = walk_kind(&w, value);
+        int failed = 0;
+        if (kind == 1) {
+            int pending = 0;
+            if (PyObject_TypeCheck(value, (PyTypeObject *)w.dense)) {
+                PyObject *flag = PyObject_GetAttr(value, w.pending_name);
+                pending = flag == NULL ? -1 : PyObject_IsTrue(flag);
+                Py_XDECREF(flag);
+            }
+            if (pending < 0)
+                failed = 1;
+            else if (!pending) {
+                Py_ssize_t len = PyList_GET_SIZE(path);
+                PyObject *where = PyTuple_New(len + 1);
+                PyObject *last = walk_key(&w, key);
+                PyObject *pair = NULL;
+                if (where != NULL && last != NULL) {
+                    for (Py_ssize_t i = 0; i < len; i++)
+                        PyTuple_SET_ITEM(where, i, Py_NewRef(PyList_GET_ITEM(path, i)));
+                    PyTuple_SET_ITEM(where, len, last);
+                    last = NULL;
+                    pair = PyTuple_Pack(2, where, value);
+                }
+                Py_XDECREF(where);
+                Py_XDECREF(last);
+                if (pair == NULL || append_new(found, pair) < 0)
+                    failed = 1;
+                else if (marked < depth) {
+                    if (mark_ids(holds, ids, marked, depth) < 0)
+                        failed = 1;
+                    marked = depth;
+                }
+            }
+        }
+        else if (kind == 2) {
+            /* (an empty container holds no tensor: a module's many hook dicts) */
+            int fresh = PyObject_IsTrue(value);    /* 1: entered now, 0: not, -1: error */
+            if (fresh > 0) {
+                PyObject *id = PyLong_FromVoidPtr(value);
+                int in = id == NULL ? -1 : PySet_Contains(seen, id);
+                fresh = in < 0 ? -1 : in ? 0 : PySet_Add(seen, id) < 0 ? -1 : 1;
+                Py_XDECREF(id);
+            }
+            if (fresh < 0)
+                failed = 1;
+            else if (fresh == 1) {
+                if (depth >= max_depth) {
+                    PyObject *exc = PyObject_CallNoArgs(too_deep);
+                    if (exc != NULL) {
+                        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+                        Py_DECREF(exc);
+                    }
+                    failed = 1;
+                }
+                else {
+                    PyObject *step = walk_key(&w, key);
+                    if (step == NULL || append_new(path, step) < 0)
+                        failed = 1;
+                    else if (frame_open(&w, &frames[depth], value) < 0) {
+                        frame_close(&frames[depth]);
+                        failed = 1;
+                    }
+                    else
+                        ids[depth++] = value;
+                }
+            }
+        }
+        Py_DECREF(key);
+        Py_DECREF(value);
+        if (failed)
+            goto done;
+    }
+    result = PyTuple_Pack(2, found, holds);
+done:
+    for (Py_ssize_t i = 0; frames != NULL && i < depth; i++)
+        frame_close(&frames[i]);
+    PyMem_Free(frames);
+    PyMem_Free(ids);
+    Py_XDECREF(found);
+    Py_XDECREF(holds);
+    Py_XDECREF(seen);
+    Py_XDECREF(path);
+    Py_XDECREF(w.pending_name);
+    Py_XDECREF(w.state_name);
+    Py_XDECREF(w.pairs_name);
+    Py_XDECREF(w.args_name);
+    Py_XDECREF(w.items_name);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"entries", entries, METH_VARARGS, entries_doc},
     {"units", units, METH_VARARGS, units_doc},
     {"opcodes", (PyCFunction)(void (*)(void))opcodes, METH_FASTCALL, opcodes_doc},
+    {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL, walk_doc},
     {NULL, NULL, 0, NULL},
 };
 

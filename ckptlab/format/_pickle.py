@@ -37,6 +37,7 @@ from ckptlab.format._unpickle import (
     PickleBudgetError,
     PickleDataError,
     Reduced,
+    _compiled,
     failure_offset,
     interpret,
 )
@@ -707,6 +708,8 @@ class PickleScan:
 
 
 MAX_DEPTH = 256  # object nesting the walk follows; real checkpoints stay under ~20
+# the walk's first pass in C, where the compiled part is built (else _walk_python)
+_c_walk = getattr(_compiled, "walk", None)
 _CONTAINERS = (dict, list, tuple, set, frozenset, Reduced)
 
 
@@ -786,6 +789,23 @@ def _walk(root: Any) -> tuple[list[tuple[tuple[Any, ...], Any]],
         return [((), root)], []
     if not isinstance(root, _CONTAINERS):
         return [], [((), root)]
+    if _c_walk is not None:  # the same walk in C (ckptlab.format._entries.walk)
+        found, holds_tensor = _c_walk(root, _TensorRef, _CompositeRef, Reduced, _children,
+                                      _path_key, MAX_DEPTH, _too_deep)
+    else:
+        found, holds_tensor = _walk_python(root)
+    if id(root) not in holds_tensor:
+        return found, [((), root)]
+    return found, LazyTuple(None, lambda: _values(root, holds_tensor))
+
+
+def _too_deep() -> PickleDataError:
+    return _bad(f"objects nested deeper than {MAX_DEPTH} levels")
+
+
+def _walk_python(root: Any) -> tuple[list[tuple[tuple[Any, ...], Any]], set[int]]:
+    """:func:`_walk`'s first pass, where the compiled part is not built: the tensors with
+    their paths, and the ids of the containers that hold one."""
     found: list[tuple[tuple[Any, ...], Any]] = []
     holds_tensor: set[int] = set()
     seen = {id(root)}
@@ -812,7 +832,7 @@ def _walk(root: Any) -> tuple[list[tuple[tuple[Any, ...], Any]],
             if value and id(value) not in seen:
                 seen.add(id(value))
                 if len(stack) >= MAX_DEPTH:
-                    raise _bad(f"objects nested deeper than {MAX_DEPTH} levels")
+                    raise _too_deep()
                 path.append(_path_key(key))
                 ids.append(id(value))
                 stack.append(_children(value))
@@ -823,9 +843,7 @@ def _walk(root: Any) -> tuple[list[tuple[tuple[Any, ...], Any]],
             marked = min(marked, len(ids))
             if path:
                 path.pop()
-    if id(root) not in holds_tensor:
-        return found, [((), root)]
-    return found, LazyTuple(None, lambda: _values(root, holds_tensor))
+    return found, holds_tensor
 
 
 def _values(root: Any, holds_tensor: set[int]) -> list[tuple[tuple[Any, ...], Any]]:

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 import ckptlab
 from ckptlab import _torch_compat as tc
 from ckptlab.errors import ArchiveError
-from ckptlab.format import _unpickle, _zip
+from ckptlab.format import _pickle, _unpickle, _zip
 from ckptlab.format._bulk import build, gc_paused
 from ckptlab.format._pickle import _BUILDABLE, torch_handlers
 from ckptlab.format._unpickle import Global, OpaqueKey, PickleDataError, Reduced, interpret
@@ -677,6 +677,7 @@ class _Batches:
             monkeypatch.setattr(_unpickle, "_c_entries", None)
             monkeypatch.setattr(_unpickle, "_c_units", None)
             monkeypatch.setattr(_unpickle, "_c_opcodes", None)
+            monkeypatch.setattr(_pickle, "_c_walk", None)
         monkeypatch.setattr(_unpickle, "BULK_MIN_NBYTES", 0)
         monkeypatch.setattr(_unpickle, "BULK_BATCH", batch)
         monkeypatch.setattr(_unpickle, "BULK_PAUSE", pause)
