@@ -799,7 +799,7 @@ meta_pop(PyObject *meta)
 
 PyDoc_STRVAR(opcodes_doc,
 "opcodes(data, pos, stack, metastack, memo, budget, odict_global, odict_new, fast_global,\n"
-"        units, failed) -> (pos, stack, budget, last)\n\n"
+"        units, failed[, calls]) -> (pos, stack, budget, last)\n\n"
 "The plain opcodes from ``pos`` done as ``_Machine.run`` does them (the same objects pushed\n"
 "and stored, the same charges), up to the first it leaves to the loop: where the loop goes\n"
 "on, the stack on top (a MARK starts a new one), the budget left and the offset of the last\n"
