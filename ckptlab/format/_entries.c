@@ -200,6 +200,7 @@ typedef struct {
     int grad;
     unsigned int mask;            /* bits 1-7: which of the tensor's seven BINPUTs it has;
                                      bits 8-10: its Parameter's three (parameter_tail) */
+    unsigned int kinds;           /* 1: a BINPUT among them, 2: a LONG_BINPUT */
     int64_t charged;              /* the interpreter's charges for the ints, the tuples and
                                      the storage key */
     Py_ssize_t last;              /* offset of the last opcode taken */
@@ -218,6 +219,7 @@ typedef struct {
                 return 0;                                               \
             *next += 1;                                                 \
             t->mask |= (1u << (bit));                                   \
+            t->kinds |= c->p[at_] == 'q' ? 1u : 2u;                     \
             t->last = at_;                                              \
         }                                                               \
     } while (0)
@@ -236,6 +238,7 @@ parse_tensor(Cursor *c, int64_t *next, Tensor *t)
     int64_t ch;
     Py_ssize_t at;
     t->mask = 0;
+    t->kinds = 0;
     t->charged = 0;
     t->skey_index = -1;
     t->skey_at = t->skey_len = 0;
@@ -848,7 +851,7 @@ budget_in(PyObject *machine, long long *budget)
 /* torch's tensor rebuild from the BINGET of ``_rebuild_tensor_v2`` at ``pos``, done at once
  * as ``_Machine.tensor_v2`` does it on its fused path (and so as the loop would): the bytes
  * are :c:func:`parse_tensor`'s template with every BINGET reading an index stored before and
- * the BINPUTs appending in order, the hooks are ``OrderedDict()``, the budget covers it all,
+ * the BINPUTs (all short or all long, as tensor_v2 takes them) appending in order, the hooks are ``OrderedDict()``, the budget covers it all,
  * and ``fused(pid, offset, size, stride, requires_grad)`` takes it (not None). Then the
  * tensor is pushed, its memo entries appended and its charges taken: 1, with *end after its
  * last opcode and *last that opcode's offset. 0, having changed nothing: the loop does it.
@@ -866,6 +869,8 @@ one_tensor(const unsigned char *p, Py_ssize_t n, Py_ssize_t pos, PyObject *stack
         return 0;
     if (t.g[1] >= have || t.cls >= have || t.g[2] >= have || t.g[3] >= have ||
         t.skey_index >= have || PyList_GET_ITEM(memo, t.g[3]) != odict_global)
+        return 0;
+    if (t.kinds == 3)  /* BINPUTs and LONG_BINPUTs: tensor_v2 leaves those to the loop */
         return 0;
     long long count = 0;
     for (unsigned int bit = 1; bit <= 7; bit++)

@@ -243,7 +243,7 @@ def _put_runs(nbytes: int, code: int) -> dict[int, tuple[int, int]]:
     """``count -> (base, step)``: ``count`` BINPUTs (``nbytes`` each, index after the opcode)
     storing indices n, n+1, ... read as one little-endian int are ``base + n * step``."""
     out = {}
-    for count in range(1, 9):
+    for count in range(9):  # (0: a tensor with no BINPUT, which stores nothing)
         base = sum((code + (k << 8)) << (8 * nbytes * k) for k in range(count))
         step = sum(1 << (8 * nbytes * k + 8) for k in range(count))
         out[count] = base, step

@@ -443,6 +443,58 @@ def test_a_call_that_raises_in_the_runner_is_reported_where_the_loop_reports_it(
     # BINGET of _rebuild_tensor_v2, where the fast path starts)
 
 
+def _second_tensor(puts: list[bytes]) -> bytes:
+    """A list of two tensors, written by hand: the first as torch writes it (memo 0-12), the
+    second with the BINPUTs given (or b"" for none)."""
+    first = (b"\x80\x02]q\x00(ctorch._utils\n_rebuild_tensor_v2\nq\x01((X\x07\x00\x00\x00"
+             b"storageq\x02ctorch\nFloatStorage\nq\x03X\x01\x00\x00\x000q\x04X\x03\x00\x00"
+             b"\x00cpuq\x05K\x02tq\x06QK\x00K\x02\x85q\x07K\x01\x85q\x08\x89"
+             b"ccollections\nOrderedDict\nq\x09)Rq\x0atq\x0bRq\x0c")
+    p = iter(puts)
+    second = (b"h\x01((h\x02h\x03X\x01\x00\x00\x009" + next(p) + b"h\x05K\x04t" + next(p)
+              + b"QK\x00K\x04\x85" + next(p) + b"K\x01\x85" + next(p) + b"\x89h\x09)R"
+              + next(p) + b"t" + next(p) + b"R" + next(p))
+    return first + second + b"e."
+
+
+@pytest.mark.parametrize("puts", ["short", "long", "mixed", "none"])
+def test_a_tensor_is_taken_at_once_only_as_tensor_v2_takes_it(puts: str) -> None:
+    """The runner rebuilds a tensor at once only where ``tensor_v2`` would (its BINPUTs all
+    short or all long), so the same callables run: a ``persistent_load`` that refuses the
+    second tensor's storage is called, and raises at the same offset, both ways. A tensor
+    with no BINPUT at all is no error (it was a raw KeyError in tensor_v2)."""
+    short = [bytes([0x71, 13 + i]) for i in range(7)]
+    long_ = [b"r" + (13 + i).to_bytes(4, "little") for i in range(7)]
+    data = _second_tensor({"short": short, "long": long_, "none": [b""] * 7,
+                           "mixed": [short[0], long_[1], *short[2:]]}[puts])
+
+    def run(runner: Any, refuse: bool) -> Any:
+        handlers, table = torch_handlers()
+        calls = []
+
+        def load(pid: Any) -> Any:
+            calls.append(pid[2])
+            if refuse and pid[2] == "9":
+                raise PickleDataError("refused storage 9")
+            return handlers.persistent_load(pid)
+
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(_unpickle, "_c_opcodes", runner)
+            try:
+                got = interpret(data, handlers=table, persistent_load=load,
+                                buildable=_BUILDABLE, fused_tensor_v2=handlers.fused_v2)
+            except PickleDataError as exc:
+                return str(exc), _unpickle.failure_offset(exc), calls
+        return canon(got.root), calls
+
+    for refuse in (False, True):
+        assert run(_unpickle._c_opcodes, refuse) == run(None, refuse), (puts, refuse)
+    assert both(data)[0] != "error"
+    from ckptlab.format._pickle import scan_pickle
+
+    assert [t.shape for t in scan_pickle(data).tensors] == [(2,), (4,)]
+
+
 def test_module_values_are_listed_when_first_looked_at(tmp_path: Path) -> None:
     """A pickled module's values (flags, hook dicts) are named on first use, and are what
     the walk over every container gives."""
