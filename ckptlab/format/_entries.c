@@ -935,6 +935,43 @@ out:
     return done;
 }
 
+/* A call that ``_Machine.call`` would make without a check that can fail, made here
+ * without it: a global with no handler (in ``plain_calls``: what it makes of ``(func,
+ * args)``, a Reduced), or ``_rebuild_parameter`` (``param_global``, its handler
+ * ``param_handler`` batchable: it never raises) of a tensor made here by the fused handler
+ * (``made_type``), a bool and an empty hooks dict made by ``odict_new``. The budget must
+ * hold call()'s 320. 1 with *made (NULL: an error), or 0: call() makes it. */
+static int
+direct_call(PyObject *func, PyObject *fargs, long long budget, PyObject *plain_calls,
+            PyObject *global_type, PyObject *param_global, PyObject *param_handler,
+            PyTypeObject *made_type, PyObject *odict_new, PyObject **made)
+{
+    if (plain_calls == NULL || budget < 320 || !PyTuple_Check(fargs) ||
+        Py_TYPE(func) != (PyTypeObject *)global_type)
+        return 0;
+    if (func == param_global && param_handler != Py_None && made_type != NULL &&
+        PyTuple_GET_SIZE(fargs) == 3 &&
+        Py_TYPE(PyTuple_GET_ITEM(fargs, 0)) == made_type &&
+        PyBool_Check(PyTuple_GET_ITEM(fargs, 1)) &&
+        PyType_Check(odict_new) &&
+        Py_TYPE(PyTuple_GET_ITEM(fargs, 2)) == (PyTypeObject *)odict_new &&
+        PyDict_Check(PyTuple_GET_ITEM(fargs, 2)) &&
+        PyDict_GET_SIZE(PyTuple_GET_ITEM(fargs, 2)) == 0) {
+        *made = PyObject_Call(param_handler, fargs, NULL);
+        return 1;
+    }
+    PyObject *maker = PyDict_GetItemWithError(plain_calls, func);  /* (borrowed) */
+    if (maker == NULL) {
+        if (PyErr_Occurred()) {
+            *made = NULL;
+            return 1;
+        }
+        return 0;
+    }
+    *made = PyObject_CallFunctionObjArgs(maker, func, fargs, NULL);
+    return 1;
+}
+
 /* Whether the opcodes at ``at`` (a string's end) are an optional BINPUT and a BINGET of
  * ``fast_global``: a state dict entry the loop takes at its key (``tensor_entries``). */
 static int
@@ -963,10 +1000,15 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *odict_global = args[6], *odict_new = args[7], *fast_global = args[8];
     PyObject *failed = args[10];
     PyObject *machine = NULL, *call = NULL, *build = NULL, *persistent = NULL, *fused = NULL;
+    PyObject *plain_calls = NULL, *global_type = NULL;
+    PyObject *param_global = NULL, *param_handler = NULL;   /* (strong references) */
+    PyTypeObject *made_type = NULL;   /* the type of the tensors the fused handler made */
     if (nargs == 12 && args[11] != Py_None) {
-        if (!PyTuple_CheckExact(args[11]) || PyTuple_GET_SIZE(args[11]) != 5) {
+        if (!PyTuple_CheckExact(args[11]) || PyTuple_GET_SIZE(args[11]) != 7 ||
+            !PyDict_CheckExact(PyTuple_GET_ITEM(args[11], 5)) ||
+            !PyType_Check(PyTuple_GET_ITEM(args[11], 6))) {
             PyErr_SetString(PyExc_TypeError, "opcodes(): calls is (machine, call, build, "
-                            "persistent, fused) or None");
+                            "persistent, fused, plain_calls, global_type) or None");
             return NULL;
         }
         machine = PyTuple_GET_ITEM(args[11], 0);
@@ -974,6 +1016,8 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         build = PyTuple_GET_ITEM(args[11], 2);
         persistent = PyTuple_GET_ITEM(args[11], 3);
         fused = PyTuple_GET_ITEM(args[11], 4);
+        plain_calls = PyTuple_GET_ITEM(args[11], 5);
+        global_type = PyTuple_GET_ITEM(args[11], 6);
         if (persistent == Py_None)
             persistent = NULL;
         if (fused == Py_None || persistent == NULL)
@@ -1007,6 +1051,12 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_INCREF(stack);  /* the stack on top: a reference of our own */
     if (pos < 0)
         pos = n;
+    if (machine != NULL) {  /* the machine's _rebuild_parameter and its handler, as now */
+        param_global = PyObject_GetAttrString(machine, "param_global");
+        param_handler = param_global ? PyObject_GetAttrString(machine, "param_handler") : NULL;
+        if (param_handler == NULL)
+            goto fail;
+    }
     while (pos < n) {
         unsigned char code = p[pos];
         at = pos;
@@ -1027,6 +1077,7 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                     goto fail;
                 if (done == 0)
                     STOP_BEFORE();
+                made_type = Py_TYPE(PyList_GET_ITEM(stack, PyList_GET_SIZE(stack) - 1));
                 pos = end;
                 at = took;
                 break;
@@ -1222,13 +1273,17 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             PyObject *func = Py_NewRef(PyList_GET_ITEM(stack, size - 2));
             PyObject *fargs = Py_NewRef(PyList_GET_ITEM(stack, size - 1));
             PyObject *made = NULL;
-            if (budget_out(machine, budget) == 0)
+            int direct = direct_call(func, fargs, budget, plain_calls, global_type,
+                                     param_global, param_handler, made_type, odict_new, &made);
+            if (direct == 0 && budget_out(machine, budget) == 0)  /* through machine.call */
                 made = PyObject_CallFunctionObjArgs(call, func, fargs, NULL);
             Py_DECREF(func);
             Py_DECREF(fargs);
             if (made == NULL)
                 goto fail;
-            if (budget_in(machine, &budget) < 0 ||
+            if (direct)  /* (what call() charges) */
+                budget -= 320;
+            if ((!direct && budget_in(machine, &budget) < 0) ||
                 PyList_SetSlice(stack, size - 2, size, NULL) < 0) {
                 Py_DECREF(made);
                 goto fail;
@@ -1309,6 +1364,8 @@ fail:
     }
     Py_DECREF(stack);
     PyBuffer_Release(&view);
+    Py_XDECREF(param_global);
+    Py_XDECREF(param_handler);
     return result;
 }
 

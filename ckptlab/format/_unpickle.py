@@ -546,6 +546,7 @@ class _Machine:
         "param_global",
         "param_handler",
         "persistent",
+        "plain_calls",
         "pos",
         "proto",
         "seen_globals",
@@ -561,6 +562,8 @@ class _Machine:
         self.n = len(data)
         self.pos = 0
         self.handlers = handlers
+        # the globals with no handler, for the compiled runner: what a call of one makes
+        self.plain_calls: dict[Global, Any] = {}
         self.persistent = persistent
         self.buildable = (Reduced, *buildable)
         self.budget = budget
@@ -646,6 +649,8 @@ class _Machine:
             self.charge(320 + 4 * (len(module) + len(name)))
             found = self.globals[key] = Global(module, name)
             self.seen_globals.append(f"{module}.{name}")
+            if self.handlers.get(key) is None:  # call() makes a Reduced of it
+                self.plain_calls[found] = Reduced
             if self.fast_paths and key in _FAST_GLOBALS:
                 handler = self.handlers.get(key)
                 if handler is None:
@@ -764,8 +769,10 @@ class _Machine:
             0 <= budget < 1 << 62 else None
         failed = [0]  # where an error raised in it was raised
         # ... and the opcodes that call the machine (REDUCE, NEWOBJ, BUILD, BINPERSID, a
-        # tensor rebuild as tensor_v2 does it) and BINUNICODE, through its own methods
-        calls = (self, self.call, self.build, self.persistent, self.fused)
+        # tensor rebuild as tensor_v2 does it) and BINUNICODE, through its own methods (or,
+        # for a Reduced and a Parameter, as those methods would: plain_calls, param_handler)
+        calls = (self, self.call, self.build, self.persistent, self.fused, self.plain_calls,
+                 Global)
         try:
             while True:
                 if plain is not None:  # the plain opcodes from here, up to one left to the loop

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptlab.format import _unpickle
+from ckptlab.format._unpickle import Global
 
 entries, units, opcodes = _unpickle._c_entries, _unpickle._c_units, _unpickle._c_opcodes
 if entries is None or units is None or opcodes is None:
@@ -331,6 +332,9 @@ class _Calls:
         self.budget = 0
         self.log: list = []
         self.cost = budget_cost
+        self.param_global: object = object()  # (no _rebuild_parameter)
+        self.param_handler = None
+        self.plain_calls: dict = {}  # globals whose call makes a record without call()
 
     def call(self, func: object, args: object) -> object:
         self.log.append(("call", func, args))
@@ -345,7 +349,7 @@ class _Calls:
         return ("loaded", pid)
 
     def calls(self) -> tuple:
-        return (self, self.call, self.build, self.persistent, None)
+        return (self, self.call, self.build, self.persistent, None, self.plain_calls, Global)
 
 
 def test_opcodes_call_the_machine() -> None:
@@ -393,8 +397,31 @@ def test_a_call_that_raises_says_where() -> None:
     failed = [0]
     with pytest.raises(ValueError):
         opcodes(b"NN)R.", 0, [], [], [], 10_000, None, dict, None, False, failed,
-                (m, refuse, m.build, m.persistent, None))
+                (m, refuse, m.build, m.persistent, None, {}, Global))
     assert failed == [3]
+
+
+def test_a_global_without_a_handler_is_called_without_the_machine() -> None:
+    """A global in ``plain_calls`` (no handler: call() would make a record of it) gets its
+    record made at once, charged as call() charges it; anything else goes through call()."""
+    m = _Calls()
+    plain, other = Global("m", "Plain"), Global("m", "Other")
+    m.plain_calls[plain] = lambda func, args: ("record", func.name, args)
+    memo = [plain, other]
+    data = b"h\x00K\x01\x85Rh\x01)\x81h\x00K\x02\x85R."
+    pos, stack, left, _ = opcodes(data, 0, [], [], memo, 10_000, None, dict, None, False, [0],
+                                  m.calls())
+    assert data[pos:] == b"." and stack == [("record", "Plain", (1,)), ("made", other, ()),
+                                            ("record", "Plain", (2,))]
+    assert [e[1] for e in m.log] == [other]  # only the global without a record maker
+    assert left == 10_000 - 3 * (16 + 320) - 2 * (16 + 72 + 8) - 16
+    # not a Global (an unhashable list), not a tuple of arguments, or over budget: call()'s
+    for data, budget in ((b"]K\x01\x85R.", 10_000), (b"h\x00K\x01R.", 10_000),
+                         (b"h\x00)R.", 16 + 16 + 319)):
+        m.log.clear()
+        pos, *_ = opcodes(data, 0, [], [], memo, budget, None, dict, None, False, [0],
+                          m.calls())
+        assert data[pos:] == b"." and [e[0] for e in m.log] == ["call"], data
 
 
 def test_opcodes_say_where_an_error_was_raised() -> None:
