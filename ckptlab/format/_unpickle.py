@@ -350,10 +350,11 @@ def interpret(data: bytes | bytearray | memoryview, *,
     fast_paths
         Interpret torch's tensor rebuild calls (``_rebuild_tensor_v2`` with a storage) at
         once when their bytes are exactly what torch writes (:meth:`_Machine.tensor_v2`), and,
-        where the compiled part is built, the plain opcodes many at a time
-        (``ckptlab.format._entries.opcodes``); the result, the memo, the budget and any error
-        are the same as one opcode at a time (False: always one at a time, for tests that
-        compare the two).
+        where the compiled part is built, the opcodes many at a time
+        (``ckptlab.format._entries.opcodes``: the plain ones, the calls through this
+        machine's own methods and handlers, and tensor rebuilds as the fast path does them);
+        the result, the memo, the budget, the calls made and any error are the same as one
+        opcode at a time (False: always one at a time, for tests that compare the two).
     fused_tensor_v2
         ``fused(pid, offset, size, stride, requires_grad) -> (storage, tensor) | None``: what
         ``persistent_load(pid)`` and the ``_rebuild_tensor_v2`` handler together return for a
