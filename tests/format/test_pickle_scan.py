@@ -40,6 +40,7 @@ import torch
 import ckptlab
 from ckptlab import _torch_compat as tc
 from ckptlab.errors import ArchiveError, CorruptArchiveError
+from ckptlab.format import _unpickle
 from ckptlab.format._pickle import PickleScan, scan_pickle
 
 # --------------------------------------------------------------------------------------------
@@ -382,18 +383,26 @@ def test_build_on_tensor_stand_in_is_rejected(field: str, value: bytes) -> None:
     b"N" + b"\x85" * 60_000,  # NONE, then TUPLE1 60000 times: 60 KB of nested 1-tuples
     b"(" * 60_000 + b"l" * 60_000,  # MARK ... LIST: 120 KB of nested lists
 ], ids=["tuple1", "mark-list"])
-def test_deeply_nested_pickle_is_not_quadratic(body: bytes) -> None:
-    """Compared with a flat pickle of the same size, so the check does not depend on the host."""
+def test_deeply_nested_pickle_is_not_quadratic(body: bytes,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compared with a flat pickle of the same size, so the check does not depend on the host.
+    The flat one is read one opcode at a time (the compiled runner off): the runner does its
+    NONEs hundreds of times faster than the loop does the nested pickle's LISTs, which would
+    leave no baseline to compare with."""
     def scan_time(pkl: bytes) -> float:
-        start = time.perf_counter()
-        try:
-            scan_pickle(pkl)
-        except ArchiveError:
-            pass
-        return time.perf_counter() - start
+        best = float("inf")
+        for _ in range(2):  # the better of two: a noisy host slows one run, not both
+            start = time.perf_counter()
+            try:
+                scan_pickle(pkl)
+            except ArchiveError:
+                pass
+            best = min(best, time.perf_counter() - start)
+        return best
 
-    flat = scan_time(b"\x80\x02(" + b"N" * (len(body) - 2) + b"l.")  # one list, same size
     deep = scan_time(b"\x80\x02" + body + b".")
+    monkeypatch.setattr(_unpickle, "_c_opcodes", None)
+    flat = scan_time(b"\x80\x02(" + b"N" * (len(body) - 2) + b"l.")  # one list, same size
     assert deep < 10 * flat + 0.5, (f"nested: {deep:.2f} s, flat list of the same size: "
                                     f"{flat:.2f} s")
 
