@@ -812,7 +812,8 @@ PyDoc_STRVAR(opcodes_doc,
 "``units``: whether a SETITEMS before an int is left to the loop (an optimizer state's);\n"
 "``failed``: a list whose first item is set to the offset of the opcode an error was\n"
 "raised on (an OrderedDict handler's, or no memory), for the loop to report.\n\n"
-"An optional twelfth argument, ``calls`` = (machine, call, build, persistent, fused), lets\n"
+"An optional twelfth argument, ``calls`` = (machine, call, build, persistent, fused,\n"
+"plain_calls, global_type, reduced_type, empty_list_calls), lets\n"
 "it do the opcodes that call the machine too, through the machine's own methods: a tensor\n"
 "rebuild as ``_Machine.tensor_v2`` does it with ``fused`` (from its global's BINGET), REDUCE and\n"
 "NEWOBJ (``call(func, args)``, with ``machine.budget`` set before and read after, as the\n"
@@ -822,6 +823,7 @@ PyDoc_STRVAR(opcodes_doc,
 
 /* ``machine.budget = budget`` (before a call that charges it) and back (after). */
 static PyObject *budget_name;
+static PyObject *state_name;  /* a Reduced's ``state`` */
 
 static int
 budget_out(PyObject *machine, long long budget)
@@ -944,11 +946,25 @@ out:
 static int
 direct_call(PyObject *func, PyObject *fargs, long long budget, PyObject *plain_calls,
             PyObject *global_type, PyObject *param_global, PyObject *param_handler,
-            PyTypeObject *made_type, PyObject *odict_new, PyObject **made)
+            PyTypeObject *made_type, PyObject *odict_new, PyObject *empty_list_calls,
+            PyObject **made)
 {
     if (plain_calls == NULL || budget < 320 || !PyTuple_Check(fargs) ||
         Py_TYPE(func) != (PyTypeObject *)global_type)
         return 0;
+    if (PyTuple_GET_SIZE(fargs) == 1 && PyList_CheckExact(PyTuple_GET_ITEM(fargs, 0)) &&
+        PyList_GET_SIZE(PyTuple_GET_ITEM(fargs, 0)) == 0) {
+        /* set([]) and the like: what the handler makes of an empty list, made at once */
+        PyObject *empty = PyDict_GetItemWithError(empty_list_calls, func);  /* (borrowed) */
+        if (empty != NULL) {
+            *made = PyObject_CallNoArgs(empty);
+            return 1;
+        }
+        if (PyErr_Occurred()) {
+            *made = NULL;
+            return 1;
+        }
+    }
     if (func == param_global && param_handler != Py_None && made_type != NULL &&
         PyTuple_GET_SIZE(fargs) == 3 &&
         Py_TYPE(PyTuple_GET_ITEM(fargs, 0)) == made_type &&
@@ -1000,15 +1016,19 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *odict_global = args[6], *odict_new = args[7], *fast_global = args[8];
     PyObject *failed = args[10];
     PyObject *machine = NULL, *call = NULL, *build = NULL, *persistent = NULL, *fused = NULL;
-    PyObject *plain_calls = NULL, *global_type = NULL;
+    PyObject *plain_calls = NULL, *global_type = NULL, *reduced_type = NULL;
+    PyObject *empty_list_calls = NULL;
     PyObject *param_global = NULL, *param_handler = NULL;   /* (strong references) */
     PyTypeObject *made_type = NULL;   /* the type of the tensors the fused handler made */
     if (nargs == 12 && args[11] != Py_None) {
-        if (!PyTuple_CheckExact(args[11]) || PyTuple_GET_SIZE(args[11]) != 7 ||
+        if (!PyTuple_CheckExact(args[11]) || PyTuple_GET_SIZE(args[11]) != 9 ||
             !PyDict_CheckExact(PyTuple_GET_ITEM(args[11], 5)) ||
-            !PyType_Check(PyTuple_GET_ITEM(args[11], 6))) {
+            !PyType_Check(PyTuple_GET_ITEM(args[11], 6)) ||
+            !PyType_Check(PyTuple_GET_ITEM(args[11], 7)) ||
+            !PyDict_CheckExact(PyTuple_GET_ITEM(args[11], 8))) {
             PyErr_SetString(PyExc_TypeError, "opcodes(): calls is (machine, call, build, "
-                            "persistent, fused, plain_calls, global_type) or None");
+                            "persistent, fused, plain_calls, global_type, reduced_type, "
+                            "empty_list_calls) or None");
             return NULL;
         }
         machine = PyTuple_GET_ITEM(args[11], 0);
@@ -1018,6 +1038,10 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         fused = PyTuple_GET_ITEM(args[11], 4);
         plain_calls = PyTuple_GET_ITEM(args[11], 5);
         global_type = PyTuple_GET_ITEM(args[11], 6);
+        reduced_type = PyTuple_GET_ITEM(args[11], 7);
+        empty_list_calls = PyTuple_GET_ITEM(args[11], 8);
+        if (state_name == NULL && (state_name = PyUnicode_InternFromString("state")) == NULL)
+            return NULL;
         if (persistent == Py_None)
             persistent = NULL;
         if (fused == Py_None || persistent == NULL)
@@ -1274,7 +1298,8 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             PyObject *fargs = Py_NewRef(PyList_GET_ITEM(stack, size - 1));
             PyObject *made = NULL;
             int direct = direct_call(func, fargs, budget, plain_calls, global_type,
-                                     param_global, param_handler, made_type, odict_new, &made);
+                                     param_global, param_handler, made_type, odict_new,
+                                     empty_list_calls, &made);
             if (direct == 0 && budget_out(machine, budget) == 0)  /* through machine.call */
                 made = PyObject_CallFunctionObjArgs(call, func, fargs, NULL);
             Py_DECREF(func);
@@ -1298,7 +1323,19 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 STOP_BEFORE();
             PyObject *target = Py_NewRef(PyList_GET_ITEM(stack, size - 2));
             PyObject *state = Py_NewRef(PyList_GET_ITEM(stack, size - 1));
-            PyObject *done = PyObject_CallFunctionObjArgs(build, target, state, NULL);
+            PyObject *done = NULL;
+            if (Py_TYPE(target) == (PyTypeObject *)reduced_type) {
+                /* a Reduced's first BUILD: its state set, as _Machine.build sets it */
+                PyObject *had = PyObject_GetAttr(target, state_name);
+                if (had == Py_None)
+                    done = PyObject_SetAttr(target, state_name, state) < 0 ? NULL :
+                           Py_NewRef(Py_None);
+                else if (had != NULL)  /* built before: build() says so */
+                    done = PyObject_CallFunctionObjArgs(build, target, state, NULL);
+                Py_XDECREF(had);
+            }
+            else
+                done = PyObject_CallFunctionObjArgs(build, target, state, NULL);
             Py_DECREF(target);
             Py_DECREF(state);
             if (done == NULL)

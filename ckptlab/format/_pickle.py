@@ -653,6 +653,9 @@ class _TorchHandlers:
                 raise _bad(f"{kind.__name__}() of a {type(items).__name__}")
             return kind(i if type(i) in (str, int, float, bool, bytes) else OpaqueKey(i)
                         for i in items)
+        # what it makes of one empty list (a module's set([])), for the interpreter to make
+        # without a call
+        build.ckptlab_of_empty_list = kind  # type: ignore[attr-defined]
         return build
 
     @staticmethod

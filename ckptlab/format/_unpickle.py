@@ -526,6 +526,7 @@ class _Machine:
         "budget",
         "buildable",
         "data",
+        "empty_list_calls",
         "entry_after",
         "entry_pause",
         "entry_specs",
@@ -565,6 +566,8 @@ class _Machine:
         self.handlers = handlers
         # the globals with no handler, for the compiled runner: what a call of one makes
         self.plain_calls: dict[Global, Any] = {}
+        # ... and those whose handler says what it makes of one empty list (set([]))
+        self.empty_list_calls: dict[Global, Any] = {}
         self.persistent = persistent
         self.buildable = (Reduced, *buildable)
         self.budget = budget
@@ -650,10 +653,12 @@ class _Machine:
             self.charge(320 + 4 * (len(module) + len(name)))
             found = self.globals[key] = Global(module, name)
             self.seen_globals.append(f"{module}.{name}")
-            if self.handlers.get(key) is None:  # call() makes a Reduced of it
+            handler = self.handlers.get(key)
+            if handler is None:  # call() makes a Reduced of it
                 self.plain_calls[found] = Reduced
+            elif getattr(handler, "ckptlab_of_empty_list", None) is not None:
+                self.empty_list_calls[found] = handler.ckptlab_of_empty_list
             if self.fast_paths and key in _FAST_GLOBALS:
-                handler = self.handlers.get(key)
                 if handler is None:
                     pass
                 elif key == _FAST_GLOBALS[0]:
@@ -773,7 +778,7 @@ class _Machine:
         # tensor rebuild as tensor_v2 does it) and BINUNICODE, through its own methods (or,
         # for a Reduced and a Parameter, as those methods would: plain_calls, param_handler)
         calls = (self, self.call, self.build, self.persistent, self.fused, self.plain_calls,
-                 Global)
+                 Global, Reduced, self.empty_list_calls)
         try:
             while True:
                 if plain is not None:  # the plain opcodes from here, up to one left to the loop

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptlab.format import _unpickle
-from ckptlab.format._unpickle import Global
+from ckptlab.format._unpickle import Global, Reduced
 
 entries, units, opcodes = _unpickle._c_entries, _unpickle._c_units, _unpickle._c_opcodes
 if entries is None or units is None or opcodes is None:
@@ -335,6 +335,7 @@ class _Calls:
         self.param_global: object = object()  # (no _rebuild_parameter)
         self.param_handler = None
         self.plain_calls: dict = {}  # globals whose call makes a record without call()
+        self.empty_list_calls: dict = {}  # ... and what some make of one empty list
 
     def call(self, func: object, args: object) -> object:
         self.log.append(("call", func, args))
@@ -349,7 +350,8 @@ class _Calls:
         return ("loaded", pid)
 
     def calls(self) -> tuple:
-        return (self, self.call, self.build, self.persistent, None, self.plain_calls, Global)
+        return (self, self.call, self.build, self.persistent, None, self.plain_calls, Global,
+                Reduced, self.empty_list_calls)
 
 
 def test_opcodes_call_the_machine() -> None:
@@ -397,8 +399,30 @@ def test_a_call_that_raises_says_where() -> None:
     failed = [0]
     with pytest.raises(ValueError):
         opcodes(b"NN)R.", 0, [], [], [], 10_000, None, dict, None, False, failed,
-                (m, refuse, m.build, m.persistent, None, {}, Global))
+                (m, refuse, m.build, m.persistent, None, {}, Global, Reduced, {}))
     assert failed == [3]
+
+
+def test_a_reduced_is_built_and_an_empty_set_made_without_the_machine() -> None:
+    """BUILD of a Reduced with no state yet sets it (a second BUILD goes to build(), which
+    refuses it); a global in ``empty_list_calls`` called with one empty list makes what it
+    says (``set([])``), charged as call() charges; any other call goes through call()."""
+    m = _Calls()
+    made = Reduced(Global("m", "C"))
+    settle, other = Global("builtins", "set"), Global("m", "Other")
+    m.empty_list_calls[settle] = set
+    memo = [made, settle, other]
+    data = b"h\x00}bh\x00Nbh\x01]\x85Rh\x01K\x01]\x86Rh\x02]\x85R."
+    pos, stack, left, _ = opcodes(data, 0, [], [], memo, 10_000, None, dict, None, False,
+                                  [0], m.calls())
+    assert data[pos:] == b"."
+    assert made.state == {} and m.log[0] == ("build", made, None)  # the second BUILD: build()
+    assert stack[:3] == [made, made, set()] and stack[3][0] == stack[4][0] == "made"
+    assert [e[1] for e in m.log[1:]] == [settle, other]  # two arguments; not a set global
+    # (BINGET EMPTY_DICT BUILD, BINGET NONE BUILD, then the three calls, each with its
+    # BINGET, EMPTY_LIST, tuple and 320; the second has a BININT1 more and a TUPLE2)
+    assert left == 10_000 - (16 + 96) - (16 + 16) - 2 * (16 + 88 + 72 + 8 + 320) \
+        - (16 + 16 + 88 + 72 + 16 + 320)
 
 
 def test_a_global_without_a_handler_is_called_without_the_machine() -> None:

@@ -396,13 +396,18 @@ def test_module_pickles_agree_on_mutations_truncations_and_budgets(plain_opcodes
 @pytest.mark.parametrize("what", ["set", "persistent", "build", "parameter", "fused"])
 def test_a_call_that_raises_in_the_runner_is_reported_where_the_loop_reports_it(
         what: str, monkeypatch) -> None:
-    """A handler, ``persistent_load``, BUILD or the fused tensor handler that raises on its
-    third call: the same error at the same offset (its REDUCE / BINPERSID / BUILD / BINGET),
-    with the runner and without it."""
+    """A handler, ``persistent_load`` or the fused tensor handler that raises on its third
+    call, or a second BUILD of a module: the same error at the same offset (its REDUCE /
+    BINPERSID / BINGET / BUILD), with the runner and without it."""
     from ckptlab.format._pickle import _BUILDABLE as buildable
     from ckptlab.format._pickle import _TorchHandlers
 
     data = module_pickle()
+    if what == "build":  # a second BUILD of the third module built: build() refuses it
+        import pickletools
+
+        third_build = [pos for op, _, pos in pickletools.genops(data) if op.name == "BUILD"][2]
+        data = data[:third_build + 1] + b"}b" + data[third_build + 1:]
 
     def third(fn: Any) -> Any:
         calls = []
@@ -427,8 +432,6 @@ def test_a_call_that_raises_in_the_runner_is_reported_where_the_loop_reports_it(
         fused = third(handlers.fused_v2) if what == "fused" else None
         with monkeypatch.context() as m:
             m.setattr(_unpickle, "_c_opcodes", runner)
-            if what == "build":
-                m.setattr(_unpickle._Machine, "build", third(_unpickle._Machine.build))
             try:
                 interpret(data, handlers=table, persistent_load=load, buildable=buildable,
                           fused_tensor_v2=fused)
@@ -437,7 +440,8 @@ def test_a_call_that_raises_in_the_runner_is_reported_where_the_loop_reports_it(
         raise AssertionError("no error")
 
     with_runner, without = got(_unpickle._c_opcodes), got(None)
-    assert with_runner == without and f"the third {what}" in with_runner[0]
+    assert with_runner == without
+    assert ("BUILD applied twice" if what == "build" else f"the third {what}") in with_runner[0]
     assert data[with_runner[1]] == {"set": 0x52, "parameter": 0x52, "persistent": 0x51,
                                     "build": 0x62, "fused": 0x68}[what]  # (fused: at the
     # BINGET of _rebuild_tensor_v2, where the fast path starts)
