@@ -14,10 +14,12 @@
  * exactly as it does for the entries its expression finds; without this module (no compiler
  * where ckptlab was installed) that expression does the same walk, up to those two shapes.
  *
- * A third function, opcodes(), is the interpreter's loop for its plain opcodes (memo, stack,
- * MARKs, ints, empty containers, tuples, SETITEMS into a dict, OrderedDict()): it does them as
- * the loop does, with the same charges, and stops before the first opcode it leaves to the
- * loop (a call, a persistent id, a string, anything that would fail or overrun the budget).
+ * A third function, opcodes(), is the interpreter's loop for its opcodes (memo, stack, MARKs,
+ * ints, empty containers, tuples, SETITEMS into a dict, OrderedDict(); given the machine, also
+ * strings, calls, BUILD, persistent ids and tensor rebuilds, through the machine's own
+ * methods): it does them as the loop does, with the same charges, and stops before the first
+ * opcode it leaves to the loop (anything that would fail or overrun the budget). A fourth,
+ * walk(), is the object walk's first pass (ckptlab.format._pickle._walk).
  *
  * Every read is bounds-checked against the buffer's length before it is made (positions stay
  * within it: a start past the end is refused); an entry that is not exactly the expected
@@ -808,7 +810,8 @@ PyDoc_STRVAR(opcodes_doc,
 "on, the stack on top (a MARK starts a new one), the budget left and the offset of the last\n"
 "opcode done (-1: none). ``odict_global`` /\n"
 "``odict_new``: the OrderedDict global and what it makes with no arguments (the loop's fast\n"
-"path); ``fast_global``: torch's tensor rebuild, whose BINGET is left to the loop;\n"
+"path); ``fast_global``: torch's tensor rebuild, whose BINGET is left to the loop (but\n"
+"see ``calls``);\n"
 "``units``: whether a SETITEMS before an int is left to the loop (an optimizer state's);\n"
 "``failed``: a list whose first item is set to the offset of the opcode an error was\n"
 "raised on (an OrderedDict handler's, or no memory), for the loop to report.\n\n"
@@ -819,11 +822,18 @@ PyDoc_STRVAR(opcodes_doc,
 "NEWOBJ (``call(func, args)``, with ``machine.budget`` set before and read after, as the\n"
 "loop syncs it), BUILD (``build(target, state)``), BINPERSID (``persistent(pid)``, when it\n"
 "is not None) and BINUNICODE (but not a key whose next opcodes are a BINGET of\n"
-"``fast_global``: the loop's state dict entries start there).");
+"``fast_global``: the loop's state dict entries start there). Where ``call`` or ``build``\n"
+"has no check that can fail, it is done without them: a global in ``plain_calls`` makes\n"
+"what that dict says of ``(func, args)`` (a Reduced), one in ``empty_list_calls`` called\n"
+"with one empty list makes what that dict says, a ``_rebuild_parameter`` of a tensor made\n"
+"here goes to the machine's batchable ``param_handler``, and a ``reduced_type``'s first\n"
+"BUILD sets its ``state``.");
+
+/* The attribute names the runner and the walk read, interned once (PyInit__entries). */
+static PyObject *budget_name, *state_name, *param_global_name, *param_handler_name;
+static PyObject *pending_name, *pairs_name, *args_name, *items_name;
 
 /* ``machine.budget = budget`` (before a call that charges it) and back (after). */
-static PyObject *budget_name;
-static PyObject *state_name;  /* a Reduced's ``state`` */
 
 static int
 budget_out(PyObject *machine, long long budget)
@@ -853,8 +863,9 @@ budget_in(PyObject *machine, long long *budget)
 /* torch's tensor rebuild from the BINGET of ``_rebuild_tensor_v2`` at ``pos``, done at once
  * as ``_Machine.tensor_v2`` does it on its fused path (and so as the loop would): the bytes
  * are :c:func:`parse_tensor`'s template with every BINGET reading an index stored before and
- * the BINPUTs (all short or all long, as tensor_v2 takes them) appending in order, the hooks are ``OrderedDict()``, the budget covers it all,
- * and ``fused(pid, offset, size, stride, requires_grad)`` takes it (not None). Then the
+ * the BINPUTs (all short or all long, as tensor_v2 takes them) appending in order, the hooks
+ * are ``OrderedDict()``, the budget covers it all, and ``fused(pid, offset, size, stride,
+ * requires_grad)`` takes it (not None). Then the
  * tensor is pushed, its memo entries appended and its charges taken: 1, with *end after its
  * last opcode and *last that opcode's offset. 0, having changed nothing: the loop does it.
  * -1: an error (raised by ``fused`` or ``odict_new``, or no memory). */
@@ -1040,14 +1051,10 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         global_type = PyTuple_GET_ITEM(args[11], 6);
         reduced_type = PyTuple_GET_ITEM(args[11], 7);
         empty_list_calls = PyTuple_GET_ITEM(args[11], 8);
-        if (state_name == NULL && (state_name = PyUnicode_InternFromString("state")) == NULL)
-            return NULL;
         if (persistent == Py_None)
             persistent = NULL;
         if (fused == Py_None || persistent == NULL)
             fused = NULL;
-        if (budget_name == NULL && (budget_name = PyUnicode_InternFromString("budget")) == NULL)
-            return NULL;
     }
     if (!PyList_CheckExact(stack) || !PyList_CheckExact(meta) || !PyList_CheckExact(memo) ||
         !PyList_CheckExact(failed) || PyList_GET_SIZE(failed) < 1) {
@@ -1076,8 +1083,8 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (pos < 0)
         pos = n;
     if (machine != NULL) {  /* the machine's _rebuild_parameter and its handler, as now */
-        param_global = PyObject_GetAttrString(machine, "param_global");
-        param_handler = param_global ? PyObject_GetAttrString(machine, "param_handler") : NULL;
+        param_global = PyObject_GetAttr(machine, param_global_name);
+        param_handler = param_global ? PyObject_GetAttr(machine, param_handler_name) : NULL;
         if (param_handler == NULL)
             goto fail;
     }
@@ -1221,31 +1228,15 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             pos += 1;
             break;
         }
-        case 'K':                                           /* BININT1 */
-            if (pos + 2 > n || budget < 16)
-                STOP_BEFORE();
-            if (append_new(stack, PyLong_FromLong(p[pos + 1])) < 0)
-                goto fail;
-            budget -= 16;
-            pos += 2;
-            break;
-        case 'M':                                           /* BININT2 */
-            if (pos + 3 > n || budget < 48)
-                STOP_BEFORE();
-            if (append_new(stack, PyLong_FromLong((long)p[pos + 1] | ((long)p[pos + 2] << 8))) < 0)
-                goto fail;
-            budget -= 48;
-            pos += 3;
-            break;
-        case 'J': {                                         /* BININT */
+        case 'K': case 'M': case 'J': {                     /* BININT1 / BININT2 / BININT */
             Cursor c = {p, n, pos};
-            uint32_t u;
-            if (!u32(&c, pos + 1, &u) || budget < 48)
+            int64_t value, cost;
+            if (!small_int(&c, &value, &cost) || budget < cost)
                 STOP_BEFORE();
-            if (append_new(stack, PyLong_FromLong((long)(int32_t)u)) < 0)
+            if (append_new(stack, PyLong_FromLongLong(value)) < 0)
                 goto fail;
-            budget -= 48;
-            pos += 5;
+            budget -= cost;
+            pos = c.pos;
             break;
         }
         case 'G': {                                         /* BINFLOAT (big-endian) */
@@ -1420,7 +1411,6 @@ typedef struct {
 typedef struct {
     PyObject *dense, *composite, *reduced;    /* _TensorRef, _CompositeRef, Reduced */
     PyObject *children, *path_key;            /* _children(obj), _path_key(key) */
-    PyObject *pending_name, *state_name, *pairs_name, *args_name, *items_name;
 } WalkTypes;
 
 /* 0 a plain value, 1 a tensor (a _TensorRef or _CompositeRef), 2 a container (dict, list,
@@ -1459,15 +1449,15 @@ walk_key(const WalkTypes *w, PyObject *key)
 /* 1 when ``obj`` (a Reduced) is an object built from its __dict__ alone: state an exact
  * dict, no pairs, args or items (its children are the state's items); 0 if not; -1 error */
 static int
-plain_reduced(const WalkTypes *w, PyObject *obj, PyObject **state)
+plain_reduced(PyObject *obj, PyObject **state)
 {
     int plain = 0;
-    PyObject *st = PyObject_GetAttr(obj, w->state_name);
+    PyObject *st = PyObject_GetAttr(obj, state_name);
     if (st == NULL)
         return -1;
     if (PyDict_CheckExact(st)) {
         plain = 1;
-        PyObject *names[3] = {w->pairs_name, w->args_name, w->items_name};
+        PyObject *names[3] = {pairs_name, args_name, items_name};
         for (int i = 0; i < 3 && plain == 1; i++) {
             PyObject *v = PyObject_GetAttr(obj, names[i]);
             if (v == NULL) {
@@ -1501,7 +1491,7 @@ frame_open(const WalkTypes *w, Frame *f, PyObject *obj)
         return 0;
     if (PyObject_TypeCheck(obj, (PyTypeObject *)w->reduced)) {
         PyObject *state;
-        int plain = plain_reduced(w, obj, &state);
+        int plain = plain_reduced(obj, &state);
         if (plain < 0)
             return -1;
         if (plain) {
@@ -1595,7 +1585,7 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *root = args[0];
-    WalkTypes w = {args[1], args[2], args[3], args[4], args[5], NULL, NULL, NULL, NULL, NULL};
+    WalkTypes w = {args[1], args[2], args[3], args[4], args[5]};
     PyObject *too_deep = args[7];
     if (!PyType_Check(w.dense) || !PyType_Check(w.composite) || !PyType_Check(w.reduced)) {
         PyErr_SetString(PyExc_TypeError, "walk(): dense, composite and reduced are types");
@@ -1608,19 +1598,13 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "walk(): max_depth is 1 to 1024");
         return NULL;
     }
-    w.pending_name = PyUnicode_InternFromString("pending");
-    w.state_name = PyUnicode_InternFromString("state");
-    w.pairs_name = PyUnicode_InternFromString("pairs");
-    w.args_name = PyUnicode_InternFromString("args");
-    w.items_name = PyUnicode_InternFromString("items");
     PyObject *found = PyList_New(0), *holds = PySet_New(NULL), *seen = PySet_New(NULL);
     PyObject *path = PyList_New(0);
     PyObject *result = NULL;
     Frame *frames = PyMem_Calloc(WALK_MAX_FRAMES, sizeof(Frame));
     PyObject **ids = PyMem_Calloc(WALK_MAX_FRAMES, sizeof(PyObject *));
     Py_ssize_t depth = 0, marked = 0;
-    if (w.pending_name == NULL || w.state_name == NULL || w.pairs_name == NULL ||
-        w.args_name == NULL || w.items_name == NULL || found == NULL || holds == NULL ||
+    if (found == NULL || holds == NULL ||
         seen == NULL || path == NULL) {
         goto done;
     }
@@ -1664,7 +1648,7 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (kind == 1) {
             int pending = 0;
             if (PyObject_TypeCheck(value, (PyTypeObject *)w.dense)) {
-                PyObject *flag = PyObject_GetAttr(value, w.pending_name);
+                PyObject *flag = PyObject_GetAttr(value, pending_name);
                 pending = flag == NULL ? -1 : PyObject_IsTrue(flag);
                 Py_XDECREF(flag);
             }
@@ -1741,11 +1725,6 @@ done:
     Py_XDECREF(holds);
     Py_XDECREF(seen);
     Py_XDECREF(path);
-    Py_XDECREF(w.pending_name);
-    Py_XDECREF(w.state_name);
-    Py_XDECREF(w.pairs_name);
-    Py_XDECREF(w.args_name);
-    Py_XDECREF(w.items_name);
     return result;
 }
 
@@ -1766,5 +1745,15 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__entries(void)
 {
+    struct { PyObject **slot; const char *text; } names[] = {
+        {&budget_name, "budget"}, {&state_name, "state"},
+        {&param_global_name, "param_global"}, {&param_handler_name, "param_handler"},
+        {&pending_name, "pending"}, {&pairs_name, "pairs"}, {&args_name, "args"},
+        {&items_name, "items"},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (*names[i].slot == NULL &&
+            (*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL)
+            return NULL;
     return PyModule_Create(&module);
 }
