@@ -400,8 +400,8 @@ def _errno_in(message: str) -> int | None:
 
 
 def torch_gds_status(directory: str | None = None) -> tuple[bool, str]:
-    """Whether torch.cuda.gds can run here (on files in ``directory``, default the temp
-    directory), and why not.
+    """Whether torch.cuda.gds can run here (on files in ``directory``; the temp directory
+    where it is None or not a directory), and why not.
 
     On CPU builds ``torch._C._gds_*`` exist but are Python stubs that raise, so ``hasattr`` is
     no detection: the real ones are C functions.
@@ -417,7 +417,8 @@ def torch_gds_status(directory: str | None = None) -> tuple[bool, str]:
         return False, "this torch build has no cuFile bindings (torch._C._gds_* are stubs)"
     if not torch.cuda.is_available():
         return False, "no CUDA device"
-    refused = _cufile_refusal(directory or tempfile.gettempdir())
+    refused = _cufile_refusal(directory if directory and os.path.isdir(directory)
+                              else tempfile.gettempdir())
     if refused:
         return False, refused
     return True, "torch.cuda.gds bindings, a CUDA device, and cuFile registers files"
@@ -442,7 +443,7 @@ def _cufile_refusal(directory: str) -> str | None:
     try:
         gds_file = torch.cuda.gds.GdsFile(probe, os.O_RDWR)
     except RuntimeError as exc:
-        return cufile_refusal_text(directory, exc)
+        return _cufile_refusal_text(directory, exc)
     finally:
         os.unlink(probe)
     gds_file.deregister_handle()
@@ -450,7 +451,8 @@ def _cufile_refusal(directory: str) -> str | None:
     return None
 
 
-def cufile_refusal_text(where: str, exc: BaseException) -> str:
+def _cufile_refusal_text(where: str, exc: BaseException) -> str:
+    """What cuFile's refusal of a file in ``where`` means, with its filesystem."""
     from ckptlab.gds.readiness import filesystem_of
 
     fs, mount = filesystem_of(where)
@@ -512,8 +514,7 @@ class GpuBackend(Backend):
     _read_what: ClassVar[str] = "read"
 
     def __init__(self, path: str, flags: int, *, reason: str = "requested") -> None:
-        holder = os.path.dirname(os.path.abspath(path))
-        ok, why = self.status(holder if os.path.isdir(holder) else None)
+        ok, why = self.status(os.path.dirname(os.path.abspath(path)))
         if not ok:
             raise BackendUnavailableError(f"backend {self.name!r} cannot run: {why}")
         import torch
@@ -584,7 +585,7 @@ class TorchGdsBackend(GpuBackend):
         except RuntimeError as exc:  # cuFileHandleRegister refused this file's filesystem
             raise BackendUnavailableError(
                 f"backend 'torch' cannot open {path}: "
-                + cufile_refusal_text(os.path.dirname(path) or ".", exc)) from exc
+                + _cufile_refusal_text(os.path.dirname(path) or ".", exc)) from exc
         return GDS if os.path.exists("/proc/driver/nvidia-fs") else COMPAT
 
     def _write(self, storage: Any, offset: int) -> None:

@@ -371,8 +371,7 @@ def readiness(path: str | os.PathLike[str]) -> Readiness:
                  next((f.full_path for f in ck.files if f.full_path), path))
     fs, mount = filesystem_of(probe)
     o_direct, o_direct_reason = o_direct_probe(probe)
-    holder = os.path.dirname(os.path.abspath(probe))
-    torch_ok, torch_why = torch_gds_status(holder if os.path.isdir(holder) else None)
+    torch_ok, torch_why = torch_gds_status(os.path.dirname(os.path.abspath(probe)))
     kvikio_ok, kvikio_why = kvikio_status()
     return Readiness(
         path=path, file_nbytes=ck.nbytes, storages=len(every),
