@@ -7,5 +7,6 @@ it and ckptlab uses the pure-Python path that gives the same results.
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("ckptlab.format._entries", ["ckptlab/format/_entries.c"],
-                             optional=True)])
+setup(ext_modules=[Extension("ckptlab.format._entries", ["ckptlab/format/_entries.c",
+                                                       "ckptlab/format/_handlers.c"],
+                             depends=["ckptlab/format/_handlers.h"], optional=True)])

@@ -31,6 +31,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_handlers.h"
+
 typedef struct {
     const unsigned char *p;
     Py_ssize_t n;
@@ -816,7 +818,7 @@ PyDoc_STRVAR(opcodes_doc,
 "``failed``: a list whose first item is set to the offset of the opcode an error was\n"
 "raised on (an OrderedDict handler's, or no memory), for the loop to report.\n\n"
 "An optional twelfth argument, ``calls`` = (machine, call, build, persistent, fused,\n"
-"plain_calls, global_type, reduced_type, empty_list_calls), lets\n"
+"plain_calls, global_type, reduced_type, empty_list_calls[, shared_empty]), lets\n"
 "it do the opcodes that call the machine too, through the machine's own methods: a tensor\n"
 "rebuild as ``_Machine.tensor_v2`` does it with ``fused`` (from its global's BINGET), REDUCE and\n"
 "NEWOBJ (``call(func, args)``, with ``machine.budget`` set before and read after, as the\n"
@@ -827,7 +829,9 @@ PyDoc_STRVAR(opcodes_doc,
 "what that dict says of ``(func, args)`` (a Reduced), one in ``empty_list_calls`` called\n"
 "with one empty list makes what that dict says, a ``_rebuild_parameter`` of a tensor made\n"
 "here goes to the machine's batchable ``param_handler``, and a ``reduced_type``'s first\n"
-"BUILD sets its ``state``.");
+"BUILD sets its ``state``. ``shared_empty`` (when not None) is pushed for an\n"
+"``OrderedDict()`` not followed by a MARK or BUILD, and is every tensor's hooks, as the\n"
+"loop does with ``_Machine.shared_empty``.");
 
 /* The attribute names the runner and the walk read, interned once (PyInit__entries). */
 static PyObject *budget_name, *state_name, *param_global_name, *param_handler_name;
@@ -860,19 +864,30 @@ budget_in(PyObject *machine, long long *budget)
     return 0;
 }
 
+/* Whether the opcode at ``at`` (after an ``OrderedDict()``'s REDUCE), past a memo put, is a
+ * MARK or a BUILD: the OrderedDict then gets a new dict, not the shared empty one
+ * (_unpickle._filled_at_once). */
+static int
+filled_at_once(const unsigned char *p, Py_ssize_t n, Py_ssize_t at)
+{
+    if (at < n)
+        at += p[at] == 'q' ? 2 : p[at] == 'r' ? 5 : p[at] == 0x94 ? 1 : 0;
+    return at >= n || p[at] == '(' || p[at] == 'b';
+}
+
 /* torch's tensor rebuild from the BINGET of ``_rebuild_tensor_v2`` at ``pos``, done at once
  * as ``_Machine.tensor_v2`` does it on its fused path (and so as the loop would): the bytes
  * are :c:func:`parse_tensor`'s template with every BINGET reading an index stored before and
  * the BINPUTs (all short or all long, as tensor_v2 takes them) appending in order, the hooks
- * are ``OrderedDict()``, the budget covers it all, and ``fused(pid, offset, size, stride,
- * requires_grad)`` takes it (not None). Then the
- * tensor is pushed, its memo entries appended and its charges taken: 1, with *end after its
- * last opcode and *last that opcode's offset. 0, having changed nothing: the loop does it.
+ * are ``OrderedDict()`` (``shared`` when not NULL), the budget covers it all, and
+ * ``fused(pid, offset, size, stride, requires_grad)`` takes it (not None). Then the tensor
+ * is pushed, its memo entries appended and its charges taken: 1, with *end after its last
+ * opcode and *last that opcode's offset. 0, having changed nothing: the loop does it.
  * -1: an error (raised by ``fused`` or ``odict_new``, or no memory). */
 static int
 one_tensor(const unsigned char *p, Py_ssize_t n, Py_ssize_t pos, PyObject *stack,
            PyObject *memo, long long *budget, PyObject *odict_global, PyObject *odict_new,
-           PyObject *fused, Py_ssize_t *end, Py_ssize_t *last)
+           PyObject *shared, PyObject *fused, Py_ssize_t *end, Py_ssize_t *last)
 {
     Cursor c = {p, n, pos};
     Py_ssize_t have = PyList_GET_SIZE(memo);
@@ -918,7 +933,7 @@ one_tensor(const unsigned char *p, Py_ssize_t n, Py_ssize_t pos, PyObject *stack
         PyErr_SetString(PyExc_TypeError, "fused_tensor_v2 returns (storage, tensor) or None");
         goto out;
     }
-    hooks = PyObject_CallNoArgs(odict_new);
+    hooks = shared != NULL ? Py_NewRef(shared) : PyObject_CallNoArgs(odict_new);
     if (hooks == NULL)
         goto out;
     PyObject *ref = PyTuple_GET_ITEM(both, 0), *result = PyTuple_GET_ITEM(both, 1);
@@ -1029,17 +1044,19 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *machine = NULL, *call = NULL, *build = NULL, *persistent = NULL, *fused = NULL;
     PyObject *plain_calls = NULL, *global_type = NULL, *reduced_type = NULL;
     PyObject *empty_list_calls = NULL;
+    PyObject *shared = NULL;   /* the shared empty OrderedDict, or NULL: a new one each */
     PyObject *param_global = NULL, *param_handler = NULL;   /* (strong references) */
     PyTypeObject *made_type = NULL;   /* the type of the tensors the fused handler made */
     if (nargs == 12 && args[11] != Py_None) {
-        if (!PyTuple_CheckExact(args[11]) || PyTuple_GET_SIZE(args[11]) != 9 ||
+        if (!PyTuple_CheckExact(args[11]) || PyTuple_GET_SIZE(args[11]) < 9 ||
+            PyTuple_GET_SIZE(args[11]) > 10 ||
             !PyDict_CheckExact(PyTuple_GET_ITEM(args[11], 5)) ||
             !PyType_Check(PyTuple_GET_ITEM(args[11], 6)) ||
             !PyType_Check(PyTuple_GET_ITEM(args[11], 7)) ||
             !PyDict_CheckExact(PyTuple_GET_ITEM(args[11], 8))) {
             PyErr_SetString(PyExc_TypeError, "opcodes(): calls is (machine, call, build, "
                             "persistent, fused, plain_calls, global_type, reduced_type, "
-                            "empty_list_calls) or None");
+                            "empty_list_calls[, shared_empty]) or None");
             return NULL;
         }
         machine = PyTuple_GET_ITEM(args[11], 0);
@@ -1051,6 +1068,8 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         global_type = PyTuple_GET_ITEM(args[11], 6);
         reduced_type = PyTuple_GET_ITEM(args[11], 7);
         empty_list_calls = PyTuple_GET_ITEM(args[11], 8);
+        if (PyTuple_GET_SIZE(args[11]) == 10 && PyTuple_GET_ITEM(args[11], 9) != Py_None)
+            shared = PyTuple_GET_ITEM(args[11], 9);
         if (persistent == Py_None)
             persistent = NULL;
         if (fused == Py_None || persistent == NULL)
@@ -1099,11 +1118,13 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (!get(&c, &idx) || budget < 16 || idx >= PyList_GET_SIZE(memo))
                 STOP_BEFORE();
             PyObject *value = PyList_GET_ITEM(memo, idx);
+            if (shared != NULL && value == shared)  /* the loop says it is shared no more */
+                STOP_BEFORE();
             if (value == fast_global) {  /* a tensor: at once, or left to the loop */
                 Py_ssize_t end, took;
                 int done = fused == NULL ? 0 :
-                    one_tensor(p, n, pos, stack, memo, &budget, odict_global, odict_new, fused,
-                               &end, &took);
+                    one_tensor(p, n, pos, stack, memo, &budget, odict_global, odict_new,
+                               shared, fused, &end, &took);
                 if (done < 0)
                     goto fail;
                 if (done == 0)
@@ -1121,7 +1142,8 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 && budget >= 336) {
                 /* OrderedDict(): EMPTY_TUPLE and REDUCE at once, and its LONG_BINPUT when
                  * it appends to the memo (as the loop's fast path) */
-                PyObject *made = PyObject_CallNoArgs(odict_new);
+                PyObject *made = shared != NULL && !filled_at_once(p, n, pos + 2) ?
+                    Py_NewRef(shared) : PyObject_CallNoArgs(odict_new);
                 if (made == NULL)
                     goto fail;
                 Py_ssize_t top = PyList_GET_SIZE(stack) - 1;
@@ -1261,7 +1283,7 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (depth == 0 || budget < cost)
                 STOP_BEFORE();
             PyObject *target = PyList_GET_ITEM(below, depth - 1);
-            if (!PyDict_CheckExact(target))
+            if (!PyDict_CheckExact(target) || target == shared)  /* (the loop copies it) */
                 STOP_BEFORE();
             for (Py_ssize_t i = 0; i < size; i += 2)
                 if (!PyUnicode_CheckExact(PyList_GET_ITEM(stack, i)))
@@ -1310,7 +1332,8 @@ opcodes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             break;
         }
         case 'b': {                                         /* BUILD */
-            if (machine == NULL || size < 2)
+            if (machine == NULL || size < 2 ||
+                (shared != NULL && PyList_GET_ITEM(stack, size - 2) == shared))
                 STOP_BEFORE();
             PyObject *target = Py_NewRef(PyList_GET_ITEM(stack, size - 2));
             PyObject *state = Py_NewRef(PyList_GET_ITEM(stack, size - 1));
@@ -1755,5 +1778,8 @@ PyInit__entries(void)
         if (*names[i].slot == NULL &&
             (*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL)
             return NULL;
-    return PyModule_Create(&module);
+    PyObject *made = PyModule_Create(&module);
+    if (made != NULL && handlers_add(made) < 0)
+        Py_CLEAR(made);
+    return made;
 }

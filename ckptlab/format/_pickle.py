@@ -37,6 +37,7 @@ from ckptlab.format._unpickle import (
     PickleBudgetError,
     PickleDataError,
     Reduced,
+    SharedEmptyChanged,
     _compiled,
     failure_offset,
     interpret,
@@ -187,6 +188,8 @@ class _CompositeRef:
 
 
 _TENSOR_REFS = (_TensorRef, _CompositeRef)
+# two handlers' common case in C (ckptlab/format/_handlers.c), where it was built
+_FastHandler = getattr(_compiled, "FastHandler", None)
 _DTYPE = attrgetter("dtype")
 _BUILDABLE = (*_TENSOR_REFS, StateDict)
 
@@ -271,6 +274,14 @@ class _TorchHandlers:
         self.storage_order: list[str] = []
         self.pending: list[_TensorRef] = []
         self.storage_types: dict[int, tuple[Global, str, int]] = {}  # id -> (it, dtype, size)
+        if _FastHandler is not None:
+            # the one-call-per-tensor handlers' common case in C (the methods for the rest):
+            # the same objects and results without two __init__ frames per tensor
+            self.fused_v2 = _FastHandler(  # type: ignore[method-assign]
+                "fused_v2", self.fused_v2, _TensorRef, StorageRef, self.storage_types,
+                self.storages, self.storage_order)
+            self.rebuild_parameter = _FastHandler(  # type: ignore[method-assign]
+                "rebuild_parameter", self.rebuild_parameter, _TensorRef)
 
     def table(self) -> dict[tuple[str, str], Any]:
         dense_v2 = self.rebuild_v2
@@ -1014,21 +1025,35 @@ def scan_pickle_refs(data: bytes, *, path: str, record: str, data_offset: int,
     return scan, tuple(ref for _, ref in found)
 
 
-def _scan(data: bytes, path: str, record: str, data_offset: int,
-          persistent_load: Callable[[Any], PersistentLoad] | None,
-          extra_handlers: dict[tuple[str, str], Any] | None
-          ) -> tuple[PickleScan, list[tuple[tuple[Any, ...], Any]]]:
+def _interpret(data: bytes, persistent_load: Callable[[Any], PersistentLoad] | None,
+               extra_handlers: dict[tuple[str, str], Any] | None, share: bool
+               ) -> tuple[_TorchHandlers, Any]:
+    """:func:`interpret` with new torch handlers (and ``extra_handlers``); with ``share``,
+    the empty OrderedDicts nothing fills at once are one (its ``shared_empty``)."""
     handlers, table = torch_handlers()
     if extra_handlers:
         table.update(extra_handlers)
+    shared = StateDict() if share and table.get(("collections", "OrderedDict")) == \
+        handlers.ordered_dict else None
     load = handlers.persistent_load if persistent_load is None else persistent_load(handlers)
     # torch.save's own persistent ids and tensor rebuild: both in one call on the fast path
     fused = handlers.fused_v2 if persistent_load is None and table.get(
         ("torch._utils", "_rebuild_tensor_v2")) == handlers.rebuild_v2 else None
+    return handlers, interpret(data, handlers=table, persistent_load=load,
+                               buildable=_BUILDABLE, fused_tensor_v2=fused,
+                               fused_tensor_v2_batch=handlers.fused_v2_batch if fused else None,
+                               shared_empty=shared)
+
+
+def _scan(data: bytes, path: str, record: str, data_offset: int,
+          persistent_load: Callable[[Any], PersistentLoad] | None,
+          extra_handlers: dict[tuple[str, str], Any] | None
+          ) -> tuple[PickleScan, list[tuple[tuple[Any, ...], Any]]]:
     try:
-        result = interpret(data, handlers=table, persistent_load=load, buildable=_BUILDABLE,
-                           fused_tensor_v2=fused,
-                           fused_tensor_v2_batch=handlers.fused_v2_batch if fused else None)
+        try:  # the empty OrderedDicts nothing fills as one shared object (most of a module's)
+            handlers, result = _interpret(data, persistent_load, extra_handlers, True)
+        except SharedEmptyChanged:  # the pickle changed one: all of them their own
+            handlers, result = _interpret(data, persistent_load, extra_handlers, False)
         found, values = _walk(result.root)
     except PickleDataError as exc:
         kind = "is over ckptlab's budget" if isinstance(exc, PickleBudgetError) \

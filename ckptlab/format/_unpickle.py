@@ -44,7 +44,14 @@ unpicklers, so every rule below holds by construction rather than by overriding 
   (:meth:`_Machine.entry_run_c`; byte work only, the same checks and outcome), about twice
   as fast; without it the expressions do the same.
 - **A pickled ``nn.Module``'s hook dicts at once**: ``OrderedDict()`` (the BINGET of the
-  global, EMPTY_TUPLE, REDUCE and its BINPUT), a dozen per module, in one step.
+  global, EMPTY_TUPLE, REDUCE and its BINPUT), a dozen per module, in one step. Given a
+  ``shared_empty`` dict, they are all that one dict, as is every tensor's hooks dict (a
+  100,000-tensor module pickled whole holds about 900,000 of them, 120 MB as their own
+  objects): a dict the next opcode fills (a MARK, a BUILD) is a new one, and one SETITEM(S)
+  or BUILD would change is copied first (:meth:`_Machine.own`: the stack held its only
+  reference). Reading the shared dict back from the memo (or DUP) ends the run with
+  :class:`SharedEmptyChanged`, as does one left changed, and the caller interprets again
+  without it: so every result is the one a new dict each gives, whatever the bytes.
 
 Why not the standard library: the C unpickler sizes its memo from a ``LONG_BINPUT`` index and
 preallocates ``BINBYTES`` from the declared length (GBs from a 9-byte pickle), resolves EXT
@@ -73,6 +80,7 @@ __all__ = [
     "PickleBudgetError",
     "PickleDataError",
     "Reduced",
+    "SharedEmptyChanged",
     "interpret",
 ]
 
@@ -328,7 +336,8 @@ def interpret(data: bytes | bytearray | memoryview, *,
               memory_per_byte: int = MEMORY_PER_BYTE,
               fast_paths: bool = True,
               fused_tensor_v2: Callable[..., Any] | None = None,
-              fused_tensor_v2_batch: Callable[..., Any] | None = None) -> Interpretation:
+              fused_tensor_v2_batch: Callable[..., Any] | None = None,
+              shared_empty: Any = None) -> Interpretation:
     """Interpret one pickle without importing or running anything it names.
 
     Parameters
@@ -368,22 +377,59 @@ def interpret(data: bytes | bytearray | memoryview, *,
         same for many tensors at once (lists, one item per tensor, in pickle order), all or
         nothing: the state dict entries of a pickle of :data:`BULK_MIN_NBYTES` or more are
         taken in batches through it (:meth:`_Machine.entry_run`).
+    shared_empty
+        An empty object of the kind ``OrderedDict()`` makes (the handler's): the fast paths
+        push it for every ``OrderedDict()`` not followed (past its BINPUT) by a MARK or a
+        BUILD, and give it to every tensor as its hooks, instead of a new one each. A pickled module has a dozen such empty dicts per
+        submodule, and nothing changes them after: as long as nothing does, the result is
+        the one a new dict each would give, less their memory. Where the pickle changes it
+        (items set into it or a BUILD of it), :class:`SharedEmptyChanged` is raised (in place
+        of any other error): interpret again without it, with new handlers.
 
     Raises
     ------
     PickleDataError
         With ``.offset`` set to the position of the failing opcode (see :func:`failure_offset`).
+    SharedEmptyChanged
+        The pickle changed ``shared_empty``.
     """
     view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
     machine = _Machine(view, handlers or {}, persistent_load, buildable,
                        max(MEMORY_FLOOR, memory_per_byte * len(view)), fast_paths)
     machine.fused = fused_tensor_v2 if fast_paths else None
     machine.fused_batch = fused_tensor_v2_batch if fast_paths and machine.persistent else None
+    machine.shared_empty = shared_empty if fast_paths else None
     try:
-        return machine.run()
+        result = machine.run()
     except _Position as where:
         where.error.offset = where.offset  # type: ignore[attr-defined]
+        if machine.shared_empty is not None and len(machine.shared_empty):
+            raise SharedEmptyChanged("items set into the shared empty OrderedDict") from None
         raise where.error from None
+    except SharedEmptyChanged:
+        raise
+    except Exception:  # (an error the changed dict may have led to)
+        if machine.shared_empty is not None and len(machine.shared_empty):
+            raise SharedEmptyChanged("items set into the shared empty OrderedDict") from None
+        raise
+    if machine.shared_empty is not None and len(machine.shared_empty):
+        raise SharedEmptyChanged("items set into the shared empty OrderedDict")
+    return result
+
+
+class SharedEmptyChanged(Exception):
+    """The pickle changed :func:`interpret`'s ``shared_empty``: interpret it again without."""
+
+
+def _filled_at_once(data: Any, pos: int) -> bool:
+    """Whether the opcode at ``pos`` (after an ``OrderedDict()``'s REDUCE), past a memo put,
+    is a MARK (its SETITEMS to come, as torch writes a dict with items) or a BUILD: then it
+    gets a new dict. Anything else that changes the shared one is caught after the run."""
+    n = len(data)
+    if pos < n:
+        code = data[pos]
+        pos += 2 if code == 0x71 else 5 if code == 0x72 else 1 if code == 0x94 else 0
+    return pos >= n or data[pos] in (0x28, 0x62)
 
 
 def failure_offset(error: PickleDataError) -> int:
@@ -552,6 +598,7 @@ class _Machine:
         "pos",
         "proto",
         "seen_globals",
+        "shared_empty",
         "state_pause",
         "tuples",
         "unit_specs",
@@ -583,6 +630,9 @@ class _Machine:
         self.fast_handler: Handler | None = None
         self.odict_global: Any = _NOTHING
         self.odict_handler: Handler | None = None
+        # the one empty OrderedDict the fast paths give every OrderedDict() that nothing fills
+        # at once (interpret's shared_empty), or None: a new one each
+        self.shared_empty: Any = None
         self.param_global: Any = _NOTHING  # _rebuild_parameter, for batches (entry_run_c)
         self.param_handler: Handler | None = None
         self.fused: Callable[..., Any] | None = None
@@ -638,11 +688,27 @@ class _Machine:
 
     def memo_get(self, index: int) -> Any:
         if index < len(self.memo):
-            return self.memo[index]
+            return self.unshared(self.memo[index])
         try:
-            return self.memo_sparse[index]
+            return self.unshared(self.memo_sparse[index])
         except KeyError:
             raise PickleDataError(f"memo index {index} was never stored") from None
+
+    def unshared(self, value: Any) -> Any:
+        """``value``, read back from the memo (or DUP): the shared empty OrderedDict may not
+        be, as the pickle would have two references to one dict that may then change."""
+        if value is self.shared_empty and value is not None:
+            raise SharedEmptyChanged("the shared empty OrderedDict read back from the memo")
+        return value
+
+    def own(self, stack: list[Any]) -> Any:
+        """The target of a SETITEM(S) or BUILD (the stack's top), made a new dict of its own
+        if it is the shared empty OrderedDict: nothing else refers to it (a read of it from
+        the memo would have ended the run), so the change is seen where the pickle sees it."""
+        target = stack[-1]
+        if target is self.shared_empty and target is not None:
+            target = stack[-1] = self.odict_handler()  # type: ignore[misc]
+        return target
 
     def global_(self, module: str, name: str) -> Global:
         if type(module) is not str or type(name) is not str:
@@ -720,7 +786,14 @@ class _Machine:
         else:
             raise PickleDataError(f"APPEND on a {type(target).__name__}")
 
+    def new_hooks(self) -> Any:
+        """A tensor's hooks, ``OrderedDict()`` made on a fast path (nothing fills them)."""
+        shared = self.shared_empty
+        return self.odict_handler() if shared is None else shared  # type: ignore[misc]
+
     def build(self, target: Any, state: Any) -> None:
+        if target is self.shared_empty and target is not None:
+            raise SharedEmptyChanged("BUILD of the shared empty OrderedDict")
         if not isinstance(target, self.buildable):
             what = target.qualname if isinstance(target, Global) else type(target).__name__
             raise PickleDataError(f"BUILD applied to {what}, which ckptlab never builds")
@@ -770,6 +843,8 @@ class _Machine:
         pos = 0
         op = 0
         units = self.fused_batch is not None and n >= BULK_MIN_NBYTES  # state_run tried
+        # the shared empty OrderedDict, which no BINGET may read back (see unshared)
+        shared = _NOTHING if self.shared_empty is None else self.shared_empty
         # the plain opcodes in C (a budget of a C long long: memory_per_byte may be anything)
         plain = _c_opcodes if self.fast_paths and type(budget) is int and \
             0 <= budget < 1 << 62 else None
@@ -778,7 +853,7 @@ class _Machine:
         # tensor rebuild as tensor_v2 does it) and BINUNICODE, through its own methods (or,
         # for a Reduced and a Parameter, as those methods would: plain_calls, param_handler)
         calls = (self, self.call, self.build, self.persistent, self.fused, self.plain_calls,
-                 Global, Reduced, self.empty_list_calls)
+                 Global, Reduced, self.empty_list_calls, self.shared_empty)
         try:
             while True:
                 if plain is not None:  # the plain opcodes from here, up to one left to the loop
@@ -854,6 +929,8 @@ class _Machine:
                         (idx,) = _unpack_I(data, pos)
                         pos += 4
                     value = memo[idx] if idx < len(memo) else self.memo_get(idx)
+                    if value is shared:
+                        self.unshared(value)
                     push(value)
                     budget -= 16
                     if budget < 0:
@@ -866,7 +943,10 @@ class _Machine:
                             budget >= 336:
                         # OrderedDict(): EMPTY_TUPLE and REDUCE at once, as call() does them
                         # (a pickled module has a dozen empty hook dicts)
-                        stack[-1] = made = self.odict_handler()  # type: ignore[misc]
+                        made = self.shared_empty
+                        if made is None or _filled_at_once(data, pos + 2):
+                            made = self.odict_handler()  # type: ignore[misc]
+                        stack[-1] = made
                         budget -= 336
                         op = pos + 1  # the REDUCE
                         pos += 2
@@ -962,7 +1042,7 @@ class _Machine:
                     if not stack:
                         raise PickleDataError("SETITEMS with nothing to set items on")
                     self.budget = budget
-                    self.setitems(stack[-1], items)
+                    self.setitems(self.own(stack), items)
                     budget = self.budget
                     if units and pos < n and data[pos] in _INT_CODES:  # the next int's dict?
                         if self.state_pause:
@@ -1147,7 +1227,7 @@ class _Machine:
             both = fused(pid, offset, size, stride, requires_grad)
         if both is not None:  # persistent_load and the handler in one call, as they would
             ref, result = both
-            hooks = self.odict_handler()  # type: ignore[misc]
+            hooks = self.new_hooks()
             args = (ref, offset, size, stride, requires_grad, hooks)
         else:
             stage = 0
@@ -1155,7 +1235,7 @@ class _Machine:
                 ref = self.persistent(pid)  # type: ignore[misc]
                 stage = 1
                 if hooks_func is self.odict_global:
-                    hooks = self.odict_handler()  # type: ignore[misc]
+                    hooks = self.new_hooks()
                 else:
                     self.budget = budget + 320  # call() charges its REDUCE again
                     hooks = self.call(hooks_func, ())
@@ -1582,8 +1662,12 @@ class _Machine:
         if both is None:
             return None
         refs, results = both
-        odict = self.odict_handler
-        hooks = [odict() for _ in range(len(refs))]  # type: ignore[misc]
+        shared = self.shared_empty
+        if shared is None:
+            odict = self.odict_handler
+            hooks = [odict() for _ in range(len(refs))]  # type: ignore[misc]
+        else:
+            hooks = [shared] * len(refs)
         args = list(zip(refs, offsets, sizes, strides, grads, hooks))
         values = (keys, names, pids, sizes, strides, hooks, args, results)
         if params is not None:
@@ -1601,12 +1685,12 @@ class _Machine:
         tensors = values[7]
         count = len(tensors)
         handler = self.param_handler
-        odict = self.odict_handler
+        new_hooks = self.new_hooks
         hooks: list[Any] = [None] * count
         args: list[Any] = [None] * count
         results = list(tensors)
         for i in compress(range(count), params):
-            hooks[i] = odict()  # type: ignore[misc]
+            hooks[i] = new_hooks()
             args[i] = (tensors[i], params[i] & 0x08 != 0, hooks[i])
             results[i] = handler(*args[i])  # type: ignore[misc]
         tensor_masks = repeat(tuple(put_mask)) if type(put_mask[0]) is bool else put_mask
@@ -1829,11 +1913,11 @@ class _Machine:
             _need(stack, 3, code)
             value = stack.pop()
             key = stack.pop()
-            self.setitems(stack[-1], [key, value])
+            self.setitems(self.own(stack), [key, value])
         elif code == 0x62:  # BUILD
             _need(stack, 2, code)
             state = stack.pop()
-            self.build(stack[-1], state)
+            self.build(self.own(stack), state)
         elif code == 0x30:  # POP
             if stack:
                 stack.pop()
@@ -1845,7 +1929,7 @@ class _Machine:
             push = stack.append
         elif code == 0x32:  # DUP
             _need(stack, 1, code)
-            push(stack[-1])
+            push(self.unshared(stack[-1]))
             charge(16)
         elif code == 0x67:  # GET (protocol 0)
             push(self.memo_get(self.text_int(self.line("GET"))))

@@ -36,8 +36,15 @@ from ckptlab import _torch_compat as tc
 from ckptlab.errors import ArchiveError
 from ckptlab.format import _pickle, _unpickle, _zip
 from ckptlab.format._bulk import build, gc_paused
-from ckptlab.format._pickle import _BUILDABLE, torch_handlers
-from ckptlab.format._unpickle import Global, OpaqueKey, PickleDataError, Reduced, interpret
+from ckptlab.format._pickle import _BUILDABLE, StateDict, torch_handlers
+from ckptlab.format._unpickle import (
+    Global,
+    OpaqueKey,
+    PickleDataError,
+    Reduced,
+    SharedEmptyChanged,
+    interpret,
+)
 from ckptlab.format.layout import Segment, SegmentKind
 
 
@@ -93,6 +100,8 @@ def canon(obj: Any, seen: dict[int, int] | None = None) -> Any:
     seen = {} if seen is None else seen
     if isinstance(obj, (str, bytes, int, float, bool, type(None), complex)):
         return obj
+    if type(obj) is StateDict and not obj and getattr(obj, "attrs", None) is None:
+        return ("StateDict", [], None)  # (the fast paths share those: interpret's shared_empty)
     if id(obj) in seen:
         return ("ref", seen[id(obj)])
     seen[id(obj)] = len(seen)
@@ -120,17 +129,30 @@ def canon(obj: Any, seen: dict[int, int] | None = None) -> Any:
 def outcome(data: bytes, fast: bool, **kw: Any) -> Any:
     """The interpretation of ``data`` (or its error and offset), with the fast paths and
     torch's fused tensor handler as a scan uses them, or without any."""
-    handlers, table = torch_handlers()
-    if fast:
-        kw.setdefault("fused_tensor_v2", handlers.fused_v2)
-    try:
-        result = interpret(data, handlers=table, persistent_load=handlers.persistent_load,
-                           buildable=_BUILDABLE, fast_paths=fast, **kw)
-    except PickleDataError as exc:  # messages may show objects: not where they live
-        return ("error", type(exc).__name__, re.sub(" at 0x[0-9a-f]+", "", str(exc)),
-                _unpickle.failure_offset(exc))
-    return (canon(result.root), result.end, result.protocol, result.globals,
-            canon([handlers.storages[k] for k in handlers.storage_order]))
+    return outcome_batched(data, "fused" if fast else "slow", **kw)
+
+
+def scan_like(data: bytes, fast: bool, kw: dict[str, Any], fused: bool = True,
+              batch: bool = False) -> tuple[Any, Any]:
+    """``interpret`` as ``_pickle._scan`` calls it (with ``fast``: the fused handlers and a
+    shared empty OrderedDict, again without it where the pickle changes it): handlers and
+    result."""
+    for share in (True, False) if fast else (False,):
+        handlers, table = torch_handlers()
+        given = dict(kw)
+        if fast and fused:
+            given.setdefault("fused_tensor_v2", handlers.fused_v2)
+        if fast and batch:
+            given.setdefault("fused_tensor_v2_batch", handlers.fused_v2_batch)
+        if share:
+            given.setdefault("shared_empty", StateDict())
+        try:
+            return handlers, interpret(data, handlers=table,
+                                       persistent_load=handlers.persistent_load,
+                                       buildable=_BUILDABLE, fast_paths=fast, **given)
+        except SharedEmptyChanged:
+            assert share
+    raise AssertionError("unreachable")
 
 
 def both(data: bytes, **kw: Any) -> Any:
@@ -225,10 +247,34 @@ def module_pickle(protocol: int = 2) -> bytes:
     return data_pkl(save(model, protocol))
 
 
+def count_identical(root: Any, target: Any) -> int:
+    """How many times ``target`` itself is a value in the containers and records under root."""
+    count, todo, seen = 0, [root], set()
+    while todo:
+        obj = todo.pop()
+        if obj is target:
+            count += 1
+            continue
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+        elif isinstance(obj, Reduced):
+            todo.extend((obj.args, obj.state, obj.items, obj.pairs))
+        elif isinstance(obj, _pickle._TensorRef):
+            todo.append(obj.attrs)
+    return count
+
+
 def test_module_pickles_agree_and_take_the_hook_dict_path(monkeypatch) -> None:
     """``OrderedDict()`` (BINGET of the global, EMPTY_TUPLE, REDUCE) is taken at once: the
-    same objects, memo, budget and error offsets as one opcode at a time."""
-    from ckptlab.format._pickle import StateDict, _TorchHandlers
+    same objects, memo, budget and error offsets as one opcode at a time. The empty hook
+    dicts are all the shared one (interpret's ``shared_empty``); the dicts filled at once
+    (``_parameters``: a MARK after the BINPUT) are new."""
+    from ckptlab.format._pickle import _TorchHandlers
 
     calls = {"n": 0}
 
@@ -239,9 +285,21 @@ def test_module_pickles_agree_and_take_the_hook_dict_path(monkeypatch) -> None:
     monkeypatch.setattr(_TorchHandlers.ordered_dict, "ckptlab_no_args", counted)
     for protocol in (2, 4):
         data = module_pickle(protocol)
-        calls["n"] = 0
         assert both(data)[0] != "error"
-        assert calls["n"] > 6 * 3 * 8  # the hook dicts of 18 modules (and the tensors' hooks)
+        shared = StateDict()
+        calls["n"] = 0
+        _, result = scan_like(data, True, {"shared_empty": shared})
+        assert count_identical(result.root, shared) >= 6 * 3 * 10  # 18 modules' hook dicts
+        assert calls["n"] == 0  # (torch pickles _parameters, _buffers, _modules as dicts)
+        assert not shared and getattr(shared, "attrs", None) is None
+        # a state dict's _metadata OrderedDict gets its item by SETITEM: the shared one is
+        # copied then (a new one made), and stays empty
+        data = data_pkl(save(torch.nn.Linear(2, 3).state_dict(), protocol))
+        assert both(data)[0] != "error"
+        calls["n"] = 0
+        _, result = scan_like(data, True, {"shared_empty": shared})
+        assert calls["n"] == 1 and type(result.root) is StateDict and len(result.root) == 2
+        assert list(result.root.attrs["_metadata"]) == [""] and not shared
     data = module_pickle()
     rng = random.Random(5)
     for _ in range(300):
@@ -350,7 +408,8 @@ def test_budgets_of_any_size_or_type_agree() -> None:
 def test_an_error_raised_in_the_plain_opcodes_is_reported_where_the_loop_reports_it(
         monkeypatch) -> None:
     """An OrderedDict handler that raises (here on its fifth call): the same error at the
-    same offset (its BINGET), with the runner and without it."""
+    same offset (its BINGET), with the runner and without it (each OrderedDict() its own:
+    no shared_empty)."""
     from ckptlab.format._pickle import StateDict, _TorchHandlers
 
     data = module_pickle()
@@ -367,7 +426,7 @@ def test_an_error_raised_in_the_plain_opcodes_is_reported_where_the_loop_reports
         with monkeypatch.context() as m:
             m.setattr(_TorchHandlers.ordered_dict, "ckptlab_no_args", fifth)
             m.setattr(_unpickle, "_c_opcodes", runner)
-            return outcome(data, True)
+            return outcome(data, True, shared_empty=None)
 
     with_runner, without = got(_unpickle._c_opcodes), got(None)
     assert with_runner == without and with_runner[0] == "error"
@@ -391,6 +450,134 @@ def test_module_pickles_agree_on_mutations_truncations_and_budgets(plain_opcodes
     for cut in range(0, len(data), max(1, len(data) // 200)):
         assert both(data[:cut])[0] == "error"
     assert len(budget_errors(data, both, monkeypatch, 60_000, 211)) > 100
+
+
+# --------------------------------------------------------------------------------------------
+# the shared empty OrderedDict (interpret's shared_empty)
+# --------------------------------------------------------------------------------------------
+
+_ODICT_GLOBAL = b"\x80\x02ccollections\nOrderedDict\nq\x000"  # PROTO, GLOBAL, BINPUT 0, POP
+_ODICT = b"h\x00)R"  # BINGET 0, EMPTY_TUPLE, REDUCE: OrderedDict()
+
+
+def _text(value: str) -> bytes:
+    raw = value.encode()
+    return b"X" + len(raw).to_bytes(4, "little") + raw
+
+
+def shared_run(data: bytes) -> tuple[Any, StateDict, str]:
+    """``data`` interpreted with a shared empty OrderedDict: the result (or the error), the
+    shared dict, and ``"shared"`` or ``"again"`` (SharedEmptyChanged: a scan interprets it
+    again without one)."""
+    handlers, table = torch_handlers()
+    shared = StateDict()
+    try:
+        result: Any = interpret(data, handlers=table, buildable=_BUILDABLE,
+                                persistent_load=handlers.persistent_load, shared_empty=shared)
+    except SharedEmptyChanged:
+        return None, shared, "again"
+    except PickleDataError as exc:
+        result = exc
+    return result, shared, "shared"
+
+
+@pytest.mark.parametrize("runner", ["compiled", "loop"])
+@pytest.mark.parametrize(("name", "body", "ends"), [
+    # hook dicts as values, never touched again: all the shared one
+    ("values", b"}q\x01(" + _text("a") + _ODICT + b"q\x02" + _text("b") + _ODICT + b"q\x03u",
+     "shared"),
+    # _metadata: OrderedDict() then SETITEM into it: copied, the copy filled
+    ("setitem", _ODICT + b"q\x01" + _text("k") + b"K\x01s", "shared"),
+    # an empty state dict with its _metadata: BUILD of it, copied
+    ("build", _ODICT + b"q\x01}q\x02" + _text("_metadata") + b"K\x01sb", "shared"),
+    # SETITEMS into it, without a MARK right after its BINPUT: copied
+    ("setitems", _ODICT + b"q\x01]0(" + _text("a") + b"K\x01u", "shared"),
+    # read back: one dict in two places (then changed through one of them)
+    ("binget", b"](" + _ODICT + b"q\x01h\x01e", "again"),
+    ("binget-setitem", b"](" + _ODICT + b"q\x01h\x01" + _text("k") + b"K\x01se", "again"),
+    ("dup", _ODICT + b"q\x012" + _text("k") + b"K\x01s\x86", "again"),
+    # an error after the copy: the error, as without the shared dict
+    ("error", _ODICT + b"q\x01" + _text("k") + b"K\x01sK\x02s", "shared"),
+])
+def test_the_shared_empty_ordered_dict_is_what_a_new_one_each_gives(
+        name: str, body: bytes, ends: str, runner: str, monkeypatch) -> None:
+    """Every pickle interprets to what it does with a new OrderedDict each (``canon`` sees
+    an empty StateDict as a value): where the shared one is changed it is copied first,
+    where it is read back from the memo (or DUP) the run ends (a scan runs it again)."""
+    if runner == "loop":
+        monkeypatch.setattr(_unpickle, "_c_opcodes", None)
+    elif _unpickle._c_opcodes is None:
+        pytest.skip("ckptlab.format._entries is not built")
+    data = _ODICT_GLOBAL + body + b"."
+    result, shared, how = shared_run(data)
+    assert how == ends, name
+    assert not shared and getattr(shared, "attrs", None) is None
+    assert isinstance(result, Exception) == (name == "error")
+    if how == "shared" and name != "error":
+        assert outcome(data, True)[0] == canon(result.root)
+    assert both(data)[0] == outcome(data, False)[0]
+    if name == "values":
+        assert result.root["a"] is result.root["b"] is shared
+    if name in ("setitem", "build"):
+        assert result.root is not shared
+
+
+def test_random_programs_over_shared_empty_ordered_dicts_agree() -> None:
+    """Random opcode programs over ``OrderedDict()`` values (memo puts and gets, SETITEM(S),
+    BUILD, DUP, lists, tuples): the same result or error with the shared dict as with a new
+    one each, with the runner and without it."""
+    rng = random.Random(11)
+    ops = [_ODICT, _ODICT, _ODICT + b"q", _ODICT + b"r", b"h", b"2", b"(", b"s", b"u", b"b",
+           b"e", b"a", b"]", b"}", b"K\x01", _text("k"), _text("m"), b"\x85", b"\x86", b"0"]
+    for _ in range(3000):
+        puts = 1
+        body = bytearray()
+        for _ in range(rng.randrange(1, 14)):
+            op = rng.choice(ops)
+            if op.endswith(b"R" + b"q") or op == _ODICT + b"q":
+                op = op + bytes([puts])
+                puts += 1
+            elif op.endswith(b"Rr"):
+                op = op + puts.to_bytes(4, "little")
+                puts += 1
+            elif op == b"h":
+                op = b"h" + bytes([rng.randrange(puts + 1)])
+            body += op
+        data = _ODICT_GLOBAL + bytes(body) + b"."
+        both(data)
+        result, shared, _ = shared_run(data)
+        assert not shared and getattr(shared, "attrs", None) is None
+    # ... and well formed ones: a dict of values, each an OrderedDict() (put or not), one
+    # read back, or one changed at once or later through the memo
+    taken = {"shared": 0, "again": 0}
+    for _ in range(1500):
+        puts, body = 1, bytearray(b"}(")
+        for i in range(rng.randrange(1, 8)):
+            body += _text(f"k{i}")
+            kind = rng.randrange(6)
+            if kind == 4 and puts > 1:
+                body += b"h" + bytes([rng.randrange(1, puts)])  # one read back
+                continue
+            body += _ODICT
+            if rng.random() < 0.8:
+                body += b"q" + bytes([puts])
+                puts += 1
+            if kind == 1:  # a SETITEM into it (as _metadata)
+                body += _text("v") + b"K\x02s"
+            elif kind == 2:  # a BUILD of it
+                body += b"}" + _text("_metadata") + b"K\x03sb"
+            elif kind == 3:  # items by SETITEMS
+                body += b"(" + _text("a") + b"K\x04" + _text("b") + b"]u"
+        body += b"u"
+        if puts > 1 and rng.random() < 0.3:  # a dict changed later, through the memo
+            body += b"h" + bytes([rng.randrange(1, puts)]) + _text("late") + b"K\x05s0"
+        data = _ODICT_GLOBAL + bytes(body) + b"."
+        fast = both(data)
+        result, shared, how = shared_run(data)
+        assert not isinstance(result, Exception) and fast[0] != "error"
+        assert not shared and getattr(shared, "attrs", None) is None
+        taken[how] += 1
+    assert min(taken.values()) > 300, taken
 
 
 @pytest.mark.parametrize("what", ["set", "persistent", "build", "parameter", "fused"])
@@ -695,16 +882,10 @@ def test_large_checkpoint_round_trip(tmp_path: Path) -> None:
 
 def outcome_batched(data: bytes, mode: str, **kw: Any) -> Any:
     """:func:`outcome` with torch's fused handlers (``"batch"``: in batches too)."""
-    handlers, table = torch_handlers()
-    if mode == "batch":
-        kw.update(fused_tensor_v2=handlers.fused_v2,
-                  fused_tensor_v2_batch=handlers.fused_v2_batch)
-    elif mode == "fused":
-        kw.update(fused_tensor_v2=handlers.fused_v2)
     try:
-        result = interpret(data, handlers=table, persistent_load=handlers.persistent_load,
-                           buildable=_BUILDABLE, fast_paths=mode != "slow", **kw)
-    except PickleDataError as exc:
+        handlers, result = scan_like(data, mode != "slow", kw, fused=mode != "fast",
+                                     batch=mode == "batch")
+    except PickleDataError as exc:  # messages may show objects: not where they live
         return ("error", type(exc).__name__, re.sub(" at 0x[0-9a-f]+", "", str(exc)),
                 _unpickle.failure_offset(exc))
     return (canon(result.root), result.end, result.protocol, result.globals,
