@@ -16,6 +16,10 @@
  * - ``kind="rebuild_parameter"``: ``_TorchHandlers.rebuild_parameter(data, requires_grad,
  *   hooks, state)`` of a ``tensor_type`` instance and a bool: the tensor, marked.
  *
+ * ``slot_build(cls, count, columns)`` and ``slot_columns(objects, cls)`` make many objects
+ * of a slotted class from columns, and read them back as columns, in one pass each
+ * (ckptlab.format._bulk.build, ckptlab.format._pickle.fields_of).
+ *
  * The objects are made as ``tensor_type(...)`` / ``storage_type(...)`` would make them,
  * without their ``__init__``: both are plain slotted classes (object their only base, no
  * ``__dict__``), whose slots are found by name when the handler is made (each must be a
@@ -51,21 +55,23 @@ static const char *const storage_names[] = {
 enum { S_KEY, S_TYPE, S_DTYPE, S_LOCATION, S_NUMEL, S_NBYTES, S_COUNT };
 
 /* A slotted class and where each of its named slots is in an instance. */
+#define MAX_SLOTS 32
 typedef struct {
     PyTypeObject *type;
     Py_ssize_t count;
-    Py_ssize_t offsets[T_COUNT];
+    Py_ssize_t offsets[MAX_SLOTS];
 } Layout;
 
 #define SLOT(obj, layout, i) (*(PyObject **)((char *)(obj) + (layout)->offsets[i]))
 
 /* Fill ``layout`` for ``type`` and the slot ``names`` (all of its slots, each a writable
- * object slot it defines itself); 0, or -1 with TypeError. */
+ * object slot it defines itself); 0, or -1 with TypeError. ``names`` NULL: its
+ * ``__slots__`` (a tuple of at most MAX_SLOTS), in order, whatever ``count``. */
 static int
 layout_of(PyObject *type, const char *const *names, Py_ssize_t count, Layout *layout)
 {
     if (!PyType_Check(type)) {
-        PyErr_Format(PyExc_TypeError, "FastHandler: %R is not a class", type);
+        PyErr_Format(PyExc_TypeError, "%R is not a class", type);
         return -1;
     }
     PyTypeObject *t = (PyTypeObject *)type;
@@ -73,13 +79,22 @@ layout_of(PyObject *type, const char *const *names, Py_ssize_t count, Layout *la
         !(t->tp_flags & Py_TPFLAGS_HEAPTYPE) ? NULL : PyDict_GetItemString(t->tp_dict,
                                                                            "__slots__");
     Py_ssize_t have = slots != NULL && PyTuple_Check(slots) ? PyTuple_GET_SIZE(slots) : -1;
-    if (have != count) {
-        PyErr_Format(PyExc_TypeError, "FastHandler: %R is not a plain class with %zd slots",
-                     type, count);
+    if (names == NULL && have <= MAX_SLOTS)
+        count = have;
+    if (have != count || count < 0) {
+        PyErr_Format(PyExc_TypeError, "%R is not a plain class with %zd slots", type, count);
         return -1;
     }
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *d = PyObject_GetAttrString(type, names[i]);
+        const char *name = names != NULL ? names[i] :
+            PyUnicode_Check(PyTuple_GET_ITEM(slots, i)) ?
+            PyUnicode_AsUTF8(PyTuple_GET_ITEM(slots, i)) : NULL;
+        if (name == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_TypeError, "%R has a slot name that is not a str", type);
+            return -1;
+        }
+        PyObject *d = PyObject_GetAttrString(type, name);
         if (d == NULL)
             return -1;
         int ok = Py_IS_TYPE(d, &PyMemberDescr_Type) &&
@@ -88,8 +103,7 @@ layout_of(PyObject *type, const char *const *names, Py_ssize_t count, Layout *la
         ok = ok && m->type == Py_T_OBJECT_EX && !(m->flags & Py_READONLY);
         Py_DECREF(d);
         if (!ok) {
-            PyErr_Format(PyExc_TypeError, "FastHandler: %R.%s is not one of its slots", type,
-                         names[i]);
+            PyErr_Format(PyExc_TypeError, "%R.%s is not one of its slots", type, name);
             return -1;
         }
         layout->offsets[i] = m->offset;
@@ -358,10 +372,152 @@ static PyTypeObject HandlerType = {
     .tp_getset = handler_getset,
 };
 
+/* -- many objects of a slotted class at once (ckptlab.format._bulk) ---------------------- */
+
+PyDoc_STRVAR(slot_build_doc,
+"slot_build(cls, count, columns) -> list\n--\n\n"
+"``count`` instances of the plain slotted class ``cls`` (object its only base, no\n"
+"``__dict__``; a slotted dataclass), slot ``i`` of object ``j`` set to ``columns[i][j]``:\n"
+"one column per slot, in ``__slots__`` order, each a list or tuple of at least ``count``\n"
+"items or an iterator giving them (``itertools.repeat(value)``). No ``__init__`` runs.");
+
+static PyObject *
+slot_build(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 3 || !PyTuple_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "slot_build(cls, count, columns: tuple)");
+        return NULL;
+    }
+    Py_ssize_t count = PyLong_AsSsize_t(args[1]);
+    if (count == -1 && PyErr_Occurred())
+        return NULL;
+    Layout layout;
+    if (count < 0 || layout_of(args[0], NULL, 0, &layout) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "slot_build: a negative count");
+        return NULL;
+    }
+    PyObject *columns = args[2], *out = NULL;
+    PyObject *iters[MAX_SLOTS] = {NULL};
+    if (PyTuple_GET_SIZE(columns) != layout.count) {
+        PyErr_Format(PyExc_TypeError, "slot_build: %zd columns for %zd slots",
+                     PyTuple_GET_SIZE(columns), layout.count);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < layout.count; i++) {
+        PyObject *column = PyTuple_GET_ITEM(columns, i);
+        if (PyList_Check(column) || PyTuple_Check(column)) {
+            if (PySequence_Fast_GET_SIZE(column) < count) {
+                PyErr_Format(PyExc_ValueError, "slot_build: a column of %zd values for %zd "
+                             "objects", PySequence_Fast_GET_SIZE(column), count);
+                goto done;
+            }
+        }
+        else if ((iters[i] = PyObject_GetIter(column)) == NULL)
+            goto done;
+    }
+    out = PyList_New(count);
+    if (out == NULL)
+        goto done;
+    for (Py_ssize_t j = 0; j < count; j++) {
+        PyObject *obj = layout.type->tp_alloc(layout.type, 0);
+        if (obj == NULL)
+            goto fail;
+        PyList_SET_ITEM(out, j, obj);
+        for (Py_ssize_t i = 0; i < layout.count; i++) {
+            PyObject *value;
+            if (iters[i] == NULL) {  /* (a list may have shrunk: a value's __del__) */
+                PyObject *column = PyTuple_GET_ITEM(columns, i);
+                if (j >= PySequence_Fast_GET_SIZE(column)) {
+                    PyErr_SetString(PyExc_ValueError, "slot_build: a column got shorter");
+                    goto fail;
+                }
+                value = Py_NewRef(PySequence_Fast_GET_ITEM(column, j));
+            }
+            else if ((value = PyIter_Next(iters[i])) == NULL) {
+                if (!PyErr_Occurred())
+                    PyErr_Format(PyExc_ValueError, "slot_build: a column of fewer than %zd "
+                                 "values", count);
+                goto fail;
+            }
+            SLOT(obj, &layout, i) = value;
+        }
+    }
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    for (Py_ssize_t i = 0; i < MAX_SLOTS; i++)
+        Py_XDECREF(iters[i]);
+    Py_DECREF(layout.type);
+    return out;
+}
+
+PyDoc_STRVAR(slot_columns_doc,
+"slot_columns(objects, cls) -> tuple[list, ...]\n--\n\n"
+"The slots of ``objects`` (a list or tuple of instances of exactly ``cls``, a plain slotted\n"
+"class), one list per slot in ``__slots__`` order: ``[o.slot for o in objects]`` each,\n"
+"in one pass. TypeError for an object of another class; AttributeError for a slot unset.");
+
+static PyObject *
+slot_columns(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 2 || !(PyList_Check(args[0]) || PyTuple_Check(args[0]))) {
+        PyErr_SetString(PyExc_TypeError, "slot_columns(objects: list | tuple, cls)");
+        return NULL;
+    }
+    Layout layout;
+    if (layout_of(args[1], NULL, 0, &layout) < 0)
+        return NULL;
+    PyObject *objects = args[0];
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(objects);
+    PyObject *out = PyTuple_New(layout.count);
+    if (out == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < layout.count; i++) {
+        PyObject *column = PyList_New(count);
+        if (column == NULL)
+            goto fail;
+        PyTuple_SET_ITEM(out, i, column);
+    }
+    for (Py_ssize_t j = 0; j < count; j++) {
+        PyObject *obj = PySequence_Fast_GET_ITEM(objects, j);
+        if (Py_TYPE(obj) != layout.type) {
+            PyErr_Format(PyExc_TypeError, "slot_columns: a %s among %s objects",
+                         Py_TYPE(obj)->tp_name, layout.type->tp_name);
+            goto fail;
+        }
+        for (Py_ssize_t i = 0; i < layout.count; i++) {
+            PyObject *value = SLOT(obj, &layout, i);
+            if (value == NULL) {
+                PyErr_Format(PyExc_AttributeError, "slot_columns: a %s with a slot unset",
+                             layout.type->tp_name);
+                goto fail;
+            }
+            PyList_SET_ITEM(PyTuple_GET_ITEM(out, i), j, Py_NewRef(value));
+        }
+    }
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    Py_DECREF(layout.type);
+    return out;
+}
+
+static PyMethodDef slot_methods[] = {
+    {"slot_build", (PyCFunction)(void (*)(void))slot_build, METH_FASTCALL, slot_build_doc},
+    {"slot_columns", (PyCFunction)(void (*)(void))slot_columns, METH_FASTCALL,
+     slot_columns_doc},
+    {NULL, NULL, 0, NULL},
+};
+
 int
 handlers_add(PyObject *module)
 {
-    if (PyType_Ready(&HandlerType) < 0)
+    if (PyType_Ready(&HandlerType) < 0 || PyModule_AddFunctions(module, slot_methods) < 0)
         return -1;
     return PyModule_AddObjectRef(module, "FastHandler", (PyObject *)&HandlerType);
 }

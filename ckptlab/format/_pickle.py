@@ -188,8 +188,10 @@ class _CompositeRef:
 
 
 _TENSOR_REFS = (_TensorRef, _CompositeRef)
-# two handlers' common case in C (ckptlab/format/_handlers.c), where it was built
+# two handlers' common case in C (ckptlab/format/_handlers.c), where it was built, and the
+# slots of many records at once
 _FastHandler = getattr(_compiled, "FastHandler", None)
+_slot_columns = getattr(_compiled, "slot_columns", None)
 _DTYPE = attrgetter("dtype")
 _BUILDABLE = (*_TENSOR_REFS, StateDict)
 
@@ -898,8 +900,21 @@ def _scanned(path: tuple[Any, ...], ref: Any) -> ScannedTensor:
                          False, ref.layout, parts, ref.subclass, tuple(ref.extra.items()))
 
 
-_DENSE_FIELDS = attrgetter("storage", "dtype", "shape", "stride", "storage_offset",
-                           "requires_grad", "is_parameter", "subclass")
+_DENSE_NAMES = ("storage", "dtype", "shape", "stride", "storage_offset", "requires_grad",
+                "is_parameter", "subclass")
+
+
+def fields_of(objects: Sequence[Any], cls: type, names: Sequence[str]) -> list[Sequence[Any]]:
+    """``[o.name for o in objects]`` for each of ``names`` (``objects`` not empty): in one
+    pass in C where ckptlab was built with it and every object is exactly a slotted ``cls``."""
+    if _slot_columns is not None:
+        try:
+            by_slot = dict(zip(cls.__slots__, _slot_columns(objects, cls)))
+        except TypeError:  # an object of another class
+            pass
+        else:
+            return list(map(by_slot.__getitem__, names))
+    return list(zip(*map(attrgetter(*names), objects)))
 
 
 def _logical(found: list[tuple[tuple[Any, ...], Any]]
@@ -916,7 +931,7 @@ def _logical(found: list[tuple[tuple[Any, ...], Any]]
     count = len(found)
     paths, refs = zip(*found)
     (storages, dtypes, shapes, strides, offsets, grads, params,
-     subclasses) = zip(*map(_DENSE_FIELDS, refs))
+     subclasses) = fields_of(refs, _TensorRef, _DENSE_NAMES)
     keys = [s.key if s is not None else "" for s in storages]
     cols = DenseColumns(paths, keys, dtypes, shapes, strides, offsets, grads, params,
                         subclasses)
@@ -952,10 +967,10 @@ class DenseColumns:
     __slots__ = ("dtypes", "grads", "keys", "offsets", "params", "paths", "shapes", "strides",
                  "subclasses")
 
-    def __init__(self, paths: tuple[Any, ...], keys: list[str], dtypes: tuple[str, ...],
-                 shapes: tuple[Any, ...], strides: tuple[Any, ...], offsets: tuple[int, ...],
-                 grads: tuple[bool, ...], params: tuple[bool, ...],
-                 subclasses: tuple[str | None, ...]) -> None:
+    def __init__(self, paths: Sequence[Any], keys: list[str], dtypes: Sequence[str],
+                 shapes: Sequence[Any], strides: Sequence[Any], offsets: Sequence[int],
+                 grads: Sequence[bool], params: Sequence[bool],
+                 subclasses: Sequence[str | None]) -> None:
         self.paths = paths
         self.keys = keys
         self.dtypes = dtypes

@@ -13,7 +13,7 @@ from typing import Any
 from ckptlab.errors import CorruptArchiveError, UnsupportedFormatError
 from ckptlab.format import _zip
 from ckptlab.format._bulk import LazyTuple, build, gc_paused
-from ckptlab.format._pickle import PickleScan, scan_pickle
+from ckptlab.format._pickle import PickleScan, StorageRef, fields_of, scan_pickle
 from ckptlab.format._source import ByteSource
 from ckptlab.format.layout import ArchiveLayout, Record, Segment, SegmentKind, StorageInfo
 
@@ -590,7 +590,7 @@ def torch_zip_layout(src: ByteSource, archive: str, records: list[Record] | tupl
     )
 
 
-_STORAGE_FIELDS = attrgetter("key", "dtype", "nbytes", "location", "storage_type")
+_STORAGE_NAMES = ("key", "dtype", "nbytes", "location", "storage_type")
 _NAME = attrgetter("name")
 _UNCOMPRESSED, _DATA_OFFSET = attrgetter("uncompressed_nbytes"), attrgetter("data_offset")
 _ZIP64_EXTRA = attrgetter("zip64_extra_nbytes")
@@ -604,7 +604,9 @@ def storage_infos(scan: PickleScan, records: dict[str, Record] | _ByName, prefix
     """
     storages = scan.storages
     if storages:
-        keys, dtypes, nbytes, locations, types = zip(*map(_STORAGE_FIELDS, storages))
+        keys, dtypes, nbytes, locations, types = fields_of(storages, StorageRef,
+                                                           _STORAGE_NAMES)
+        nbytes = tuple(nbytes)
         start = f"{prefix}data/"
         names = [start + key for key in keys]
         looked_up = fold_names(names) if fold else names

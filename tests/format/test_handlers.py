@@ -178,3 +178,84 @@ def test_a_handler_and_its_handlers_are_collected(fast_handler: Any) -> None:
     del handlers
     gc.collect()
     assert gone() is None
+
+
+# --------------------------------------------------------------------------------------------
+# slot_build / slot_columns: many records at once (ckptlab.format._bulk.build, fields_of)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slots() -> Any:
+    from ckptlab.format import _entries
+
+    if _pickle._slot_columns is None:
+        if os.environ.get("CI"):
+            pytest.fail("ckptlab.format._entries is not built (pip install -e . with gcc)")
+        pytest.skip("ckptlab.format._entries is not built (no C compiler at install)")
+    return _entries
+
+
+def test_slot_build_makes_what_the_class_makes(slots: Any) -> None:
+    from itertools import repeat
+
+    from ckptlab.format.layout import StorageInfo, TensorInfo
+
+    made = slots.slot_build(StorageInfo, 3, (["a", "b", "c"], ("n1", "n2", "n3"),
+                                             repeat("float32"), [4, 8, 12], iter([0, 64, 128]),
+                                             repeat("cpu"), repeat("FloatStorage")))
+    want = [StorageInfo(k, n, "float32", b, o, "cpu", "FloatStorage")
+            for k, n, b, o in zip("abc", ("n1", "n2", "n3"), (4, 8, 12), (0, 64, 128))]
+    assert made == want and [hash(m) for m in made] == [hash(w) for w in want]
+    assert all(type(m) is StorageInfo for m in made)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made[0].nbytes = 0  # type: ignore[misc]
+    fields = [f.name for f in dataclasses.fields(TensorInfo)]
+    assert slots.slot_build(TensorInfo, 0, tuple([] for _ in fields)) == []
+    # the columns back, in __slots__ order
+    assert slots.slot_columns(made, StorageInfo) == tuple(
+        [getattr(m, name) for m in made] for name in StorageInfo.__slots__)
+
+
+def test_slot_build_refuses_what_it_cannot_make(slots: Any) -> None:
+    from itertools import repeat
+
+    from ckptlab.format.layout import StorageInfo
+
+    seven = (["a"], ["n"], ["f"], [1], [2], ["cpu"], ["t"])
+    with pytest.raises(ValueError):  # a list too short
+        slots.slot_build(StorageInfo, 2, seven)
+    with pytest.raises(ValueError):  # an iterator too short
+        slots.slot_build(StorageInfo, 2, (*seven[:6], iter(["t"])))
+    with pytest.raises(TypeError):  # a column missing
+        slots.slot_build(StorageInfo, 1, seven[:6])
+    with pytest.raises(ValueError):
+        slots.slot_build(StorageInfo, -1, seven)
+    with pytest.raises(TypeError):  # not a plain slotted class
+        slots.slot_build(WithDict, 1, ())
+    with pytest.raises(TypeError):
+        slots.slot_build(Derived, 1, tuple(repeat(None, 10)))
+
+    def failing() -> Any:
+        yield 1
+        raise KeyError("from the column")
+
+    with pytest.raises(KeyError):
+        slots.slot_build(StorageInfo, 2, (*(c * 2 for c in seven[:6]), failing()))
+
+
+def test_slot_columns_refuses_other_objects(slots: Any) -> None:
+    tensor = _TensorRef(None, 0, (1,), (1,), False, "float32")
+    columns = slots.slot_columns([tensor, tensor], _TensorRef)
+    assert dict(zip(_TensorRef.__slots__, columns))["shape"] == [(1,), (1,)]
+    with pytest.raises(TypeError):
+        slots.slot_columns([tensor, "x"], _TensorRef)
+    with pytest.raises(TypeError):
+        slots.slot_columns(iter([tensor]), _TensorRef)
+    with pytest.raises(AttributeError):  # a slot never set
+        slots.slot_columns([object.__new__(_TensorRef)], _TensorRef)
+    # fields_of: the same columns, through attrgetter where the classes differ
+    assert _pickle.fields_of([tensor], _TensorRef, ("dtype", "shape")) == [["float32"], [(1,)]]
+    other = Plain()
+    other.a, other.b = 1, 2
+    assert _pickle.fields_of([other], _TensorRef, ("a", "b")) == [(1,), (2,)]
