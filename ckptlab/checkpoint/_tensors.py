@@ -102,7 +102,11 @@ class LazyEntries(Sequence[TensorEntry]):
                 cols = self._cols
                 if cols is not None:
                     keys, dtypes, offsets = set(cols.keys), set(cols.dtypes), set(cols.offsets)
-                    spans = set(zip(cols.shapes, cols.strides, cols.dtypes))
+                    # span_nbytes cannot fail on tuples of ints, whatever they pair with
+                    for dims in (*set(cols.shapes), *set(cols.strides)):
+                        if type(dims) is not tuple or set(map(type, dims)) - {int}:
+                            return False
+                    spans: set[Any] = set()
                 else:
                     if set(map(len, map(_PARTS, logical))) != {1}:
                         return False

@@ -107,6 +107,11 @@ layout_of(PyObject *type, const char *const *names, Py_ssize_t count, Layout *la
             return -1;
         }
         layout->offsets[i] = m->offset;
+        for (Py_ssize_t k = 0; k < i; k++)
+            if (layout->offsets[k] == m->offset) {  /* (two names of one slot) */
+                PyErr_Format(PyExc_TypeError, "%R.%s is another name of a slot", type, name);
+                return -1;
+            }
     }
     layout->type = (PyTypeObject *)Py_NewRef(type);
     layout->count = count;
@@ -189,7 +194,8 @@ fused_v2(Handler *h, PyObject *const *args, Py_ssize_t nargs, PyObject **out)
         if (stored < 0 || PyList_Append(h->storage_order, key) < 0)
             goto out;
     }
-    else if (Py_TYPE(ref) != h->storage.type) {
+    else if (Py_TYPE(ref) != h->storage.type || SLOT(ref, &h->storage, S_NBYTES) == NULL ||
+             SLOT(ref, &h->storage, S_DTYPE) == NULL) {  /* (the method says what is wrong) */
         done = 0;
         goto out;
     }
@@ -221,11 +227,11 @@ parameter(Handler *h, PyObject *const *args, Py_ssize_t nargs, PyObject **out)
 {
     if (nargs < 2 || nargs > 4 || Py_TYPE(args[0]) != h->tensor.type || !PyBool_Check(args[1]))
         return 0;
-    PyObject *data = args[0];
-    Py_SETREF(SLOT(data, &h->tensor, T_GRAD), Py_NewRef(args[1]));
-    Py_SETREF(SLOT(data, &h->tensor, T_PARAMETER), Py_NewRef(Py_True));
+    PyObject *data = args[0];  /* (its slots may be unset: a tensor made without __init__) */
+    Py_XSETREF(SLOT(data, &h->tensor, T_GRAD), Py_NewRef(args[1]));
+    Py_XSETREF(SLOT(data, &h->tensor, T_PARAMETER), Py_NewRef(Py_True));
     if (nargs == 4 && args[3] != Py_None)
-        Py_SETREF(SLOT(data, &h->tensor, T_ATTRS), Py_NewRef(args[3]));
+        Py_XSETREF(SLOT(data, &h->tensor, T_ATTRS), Py_NewRef(args[3]));
     *out = Py_NewRef(data);
     return 1;
 }

@@ -399,6 +399,8 @@ def interpret(data: bytes | bytearray | memoryview, *,
     machine.fused = fused_tensor_v2 if fast_paths else None
     machine.fused_batch = fused_tensor_v2_batch if fast_paths and machine.persistent else None
     machine.shared_empty = shared_empty if fast_paths else None
+    if machine.shared_empty is not None and persistent_load is not None:
+        machine.persistent = _giving_back(persistent_load, shared_empty)
     try:
         result = machine.run()
     except _Position as where:
@@ -419,6 +421,16 @@ def interpret(data: bytes | bytearray | memoryview, *,
 
 class SharedEmptyChanged(Exception):
     """The pickle changed :func:`interpret`'s ``shared_empty``: interpret it again without."""
+
+
+def _giving_back(persistent_load: Callable[[Any], Any], shared: Any) -> Callable[[Any], Any]:
+    """``persistent_load``, refusing to give back the shared empty dict (part of its id)."""
+    def load(pid: Any) -> Any:
+        made = persistent_load(pid)
+        if made is shared:
+            raise SharedEmptyChanged("persistent_load gave back the shared empty dict")
+        return made
+    return load
 
 
 def _filled_at_once(data: Any, pos: int) -> bool:
@@ -703,8 +715,11 @@ class _Machine:
 
     def own(self, stack: list[Any]) -> Any:
         """The target of a SETITEM(S) or BUILD (the stack's top), made a new dict of its own
-        if it is the shared empty OrderedDict: nothing else refers to it (a read of it from
-        the memo would have ended the run), so the change is seen where the pickle sees it."""
+        if it is the shared empty OrderedDict: nothing else refers to that one of them, so
+        the change is seen wherever the pickle sees it. (An object leaves the stack for good
+        once something holds it: only a read from the memo or DUP, a call's or a persistent
+        load's result can bring it back, and each of those ends the run if it is the shared
+        dict.)"""
         target = stack[-1]
         if target is self.shared_empty and target is not None:
             target = stack[-1] = self.odict_handler()  # type: ignore[misc]
@@ -752,10 +767,13 @@ class _Machine:
             if kwargs:
                 raise PickleDataError(f"{func.qualname} called with keyword arguments")
             try:
-                return handler(*args)
+                made = handler(*args)
             except TypeError as exc:  # arguments the function does not take: bad data
                 raise PickleDataError(f"{func.qualname} called with {len(args)} arguments it "
                                       f"does not take ({str(exc)[:120]})") from None
+            if made is self.shared_empty and made is not None:  # (its argument, given back)
+                raise SharedEmptyChanged(f"{func.qualname} gave back the shared empty dict")
+            return made
         if kwargs is not None and not isinstance(kwargs, dict):
             raise PickleDataError(f"{func.qualname} called with non-dict kwargs")
         return Reduced(func, args, kwargs)

@@ -460,6 +460,11 @@ _ODICT_GLOBAL = b"\x80\x02ccollections\nOrderedDict\nq\x000"  # PROTO, GLOBAL, B
 _ODICT = b"h\x00)R"  # BINGET 0, EMPTY_TUPLE, REDUCE: OrderedDict()
 
 
+# (D,) given to a torch function that returns D: GLOBAL, OrderedDict() D, TUPLE1, BINPUT 2,
+# REDUCE
+_GIVEN_BACK = b"ctorch._utils\n%s\nq\x01" + _ODICT + b"\x85q\x02R"
+
+
 def _text(value: str) -> bytes:
     raw = value.encode()
     return b"X" + len(raw).to_bytes(4, "little") + raw
@@ -498,6 +503,13 @@ def shared_run(data: bytes) -> tuple[Any, StateDict, str]:
     ("dup", _ODICT + b"q\x012" + _text("k") + b"K\x01s\x86", "again"),
     # an error after the copy: the error, as without the shared dict
     ("error", _ODICT + b"q\x01" + _text("k") + b"K\x01sK\x02s", "shared"),
+    # a handler that gives back its argument (a Parameter of a non-tensor, a device tensor)
+    # brings it back onto the stack while an args tuple holds it: changing the copy there
+    # would not change it in the tuple
+    ("given-back", _GIVEN_BACK % b"_rebuild_parameter" + _text("k") + b"K\x01sh\x02\x86",
+     "again"),
+    ("given-back-build", _GIVEN_BACK % b"_rebuild_device_tensor_from_cpu_tensor" +
+     b"}" + _text("_metadata") + b"K\x01sbh\x02\x86", "again"),
 ])
 def test_the_shared_empty_ordered_dict_is_what_a_new_one_each_gives(
         name: str, body: bytes, ends: str, runner: str, monkeypatch) -> None:
@@ -520,6 +532,16 @@ def test_the_shared_empty_ordered_dict_is_what_a_new_one_each_gives(
         assert result.root["a"] is result.root["b"] is shared
     if name in ("setitem", "build"):
         assert result.root is not shared
+
+
+def test_a_persistent_load_giving_back_the_shared_dict_ends_the_run() -> None:
+    data = _ODICT_GLOBAL + _ODICT + b"Q."  # BINPERSID of OrderedDict()
+    table = torch_handlers()[1]
+    with pytest.raises(SharedEmptyChanged):
+        interpret(data, handlers=table, persistent_load=lambda pid: pid,
+                  shared_empty=StateDict())
+    root = interpret(data, handlers=table, persistent_load=lambda pid: pid).root
+    assert type(root) is StateDict and not root
 
 
 def test_random_programs_over_shared_empty_ordered_dicts_agree() -> None:

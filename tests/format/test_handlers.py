@@ -125,6 +125,21 @@ def test_rebuild_parameter_is_the_method(fast_handler: Any) -> None:
         assert fast.rebuild_parameter(data, True, {}) is data
 
 
+def test_records_with_slots_unset_are_left_to_the_methods(fast_handler: Any) -> None:
+    """Objects made without __init__ (slots unset): what the Python methods do with them."""
+    fast, slow = _TorchHandlers(), python_handlers()
+    made = []
+    for h in (fast, slow):
+        tensor = _TensorRef.__new__(_TensorRef)
+        assert h.rebuild_parameter(tensor, True, {}, {"a": 1}) is tensor
+        made.append((tensor.requires_grad, tensor.is_parameter, tensor.attrs))
+        h.persistent_load(("storage", FLOAT, "k", "cpu", 4))
+        StorageRef.nbytes.__delete__(h.storages["k"])  # type: ignore[attr-defined]
+        made.append(outcome(h.fused_v2, ("storage", FLOAT, "k", "cpu", 4), 0, (4,), (1,),
+                            False))
+    assert made[:2] == made[2:] and made[0] == (True, True, {"a": 1})
+
+
 def test_the_fallback_raises_what_the_method_raises(fast_handler: Any) -> None:
     fast = _TorchHandlers()
     with pytest.raises(ValueError):  # (unpacking a pid of the wrong length)
@@ -142,6 +157,15 @@ class Plain:
 
 class WithDict:
     pass
+
+
+class Aliased:
+    """_TensorRef's slots, two names of one of them."""
+
+    __slots__ = tuple(_TensorRef.__slots__)
+
+
+Aliased.shape = Aliased.__dict__["storage"]  # type: ignore[attr-defined]
 
 
 class Base:
@@ -162,6 +186,7 @@ class Derived(Base):
     (("fused_v2", print, _TensorRef), TypeError),
     (("fused_v2", print, _TensorRef, _TensorRef, {}, {}, []), TypeError),
     (("fused_v2", print, _TensorRef, StorageRef, {}, [], []), TypeError),
+    (("rebuild_parameter", print, Aliased), TypeError),
 ])
 def test_bad_arguments_are_refused(fast_handler: Any, args: tuple[Any, ...],
                                    error: type[Exception]) -> None:
