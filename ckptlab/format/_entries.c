@@ -1434,7 +1434,64 @@ typedef struct {
 typedef struct {
     PyObject *dense, *composite, *reduced;    /* _TensorRef, _CompositeRef, Reduced */
     PyObject *children, *path_key;            /* _children(obj), _path_key(key) */
+    /* where a Reduced's state, pairs, args and items and a dense tensor's pending flag are
+     * (slot_offset; -1: read as attributes) */
+    Py_ssize_t state_at, pairs_at, args_at, items_at, pending_at;
 } WalkTypes;
+
+/* A set of objects by address (the containers the walk entered): open addressing, at most
+ * half full. */
+typedef struct {
+    uintptr_t *slots;
+    size_t mask;
+    size_t used;
+} PtrSet;
+
+/* Add ``obj``: 1 added, 0 there already, -1 no memory (raised). */
+static int
+ptrset_add(PtrSet *set, const void *obj)
+{
+    if (2 * (set->used + 1) > set->mask + 1) {
+        size_t size = set->slots == NULL ? 1024 : 2 * (set->mask + 1);
+        uintptr_t *grown = PyMem_Calloc(size, sizeof(uintptr_t));
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (size_t i = 0; set->slots != NULL && i <= set->mask; i++) {
+            uintptr_t key = set->slots[i];
+            if (key == 0)
+                continue;
+            size_t at = (size_t)((key >> 4) * 0x9E3779B97F4A7C15ull) & (size - 1);
+            while (grown[at] != 0)
+                at = (at + 1) & (size - 1);
+            grown[at] = key;
+        }
+        PyMem_Free(set->slots);
+        set->slots = grown;
+        set->mask = size - 1;
+    }
+    uintptr_t key = (uintptr_t)obj;
+    size_t at = (size_t)((key >> 4) * 0x9E3779B97F4A7C15ull) & set->mask;
+    while (set->slots[at] != 0) {
+        if (set->slots[at] == key)
+            return 0;
+        at = (at + 1) & set->mask;
+    }
+    set->slots[at] = key;
+    set->used += 1;
+    return 1;
+}
+
+/* A slot of ``obj`` if it is exactly ``type`` and the slot is at ``at`` and set (borrowed),
+ * else NULL: read it as an attribute. */
+static PyObject *
+slot_of(PyObject *obj, PyObject *type, Py_ssize_t at)
+{
+    if (at < 0 || Py_TYPE(obj) != (PyTypeObject *)type)
+        return NULL;
+    return *(PyObject **)((char *)obj + at);
+}
 
 /* 0 a plain value, 1 a tensor (a _TensorRef or _CompositeRef), 2 a container (dict, list,
  * tuple, set, frozenset, Reduced): what ``_walk_kind`` says of its type */
@@ -1472,17 +1529,20 @@ walk_key(const WalkTypes *w, PyObject *key)
 /* 1 when ``obj`` (a Reduced) is an object built from its __dict__ alone: state an exact
  * dict, no pairs, args or items (its children are the state's items); 0 if not; -1 error */
 static int
-plain_reduced(PyObject *obj, PyObject **state)
+plain_reduced(const WalkTypes *w, PyObject *obj, PyObject **state)
 {
     int plain = 0;
-    PyObject *st = PyObject_GetAttr(obj, state_name);
+    PyObject *st = slot_of(obj, w->reduced, w->state_at);
+    st = st != NULL ? Py_NewRef(st) : PyObject_GetAttr(obj, state_name);
     if (st == NULL)
         return -1;
     if (PyDict_CheckExact(st)) {
         plain = 1;
         PyObject *names[3] = {pairs_name, args_name, items_name};
+        Py_ssize_t at[3] = {w->pairs_at, w->args_at, w->items_at};
         for (int i = 0; i < 3 && plain == 1; i++) {
-            PyObject *v = PyObject_GetAttr(obj, names[i]);
+            PyObject *v = slot_of(obj, w->reduced, at[i]);
+            v = v != NULL ? Py_NewRef(v) : PyObject_GetAttr(obj, names[i]);
             if (v == NULL) {
                 plain = -1;
                 break;
@@ -1514,7 +1574,7 @@ frame_open(const WalkTypes *w, Frame *f, PyObject *obj)
         return 0;
     if (PyObject_TypeCheck(obj, (PyTypeObject *)w->reduced)) {
         PyObject *state;
-        int plain = plain_reduced(obj, &state);
+        int plain = plain_reduced(w, obj, &state);
         if (plain < 0)
             return -1;
         if (plain) {
@@ -1608,7 +1668,10 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *root = args[0];
-    WalkTypes w = {args[1], args[2], args[3], args[4], args[5]};
+    WalkTypes w = {args[1], args[2], args[3], args[4], args[5],
+                   slot_offset(args[3], "state"), slot_offset(args[3], "pairs"),
+                   slot_offset(args[3], "args"), slot_offset(args[3], "items"),
+                   slot_offset(args[1], "pending")};
     PyObject *too_deep = args[7];
     if (!PyType_Check(w.dense) || !PyType_Check(w.composite) || !PyType_Check(w.reduced)) {
         PyErr_SetString(PyExc_TypeError, "walk(): dense, composite and reduced are types");
@@ -1621,28 +1684,21 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "walk(): max_depth is 1 to 1024");
         return NULL;
     }
-    PyObject *found = PyList_New(0), *holds = PySet_New(NULL), *seen = PySet_New(NULL);
+    PyObject *found = PyList_New(0), *holds = PySet_New(NULL);
+    PtrSet seen = {NULL, 0, 0};
     PyObject *path = PyList_New(0);
     PyObject *result = NULL;
     Frame *frames = PyMem_Calloc(WALK_MAX_FRAMES, sizeof(Frame));
     PyObject **ids = PyMem_Calloc(WALK_MAX_FRAMES, sizeof(PyObject *));
     Py_ssize_t depth = 0, marked = 0;
-    if (found == NULL || holds == NULL ||
-        seen == NULL || path == NULL) {
+    if (found == NULL || holds == NULL || path == NULL)
         goto done;
-    }
     if (frames == NULL || ids == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    {
-        PyObject *id = PyLong_FromVoidPtr(root);
-        if (id == NULL || PySet_Add(seen, id) < 0) {
-            Py_XDECREF(id);
-            goto done;
-        }
-        Py_DECREF(id);
-    }
+    if (ptrset_add(&seen, root) < 0)
+        goto done;
     if (frame_open(&w, &frames[0], root) < 0)
         goto done;
     ids[0] = root;
@@ -1671,7 +1727,8 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (kind == 1) {
             int pending = 0;
             if (PyObject_TypeCheck(value, (PyTypeObject *)w.dense)) {
-                PyObject *flag = PyObject_GetAttr(value, pending_name);
+                PyObject *flag = slot_of(value, w.dense, w.pending_at);
+                flag = flag != NULL ? Py_NewRef(flag) : PyObject_GetAttr(value, pending_name);
                 pending = flag == NULL ? -1 : PyObject_IsTrue(flag);
                 Py_XDECREF(flag);
             }
@@ -1703,12 +1760,8 @@ walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         else if (kind == 2) {
             /* (an empty container holds no tensor: a module's many hook dicts) */
             int fresh = PyObject_IsTrue(value);    /* 1: entered now, 0: not, -1: error */
-            if (fresh > 0) {
-                PyObject *id = PyLong_FromVoidPtr(value);
-                int in = id == NULL ? -1 : PySet_Contains(seen, id);
-                fresh = in < 0 ? -1 : in ? 0 : PySet_Add(seen, id) < 0 ? -1 : 1;
-                Py_XDECREF(id);
-            }
+            if (fresh > 0)
+                fresh = ptrset_add(&seen, value);
             if (fresh < 0)
                 failed = 1;
             else if (fresh == 1) {
@@ -1746,7 +1799,7 @@ done:
     PyMem_Free(ids);
     Py_XDECREF(found);
     Py_XDECREF(holds);
-    Py_XDECREF(seen);
+    PyMem_Free(seen.slots);
     Py_XDECREF(path);
     return result;
 }

@@ -118,6 +118,19 @@ layout_of(PyObject *type, const char *const *names, Py_ssize_t count, Layout *la
     return 0;
 }
 
+Py_ssize_t
+slot_offset(PyObject *type, const char *name)
+{
+    if (!PyType_Check(type))
+        return -1;
+    PyObject *d = PyDict_GetItemString(((PyTypeObject *)type)->tp_dict, name);  /* borrowed */
+    if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type) ||
+        PyDescr_TYPE(d) != (PyTypeObject *)type)
+        return -1;
+    PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+    return m->type == Py_T_OBJECT_EX ? m->offset : -1;
+}
+
 /* An instance of the layout's class with every slot set to ``values`` (new references). */
 static PyObject *
 instance(const Layout *layout, PyObject *const *values)

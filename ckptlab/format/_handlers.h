@@ -4,7 +4,12 @@
 
 #include <Python.h>
 
-/* Add ``FastHandler`` to ``module``: 0, or -1 with an exception. */
+/* Add ``FastHandler``, ``slot_build`` and ``slot_columns`` to ``module``: 0, or -1 with an
+ * exception. */
 int handlers_add(PyObject *module);
+
+/* Where the object slot ``name`` that ``type`` defines itself is in its instances (a
+ * pointer that is NULL while unset), or -1: no such slot (no exception set). */
+Py_ssize_t slot_offset(PyObject *type, const char *name);
 
 #endif

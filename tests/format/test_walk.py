@@ -127,6 +127,42 @@ def test_nesting_past_the_limit_is_the_same_error(c_walk: Any) -> None:
         assert (got[0] == "error") == error and (not error or "nested deeper" in got[1])
 
 
+def test_records_read_through_their_slots_or_attributes(c_walk: Any) -> None:
+    """The walk reads a Reduced's and a tensor's slots directly (exactly those classes): a
+    subclass's properties and unset slots give what the Python walk gives."""
+    class Odd(Reduced):
+        __slots__ = ()
+
+        @property  # type: ignore[misc]
+        def state(self) -> Any:  # (a property of the subclass, not the slot)
+            return {"hidden": tensor()}
+
+        @state.setter
+        def state(self, value: Any) -> None:
+            pass
+
+    class Flagged(_TensorRef):
+        __slots__ = ()
+
+        @property  # type: ignore[misc]
+        def pending(self) -> bool:  # (always pending: never listed)
+            return True
+
+        @pending.setter
+        def pending(self, value: bool) -> None:
+            pass
+
+    odd = Odd(Global("m", "C"), ())
+    assert [p for p, _ in both([odd, Flagged(None, 0, (1,), (1,), False, "f")], c_walk)[0]] \
+        == [(0, "hidden")]
+    bare = object.__new__(Reduced)  # every slot unset: AttributeError both ways
+    for walk in (_walk_python, lambda r: c_walk(r, _TensorRef, _CompositeRef, Reduced,
+                                                _pickle._children, _pickle._path_key,
+                                                MAX_DEPTH, _pickle._too_deep)):
+        with pytest.raises(AttributeError):
+            walk([bare])
+
+
 def test_children_that_are_not_pairs_are_refused(c_walk: Any) -> None:
     with pytest.raises(TypeError, match="pairs"):
         c_walk([{1, 2}], _TensorRef, _CompositeRef, Reduced, lambda obj: iter([1, 2]),
