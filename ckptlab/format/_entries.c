@@ -963,6 +963,47 @@ out:
     return done;
 }
 
+/* ``maker(func, args)`` where ``maker`` is ``_unpickle.Reduced`` with the ``__init__`` it
+ * had when first seen here: what that __init__ makes (func, args, kwargs None, state None,
+ * items [], pairs []), its slots set here without its frame. NULL with no exception: call
+ * ``maker`` (another class, another __init__, slots not found). */
+static PyObject *
+new_reduced(PyObject *maker, PyObject *func, PyObject *args)
+{
+    static const char *const names[6] = {"func", "args", "kwargs", "state", "items", "pairs"};
+    static PyObject *known = NULL, *known_init = NULL;  /* (held: their addresses are keys) */
+    static Py_ssize_t at[6];
+    if (!PyType_Check(maker))
+        return NULL;
+    PyObject *init = PyDict_GetItemString(((PyTypeObject *)maker)->tp_dict, "__init__");
+    if (maker != known || init != known_init) {
+        if (init == NULL)
+            return NULL;
+        for (int i = 0; i < 6; i++)
+            if ((at[i] = slot_offset(maker, names[i])) < 0) {
+                Py_CLEAR(known);
+                return NULL;
+            }
+        Py_XSETREF(known, Py_NewRef(maker));
+        Py_XSETREF(known_init, Py_NewRef(init));
+    }
+    PyObject *items = PyList_New(0), *pairs = PyList_New(0);
+    PyObject *obj = items == NULL || pairs == NULL ? NULL :
+        ((PyTypeObject *)maker)->tp_alloc((PyTypeObject *)maker, 0);
+    if (obj == NULL) {
+        Py_XDECREF(items);
+        Py_XDECREF(pairs);
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        return NULL;
+    }
+    PyObject *values[6] = {Py_NewRef(func), Py_NewRef(args), Py_NewRef(Py_None),
+                           Py_NewRef(Py_None), items, pairs};
+    for (int i = 0; i < 6; i++)
+        *(PyObject **)((char *)obj + at[i]) = values[i];
+    return obj;
+}
+
 /* A call that ``_Machine.call`` would make without a check that can fail, made here
  * without it: a global with no handler (in ``plain_calls``: what it makes of ``(func,
  * args)``, a Reduced), or ``_rebuild_parameter`` (``param_global``, its handler
@@ -1010,7 +1051,9 @@ direct_call(PyObject *func, PyObject *fargs, long long budget, PyObject *plain_c
         }
         return 0;
     }
-    *made = PyObject_CallFunctionObjArgs(maker, func, fargs, NULL);
+    *made = new_reduced(maker, func, fargs);
+    if (*made == NULL && !PyErr_Occurred())
+        *made = PyObject_CallFunctionObjArgs(maker, func, fargs, NULL);
     return 1;
 }
 

@@ -1444,3 +1444,20 @@ def test_optimizer_state_keys_must_be_strings_stored_before(monkeypatch,
     for index in (0, 1, 3, 5, stored - 1, stored + 1, stored + 40, 10**6):
         mutated = data[:at + 1] + index.to_bytes(4, "little") + data[at + 5:]
         all_ways(mutated)
+
+
+def test_a_reduced_made_in_the_runner_is_what_its_init_makes(monkeypatch) -> None:
+    """The runner makes a global's Reduced without its __init__ frame only while that
+    __init__ is the one it knows: patched, it is called for every one."""
+    data = module_pickle()
+    want = outcome(data, True)
+    assert want[0][0] == "reduced" and want == outcome(data, False)
+    made = []
+    original = Reduced.__init__
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
+        made.append(1)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Reduced, "__init__", counted)
+    assert outcome(data, True) == want and len(made) >= 6 * 3 + 1  # every module
