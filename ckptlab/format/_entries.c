@@ -963,29 +963,27 @@ out:
     return done;
 }
 
-/* ``maker(func, args)`` where ``maker`` is ``_unpickle.Reduced`` with the ``__init__`` it
- * had when first seen here: what that __init__ makes (func, args, kwargs None, state None,
- * items [], pairs []), its slots set here without its frame. NULL with no exception: call
- * ``maker`` (another class, another __init__, slots not found). */
+/* ``maker(func, args)`` where ``maker`` is ``_unpickle.Reduced`` and its ``__init__`` the
+ * one it names ``ckptlab_init`` (not patched): what that __init__ makes (func, args, kwargs
+ * None, state None, items [], pairs []), its slots set here without its frame. NULL with no
+ * exception: call ``maker`` (another class, another __init__, slots not found). */
 static PyObject *
 new_reduced(PyObject *maker, PyObject *func, PyObject *args)
 {
     static const char *const names[6] = {"func", "args", "kwargs", "state", "items", "pairs"};
-    static PyObject *known = NULL, *known_init = NULL;  /* (held: their addresses are keys) */
+    static PyObject *known = NULL;  /* (held: its address is the key of ``at``) */
     static Py_ssize_t at[6];
     if (!PyType_Check(maker))
         return NULL;
-    PyObject *init = PyDict_GetItemString(((PyTypeObject *)maker)->tp_dict, "__init__");
-    if (maker != known || init != known_init) {
-        if (init == NULL)
-            return NULL;
+    PyObject *dict = ((PyTypeObject *)maker)->tp_dict;
+    PyObject *init = PyDict_GetItemString(dict, "__init__");
+    if (init == NULL || init != PyDict_GetItemString(dict, "ckptlab_init"))
+        return NULL;
+    if (maker != known) {
         for (int i = 0; i < 6; i++)
-            if ((at[i] = slot_offset(maker, names[i])) < 0) {
-                Py_CLEAR(known);
+            if ((at[i] = slot_offset(maker, names[i])) < 0)
                 return NULL;
-            }
         Py_XSETREF(known, Py_NewRef(maker));
-        Py_XSETREF(known_init, Py_NewRef(init));
     }
     PyObject *items = PyList_New(0), *pairs = PyList_New(0);
     PyObject *obj = items == NULL || pairs == NULL ? NULL :

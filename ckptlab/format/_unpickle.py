@@ -127,6 +127,9 @@ class Reduced:
         self.items: list[Any] = []
         self.pairs: list[tuple[Any, Any]] = []
 
+    # the __init__ the compiled runner does in C (its slots set as above) while it is this
+    ckptlab_init = __init__
+
     def __repr__(self) -> str:
         return f"<{self.func.qualname} object>"
 
