@@ -100,19 +100,23 @@ class LazyEntries(Sequence[TensorEntry]):
         try:
             with gc_paused():
                 cols = self._cols
-                if cols is not None:
-                    keys, dtypes, offsets = set(cols.keys), set(cols.dtypes), set(cols.offsets)
+                if cols is not None:  # (column by column, without a set of 100,000 keys)
+                    storages = self._storages
+                    if "" in cols.keys or not all(map(storages.__contains__, cols.keys)) or \
+                            set(map(type, cols.offsets)) - {int} or \
+                            not set(cols.dtypes) <= DTYPE_ITEMSIZE.keys():
+                        return False
                     # span_nbytes cannot fail on tuples of ints, whatever they pair with
                     for dims in (*set(cols.shapes), *set(cols.strides)):
                         if type(dims) is not tuple or set(map(type, dims)) - {int}:
                             return False
-                    spans: set[Any] = set()
-                else:
-                    if set(map(len, map(_PARTS, logical))) != {1}:
-                        return False
-                    infos = list(map(itemgetter(1), map(itemgetter(0), map(_PARTS, logical))))
-                    keys, dtypes = set(map(_KEY, infos)), set(map(_DTYPE, infos))
-                    offsets, spans = set(map(_OFFSET, infos)), set(map(_SPAN_FIELDS, infos))
+                    self.names()
+                    return True
+                if set(map(len, map(_PARTS, logical))) != {1}:
+                    return False
+                infos = list(map(itemgetter(1), map(itemgetter(0), map(_PARTS, logical))))
+                keys, dtypes = set(map(_KEY, infos)), set(map(_DTYPE, infos))
+                offsets, spans = set(map(_OFFSET, infos)), set(map(_SPAN_FIELDS, infos))
                 if "" in keys or not keys <= self._storages.keys() or \
                         not dtypes <= DTYPE_ITEMSIZE.keys() or \
                         not all(type(o) is int for o in offsets):

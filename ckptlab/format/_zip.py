@@ -650,9 +650,11 @@ def _gather_le(a: Any, at: Any, width: int) -> Any:
     (positions past the end read the last byte: callers mask those records)."""
     import numpy as np
 
-    idx = at[:, None] + np.arange(width)
-    np.clip(idx, 0, len(a) - 1, out=idx)
-    return a[idx].view(f"<u{width}")[:, 0].astype(np.int64)
+    last = len(a) - 1
+    out = a[np.clip(at, 0, last)].astype(np.int64)
+    for k in range(1, width):  # (a byte at a time: 2.5x a gather of (n, width) positions)
+        out |= a[np.clip(at + k, 0, last)].astype(np.int64) << (8 * k)
+    return out
 
 
 def local_headers(src: ByteSource, cdir: CentralDirectory, cd_offset: int) -> LocalHeaders:

@@ -80,6 +80,12 @@ def fold_names(names: list[str]) -> list[str]:
     return [name.translate(_ASCII_LOWER) for name in names]
 
 
+def _folded_already(names: Sequence[str]) -> bool:
+    """Whether :func:`fold_name` leaves every one of ``names`` as it is (no ASCII capital)."""
+    joined = "".join(names)
+    return joined.isascii() and joined.lower() == joined
+
+
 def archive_prefix(entries: list[_zip.CentralEntry] | _zip.CentralDirectory, path: str) -> str:
     """The archive prefix of a torch.save zip; other zips raise UnsupportedFormatError.
 
@@ -609,7 +615,12 @@ def storage_infos(scan: PickleScan, records: dict[str, Record] | _ByName, prefix
         nbytes = tuple(nbytes)
         start = f"{prefix}data/"
         names = [start + key for key in keys]
-        looked_up = fold_names(names) if fold else names
+        if fold and _folded_already(keys):  # (torch's keys are digits)
+            folded_start = fold_name(start)
+            looked_up = [folded_start + key for key in keys] if folded_start != start \
+                else names
+        else:
+            looked_up = fold_names(names) if fold else names
         if isinstance(records, _ByName) and isinstance(records.records, RecordTuple):
             # the records' columns, never the records
             rows = list(map(records.index.get, looked_up))

@@ -218,6 +218,24 @@ def test_entries_from_columns_equal_entries_from_scanned_tensors() -> None:
     assert lazy.names() == plain.names() == [e.name for e in singles]
 
 
+@pytest.mark.parametrize(("field", "bad"), [
+    ("keys", "no-such-storage"), ("keys", ""), ("offsets", 1.0), ("dtypes", "float99"),
+    ("shapes", [2]), ("strides", (1, "1")), ("shapes", ([1],)),
+])
+def test_columns_that_entries_cannot_be_made_from_are_not_deferred(field: str,
+                                                                     bad: Any) -> None:
+    """Each column check of LazyEntries.deferrable: one bad value in one column, and the
+    entries are made at open (where making them raises, it raises there)."""
+    layout = ckptlab.inspect(save({"a": torch.zeros(2), "b": torch.ones(3)}))
+    storages = {s.key: s for s in layout.storages}
+    assert LazyEntries(layout.logical, storages, "f.pt").deferrable()
+    cols = layout.logical.columns
+    column = list(getattr(cols, field))
+    column[1] = bad
+    setattr(cols, field, column)
+    assert not LazyEntries(layout.logical, storages, "f.pt").deferrable()
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(obj=state_dicts())
 def test_every_entry_from_columns_equals_the_scanned_tensors_entries(obj: Any) -> None:
