@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import os
 import random
 import re
 import warnings
@@ -46,6 +45,7 @@ from ckptlab.format._unpickle import (
     interpret,
 )
 from ckptlab.format.layout import Segment, SegmentKind
+from ckptlab.testing.compiled import require_compiled
 
 
 def save(obj: Any, protocol: int = 2) -> bytes:
@@ -322,11 +322,7 @@ def plain_opcodes(request: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     if request.param == "none":
         monkeypatch.setattr(_unpickle, "_c_opcodes", None)
         return None
-    runner = _unpickle._c_opcodes
-    if runner is None:
-        if os.environ.get("CI"):
-            pytest.fail("ckptlab.format._entries is not built (pip install -e . with gcc)")
-        pytest.skip("ckptlab.format._entries is not built (no C compiler at install)")
+    runner = require_compiled(_unpickle._c_opcodes)
     done = {"calls": 0, "advanced": 0, "bytes": 0}
 
     def counted(data: Any, pos: int, *args: Any) -> Any:
@@ -919,10 +915,8 @@ def scanner(request: Any) -> str:
     """Which walk locates a batch's entries: the regular expressions (``_ENTRY_V2``,
     ``_EntrySpec``) or the compiled scanner (``ckptlab.format._entries``, built by setup.py
     where a C compiler is at hand; under CI it must be)."""
-    if request.param == "compiled" and _unpickle._c_entries is None:
-        if os.environ.get("CI"):
-            pytest.fail("ckptlab.format._entries is not built (pip install -e . with gcc)")
-        pytest.skip("ckptlab.format._entries is not built (no C compiler at install)")
+    if request.param == "compiled":
+        require_compiled(_unpickle._c_entries)
     return str(request.param)
 
 

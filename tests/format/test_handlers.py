@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 import weakref
 from typing import Any
 
@@ -16,15 +15,12 @@ from hypothesis import strategies as st
 from ckptlab.format import _pickle
 from ckptlab.format._pickle import StorageRef, _TensorRef, _TorchHandlers
 from ckptlab.format._unpickle import Global, PickleDataError
+from ckptlab.testing.compiled import require_compiled
 
 
 @pytest.fixture(scope="module")
 def fast_handler() -> Any:
-    if _pickle._FastHandler is None:
-        if os.environ.get("CI"):
-            pytest.fail("ckptlab.format._entries is not built (pip install -e . with gcc)")
-        pytest.skip("ckptlab.format._entries is not built (no C compiler at install)")
-    return _pickle._FastHandler
+    return require_compiled(_pickle._FastHandler)
 
 
 def python_handlers() -> _TorchHandlers:
@@ -212,12 +208,9 @@ def test_a_handler_and_its_handlers_are_collected(fast_handler: Any) -> None:
 
 @pytest.fixture(scope="module")
 def slots() -> Any:
+    require_compiled(_pickle._slot_columns)
     from ckptlab.format import _entries
 
-    if _pickle._slot_columns is None:
-        if os.environ.get("CI"):
-            pytest.fail("ckptlab.format._entries is not built (pip install -e . with gcc)")
-        pytest.skip("ckptlab.format._entries is not built (no C compiler at install)")
     return _entries
 
 

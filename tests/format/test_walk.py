@@ -4,7 +4,6 @@ the Python one, on every shape of tree the interpreter builds and on scans of re
 from __future__ import annotations
 
 import io
-import os
 import zipfile
 from typing import Any
 
@@ -24,15 +23,12 @@ from ckptlab.format._pickle import (
     scan_pickle,
 )
 from ckptlab.format._unpickle import Global, OpaqueKey, PickleDataError, Reduced
+from ckptlab.testing.compiled import require_compiled
 
 
 @pytest.fixture
 def c_walk() -> Any:
-    if _pickle._c_walk is None:
-        if os.environ.get("CI"):
-            pytest.fail("ckptlab.format._entries is not built (pip install -e . with gcc)")
-        pytest.skip("ckptlab.format._entries is not built (no C compiler at install)")
-    return _pickle._c_walk
+    return require_compiled(_pickle._c_walk)
 
 
 def both(root: Any, c_walk: Any) -> Any:
