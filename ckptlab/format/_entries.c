@@ -980,9 +980,11 @@ new_reduced(PyObject *maker, PyObject *func, PyObject *args)
     if (init == NULL || init != PyDict_GetItemString(dict, "ckptlab_init"))
         return NULL;
     if (maker != known) {
+        Py_ssize_t found[6];
         for (int i = 0; i < 6; i++)
-            if ((at[i] = slot_offset(maker, names[i])) < 0)
+            if ((found[i] = slot_offset(maker, names[i])) < 0)
                 return NULL;
+        memcpy(at, found, sizeof found);
         Py_XSETREF(known, Py_NewRef(maker));
     }
     PyObject *items = PyList_New(0), *pairs = PyList_New(0);

@@ -490,8 +490,16 @@ slot_columns(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Layout layout;
     if (layout_of(args[1], NULL, 0, &layout) < 0)
         return NULL;
-    PyObject *objects = args[0];
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(objects);
+    /* the objects held here, copied before anything is allocated: a list could shrink
+     * under a collection an allocation runs (a finalizer that empties it) */
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(args[0]);
+    PyObject **objects = PyMem_Malloc((count > 0 ? count : 1) * sizeof(PyObject *));
+    if (objects == NULL) {
+        Py_DECREF(layout.type);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t j = 0; j < count; j++)
+        objects[j] = Py_NewRef(PySequence_Fast_GET_ITEM(args[0], j));
     PyObject *out = PyTuple_New(layout.count);
     if (out == NULL)
         goto done;
@@ -502,7 +510,7 @@ slot_columns(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyTuple_SET_ITEM(out, i, column);
     }
     for (Py_ssize_t j = 0; j < count; j++) {
-        PyObject *obj = PySequence_Fast_GET_ITEM(objects, j);
+        PyObject *obj = objects[j];
         if (Py_TYPE(obj) != layout.type) {
             PyErr_Format(PyExc_TypeError, "slot_columns: a %s among %s objects",
                          Py_TYPE(obj)->tp_name, layout.type->tp_name);
@@ -522,6 +530,9 @@ slot_columns(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 fail:
     Py_CLEAR(out);
 done:
+    for (Py_ssize_t j = 0; j < count; j++)
+        Py_DECREF(objects[j]);
+    PyMem_Free(objects);
     Py_DECREF(layout.type);
     return out;
 }

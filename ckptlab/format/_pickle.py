@@ -914,7 +914,7 @@ def fields_of(objects: Sequence[Any], cls: type, names: Sequence[str]) -> list[S
             pass
         else:
             return list(map(by_slot.__getitem__, names))
-    return list(zip(*map(attrgetter(*names), objects)))
+    return [list(map(attrgetter(name), objects)) for name in names]
 
 
 def _logical(found: list[tuple[tuple[Any, ...], Any]]

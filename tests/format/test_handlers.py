@@ -276,4 +276,49 @@ def test_slot_columns_refuses_other_objects(slots: Any) -> None:
     assert _pickle.fields_of([tensor], _TensorRef, ("dtype", "shape")) == [["float32"], [(1,)]]
     other = Plain()
     other.a, other.b = 1, 2
-    assert _pickle.fields_of([other], _TensorRef, ("a", "b")) == [(1,), (2,)]
+    assert _pickle.fields_of([other], _TensorRef, ("a", "b")) == [[1], [2]]
+
+
+def test_fields_of_without_the_compiled_part(monkeypatch) -> None:
+    """The attrgetter path gives the C path's columns, one name or several (a single name
+    is not a tuple of one: the keys '10' and '2' must not come back as '1' and '2')."""
+    from ckptlab.format.layout import StorageInfo
+
+    infos = [StorageInfo(str(i), f"r{i}", "float32", 4 * i, 64 * i, "cpu") for i in (10, 2, 33)]
+    got = {}
+    for built in (True, False):
+        if not built:
+            monkeypatch.setattr(_pickle, "_slot_columns", None)
+        got[built] = (list(map(list, _pickle.fields_of(infos, StorageInfo, ("key",)))),
+                      list(map(list, _pickle.fields_of(infos, StorageInfo, ("nbytes", "key")))))
+    assert got[False] == ([["10", "2", "33"]], [[40, 8, 132], ["10", "2", "33"]])
+    if _pickle._FastHandler is not None:  # (the compiled part is built)
+        assert got[True] == got[False]
+
+
+def test_slot_columns_holds_its_objects_while_a_collection_runs(slots: Any) -> None:
+    """A finalizer run by a collection inside the call empties the list it was given: the
+    columns are of the objects the list held when the call began."""
+    import gc
+
+    from ckptlab.format.layout import StorageInfo
+
+    objects = [StorageInfo(str(i), "r", "float32", 4, 0, "cpu") for i in range(2000)]
+
+    class Trap:
+        other: Any = None
+
+        def __del__(self) -> None:
+            objects.clear()
+
+    gc.collect()
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        a, b = Trap(), Trap()
+        a.other, b.other = b, a
+        del a, b
+        columns = slots.slot_columns(objects, StorageInfo)
+    finally:
+        gc.set_threshold(*threshold)
+    assert columns[0] == [str(i) for i in range(2000)]
