@@ -49,9 +49,10 @@ unpicklers, so every rule below holds by construction rather than by overriding 
   100,000-tensor module pickled whole holds about 900,000 of them, 120 MB as their own
   objects): a dict the next opcode fills (a MARK, a BUILD) is a new one, and one SETITEM(S)
   or BUILD would change is copied first (:meth:`_Machine.own`: the stack held its only
-  reference). Reading the shared dict back from the memo (or DUP) ends the run with
-  :class:`SharedEmptyChanged`, as does one left changed, and the caller interprets again
-  without it: so every result is the one a new dict each gives, whatever the bytes.
+  reference). Reading the shared dict back from the memo, DUP, or a call or persistent load
+  that gives it back ends the run with :class:`SharedEmptyChanged`, as does one left
+  changed, and the caller interprets again without it: so every result is the one a new
+  dict each gives, whatever the bytes.
 
 Why not the standard library: the C unpickler sizes its memo from a ``LONG_BINPUT`` index and
 preallocates ``BINBYTES`` from the declared length (GBs from a 9-byte pickle), resolves EXT
@@ -383,18 +384,20 @@ def interpret(data: bytes | bytearray | memoryview, *,
     shared_empty
         An empty object of the kind ``OrderedDict()`` makes (the handler's): the fast paths
         push it for every ``OrderedDict()`` not followed (past its BINPUT) by a MARK or a
-        BUILD, and give it to every tensor as its hooks, instead of a new one each. A pickled module has a dozen such empty dicts per
-        submodule, and nothing changes them after: as long as nothing does, the result is
-        the one a new dict each would give, less their memory. Where the pickle changes it
-        (items set into it or a BUILD of it), :class:`SharedEmptyChanged` is raised (in place
-        of any other error): interpret again without it, with new handlers.
+        BUILD, and give it to every tensor as its hooks, instead of a new one each (a pickled
+        module has a dozen empty hook dicts per submodule). A SETITEM(S) or BUILD into it
+        makes a new one first, where it stands on the stack. Where the pickle could reach it
+        a second way (read back from the memo, DUP, given back by a call or a persistent
+        load), or leaves it changed, :class:`SharedEmptyChanged` is raised (in place of any
+        other error): interpret again without it, with new handlers. The result is then
+        always the one a new dict each gives, less their memory.
 
     Raises
     ------
     PickleDataError
         With ``.offset`` set to the position of the failing opcode (see :func:`failure_offset`).
     SharedEmptyChanged
-        The pickle changed ``shared_empty``.
+        The pickle reaches ``shared_empty`` a second way, or changed it.
     """
     view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
     machine = _Machine(view, handlers or {}, persistent_load, buildable,
