@@ -185,10 +185,13 @@ fused_v2(Handler *h, PyObject *const *args, Py_ssize_t nargs, PyObject **out)
     if (!PyTuple_CheckExact(known) || PyTuple_GET_SIZE(known) < 3 ||
         PyTuple_GET_ITEM(known, 0) != cls || !PyLong_CheckExact(PyTuple_GET_ITEM(known, 2)))
         return 0;
+    /* (held from here: an allocation may run a collection, and a finalizer anything) */
     PyObject *nbytes = PyNumber_Multiply(numel, PyTuple_GET_ITEM(known, 2));
     if (nbytes == NULL)
         return -1;
-    PyObject *ref = PyDict_GetItemWithError(h->storages, key);  /* (borrowed) */
+    Py_INCREF(known);
+    PyObject *ref = PyDict_GetItemWithError(h->storages, key), *dtype = NULL;
+    Py_XINCREF(ref);
     int done = -1;
     if (ref == NULL) {
         if (PyErr_Occurred())
@@ -200,11 +203,8 @@ fused_v2(Handler *h, PyObject *const *args, Py_ssize_t nargs, PyObject **out)
                                      nbytes};
         ref = instance(&h->storage, fields);
         Py_DECREF(name);
-        if (ref == NULL)
-            goto out;
-        int stored = PyDict_SetItem(h->storages, key, ref);
-        Py_DECREF(ref);  /* (the dict holds it) */
-        if (stored < 0 || PyList_Append(h->storage_order, key) < 0)
+        if (ref == NULL || PyDict_SetItem(h->storages, key, ref) < 0 ||
+            PyList_Append(h->storage_order, key) < 0)
             goto out;
     }
     else if (Py_TYPE(ref) != h->storage.type || SLOT(ref, &h->storage, S_NBYTES) == NULL ||
@@ -219,9 +219,9 @@ fused_v2(Handler *h, PyObject *const *args, Py_ssize_t nargs, PyObject **out)
             goto out;
         }
     }
-    PyObject *fields[T_COUNT] = {ref, args[1], args[2], args[3], args[4],
-                                 SLOT(ref, &h->storage, S_DTYPE), Py_False, Py_None, Py_None,
-                                 Py_False};
+    dtype = Py_NewRef(SLOT(ref, &h->storage, S_DTYPE));
+    PyObject *fields[T_COUNT] = {ref, args[1], args[2], args[3], args[4], dtype, Py_False,
+                                 Py_None, Py_None, Py_False};
     PyObject *tensor = instance(&h->tensor, fields);
     if (tensor == NULL)
         goto out;
@@ -230,6 +230,9 @@ fused_v2(Handler *h, PyObject *const *args, Py_ssize_t nargs, PyObject **out)
     done = *out == NULL ? -1 : 1;
 out:
     Py_DECREF(nbytes);
+    Py_DECREF(known);
+    Py_XDECREF(ref);
+    Py_XDECREF(dtype);
     return done;
 }
 
