@@ -18,8 +18,11 @@
  * ints, empty containers, tuples, SETITEMS into a dict, OrderedDict(); given the machine, also
  * strings, calls, BUILD, persistent ids and tensor rebuilds, through the machine's own
  * methods): it does them as the loop does, with the same charges, and stops before the first
- * opcode it leaves to the loop (anything that would fail or overrun the budget). A fourth,
- * walk(), is the object walk's first pass (ckptlab.format._pickle._walk).
+ * opcode it leaves to the loop (anything that would fail or overrun the budget; an opcode
+ * that would read back or change the shared empty OrderedDict, which the loop copies or
+ * refuses). A fourth, walk(), is the object walk's first pass (ckptlab.format._pickle._walk).
+ * The module also holds ckptlab/format/_handlers.c: FastHandler (torch's two per-tensor
+ * handlers in C), slot_build and slot_columns.
  *
  * Every read is bounds-checked against the buffer's length before it is made (positions stay
  * within it: a start past the end is refused); an entry that is not exactly the expected
