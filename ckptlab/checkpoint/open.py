@@ -39,7 +39,7 @@ from ckptlab.format._bulk import BuiltOnce
 from ckptlab.format._paths import resolve_inside
 from ckptlab.format._source import ByteSource, file_url_path, is_url
 from ckptlab.format.inspect import not_a_checkpoint, sniff
-from ckptlab.format.layout import ArchiveLayout, Segment, SegmentKind, StorageInfo
+from ckptlab.format.layout import ArchiveLayout, Segment, SegmentKind
 
 __all__ = ["FILE_ADAPTERS", "open_checkpoint", "open_url"]
 
@@ -79,10 +79,7 @@ def _torch_zip(src: ByteSource, rel: str) -> FileModel:
 
 
 def _from_layout(layout: ArchiveLayout, rel: str, format: str) -> FileModel:
-    from ckptlab.format._pickle import fields_of
-
-    infos = layout.storages
-    storages = dict(zip(fields_of(infos, StorageInfo, ("key",))[0], infos)) if infos else {}
+    storages = {s.key: s for s in layout.storages}
     tensors = LazyEntries(layout.logical, storages, rel)
     if not tensors.deferrable():
         tensors.value()  # raises now what making the entries would raise

@@ -76,14 +76,9 @@ def fold_names(names: list[str]) -> list[str]:
     """:func:`fold_name` of every name (ASCII names lowercased in one call)."""
     joined = "\n".join(names)
     if joined.isascii() and joined.count("\n") == len(names) - 1:
-        return joined.lower().split("\n") if names else []
+        lowered = joined.lower()  # (torch's names are lower case already: nothing to split)
+        return list(names) if lowered == joined else lowered.split("\n")
     return [name.translate(_ASCII_LOWER) for name in names]
-
-
-def _folded_already(names: Sequence[str]) -> bool:
-    """Whether :func:`fold_name` leaves every one of ``names`` as it is (no ASCII capital)."""
-    joined = "".join(names)
-    return joined.isascii() and joined.lower() == joined
 
 
 def archive_prefix(entries: list[_zip.CentralEntry] | _zip.CentralDirectory, path: str) -> str:
@@ -615,12 +610,7 @@ def storage_infos(scan: PickleScan, records: dict[str, Record] | _ByName, prefix
         nbytes = tuple(nbytes)
         start = f"{prefix}data/"
         names = [start + key for key in keys]
-        if fold and _folded_already(keys):  # (torch's keys are digits)
-            folded_start = fold_name(start)
-            looked_up = [folded_start + key for key in keys] if folded_start != start \
-                else names
-        else:
-            looked_up = fold_names(names) if fold else names
+        looked_up = fold_names(names) if fold else names
         if isinstance(records, _ByName) and isinstance(records.records, RecordTuple):
             # the records' columns, never the records
             rows = list(map(records.index.get, looked_up))
