@@ -411,17 +411,14 @@ def interpret(data: bytes | bytearray | memoryview, *,
         result = machine.run()
     except _Position as where:
         where.error.offset = where.offset  # type: ignore[attr-defined]
-        if machine.shared_empty is not None and len(machine.shared_empty):
-            raise SharedEmptyChanged("items set into the shared empty OrderedDict") from None
+        machine.shared_unchanged()
         raise where.error from None
     except SharedEmptyChanged:
         raise
     except Exception:  # (an error the changed dict may have led to)
-        if machine.shared_empty is not None and len(machine.shared_empty):
-            raise SharedEmptyChanged("items set into the shared empty OrderedDict") from None
+        machine.shared_unchanged()
         raise
-    if machine.shared_empty is not None and len(machine.shared_empty):
-        raise SharedEmptyChanged("items set into the shared empty OrderedDict")
+    machine.shared_unchanged()
     return result
 
 
@@ -718,6 +715,13 @@ class _Machine:
         if value is self.shared_empty and value is not None:
             raise SharedEmptyChanged("the shared empty OrderedDict read back from the memo")
         return value
+
+    def shared_unchanged(self) -> None:
+        """Raise :class:`SharedEmptyChanged` if the shared empty OrderedDict was filled (by
+        a change no copy in :meth:`own` was made for): the run's result is not the one a new
+        dict each gives."""
+        if self.shared_empty is not None and len(self.shared_empty):
+            raise SharedEmptyChanged("items set into the shared empty OrderedDict") from None
 
     def own(self, stack: list[Any]) -> Any:
         """The target of a SETITEM(S) or BUILD (the stack's top), made a new dict of its own

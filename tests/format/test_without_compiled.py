@@ -4,8 +4,6 @@ compiled paths take (state dicts past ten storages, whole modules, optimizer sta
 
 from __future__ import annotations
 
-import io
-import warnings
 from typing import Any
 
 import pytest
@@ -13,14 +11,7 @@ import torch
 
 import ckptlab
 from ckptlab.format import _bulk, _pickle, _unpickle
-
-
-def save(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.save(obj, buf)
-    return buf.getvalue()
+from ckptlab.testing.archives import save_bytes
 
 
 def switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -63,7 +54,7 @@ def test_the_same_without_the_compiled_part(kind: str, monkeypatch: pytest.Monke
         base = torch.arange(20.0)
         obj = {"views": [base[i:i + 4] for i in range(12)], "p": torch.nn.Parameter(base[:3]),
                "meta": {"lr": 0.1, "betas": (0.9, 0.99)}, "half": base.half()}
-    data = save(obj)
+    data = save_bytes(obj)
     want = seen(data)
     switched_off(monkeypatch)
     assert seen(data) == want
