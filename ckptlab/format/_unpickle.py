@@ -75,6 +75,7 @@ from ckptlab.errors import PickleBudgetError, PickleDataError
 __all__ = [
     "MAX_INT_NBYTES",
     "MEMORY_PER_BYTE",
+    "PATH_CLASSES",
     "Global",
     "Interpretation",
     "OpaqueKey",
@@ -82,7 +83,9 @@ __all__ = [
     "PickleDataError",
     "Reduced",
     "SharedEmptyChanged",
+    "canonical_global",
     "interpret",
+    "path_value",
 ]
 
 MEMORY_PER_BYTE = 64  # bytes of live objects an input byte may cost
@@ -90,6 +93,42 @@ MEMORY_FLOOR = 8 << 20  # a small pickle may always use this much
 MAX_INT_NBYTES = 512  # LONG1/LONG4 payload (about 1,233 decimal digits)
 MAX_KEY_LEAVES = 64  # a tuple dict key with more leaves (or any nesting) is hashed by identity
 _MAX_TEXT_LINE = 4096  # protocol-0 text arguments (INT, FLOAT, GLOBAL, ...)
+
+# Modules CPython moved a class into and pickles name as they were written: a pickle written on
+# 3.13 calls ``pathlib._local.PosixPath`` (3.11, 3.12 and 3.14 write ``pathlib.PosixPath``).
+# The interpreter names such a global by its public module, so one handler serves every Python
+# that wrote the file.
+_MOVED_MODULES = {"pathlib._local": "pathlib"}
+PATH_CLASSES = ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
+
+
+def canonical_global(module: str, name: str) -> tuple[str, str]:
+    """The name a pickled global is known by, whichever CPython wrote it.
+
+    ``("pathlib._local", "PosixPath")`` (CPython 3.13) is ``("pathlib", "PosixPath")``;
+    every other name is itself.
+    """
+    return _MOVED_MODULES.get(module, module), name
+
+
+def path_value(name: str, parts: tuple[Any, ...]) -> str:
+    """The string a pickled ``pathlib`` path stands for: ``str(cls(*parts))``.
+
+    A path pickles as its class called with its parts (``('/', 'tmp', 'ckpt')``); joining
+    them is pure string work (no filesystem access), done by the *pure* path class of the
+    same flavour.
+
+    Raises
+    ------
+    PickleDataError
+        A part that is not a str, or more than 4,096 parts.
+    """
+    import pathlib
+
+    if len(parts) > 4096 or not all(type(p) is str for p in parts):
+        raise PickleDataError(f"pathlib.{name} of something other than strings")
+    flavour = pathlib.PureWindowsPath if "Windows" in name else pathlib.PurePosixPath
+    return str(flavour(*parts))
 
 
 class Global:
@@ -738,7 +777,7 @@ class _Machine:
     def global_(self, module: str, name: str) -> Global:
         if type(module) is not str or type(name) is not str:
             raise PickleDataError("STACK_GLOBAL of non-strings")
-        key = (module, name)
+        module, name = key = canonical_global(module, name)
         found = self.globals.get(key)
         if found is None:
             self.charge(320 + 4 * (len(module) + len(name)))

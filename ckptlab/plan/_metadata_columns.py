@@ -51,6 +51,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ckptlab.format._unpickle import PATH_CLASSES, canonical_global, path_value
+
 __all__ = ["MetadataColumns", "chunk_rows", "decode_columns", "duplicate_keys"]
 
 _MD = "torch.distributed.checkpoint.metadata"
@@ -79,8 +81,7 @@ _CLASSES = frozenset({f"{_MD}.Metadata", f"{_MD}.TensorStorageMetadata",
                       f"{_FS}._StorageInfo"})
 _CALLABLES = frozenset({"torch.Size", "torch.serialization._get_layout",
                         f"{_MD}._MEM_FORMAT_ENCODING", "collections.OrderedDict",
-                        "pathlib.PosixPath", "pathlib.PurePosixPath", "pathlib.WindowsPath",
-                        "pathlib.PureWindowsPath"})
+                        *(f"pathlib.{cls}" for cls in PATH_CLASSES)})
 _CHUNK = f"{_MD}.ChunkStorageMetadata"
 _INDEX = f"{_MD}.MetadataIndex"
 _INFO = f"{_FS}._StorageInfo"
@@ -403,7 +404,7 @@ def _call(func: Any, args: Any) -> Any:
     if name.startswith("pathlib."):
         if not all(type(p) is str for p in args):
             raise _GiveUp
-        return "/".join(args)
+        return path_value(name.removeprefix("pathlib."), args)
     raise _GiveUp
 
 
@@ -598,6 +599,7 @@ def _run(data: Any, heads: list[int], vectorised: bool = True) -> tuple[Any, _Re
             module = pop()
             if type(module) is not str or type(name) is not str:
                 raise _GiveUp
+            module, name = canonical_global(module, name)
             g = globals_.get((module, name))
             if g is None:
                 qualname = f"{module}.{name}"

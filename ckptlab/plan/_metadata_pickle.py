@@ -12,10 +12,12 @@ tree would be exponential).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from ckptlab._torch_compat import memory_format_encoding, storage_info_class
 from ckptlab.format._unpickle import (
+    PATH_CLASSES,
     Global,
     OpaqueKey,
     PickleBudgetError,
@@ -23,6 +25,7 @@ from ckptlab.format._unpickle import (
     Reduced,
     failure_offset,
     interpret,
+    path_value,
 )
 
 __all__ = ["MetadataDecodeError", "decode_metadata"]
@@ -60,6 +63,10 @@ def _name(value: Any) -> str:
     return type(value).__name__
 
 
+def _path(cls: str, *parts: Any) -> str:
+    return path_value(cls, parts)
+
+
 class _Size:
     """``torch.Size(...)`` as the pickle calls it: a validated tuple of ints."""
 
@@ -85,11 +92,6 @@ def _handlers() -> dict[tuple[str, str], Any]:
 
         return getattr(torch, value.removeprefix("torch."))
 
-    def path(*parts: Any) -> str:
-        if not all(type(p) is str for p in parts):
-            raise PickleDataError("a path made of non-strings")
-        return "/".join(parts)
-
     def ordered_dict(items: Any = None) -> dict[Any, Any]:
         if items not in (None, (), []):
             raise PickleDataError("OrderedDict() with arguments")
@@ -98,8 +100,8 @@ def _handlers() -> dict[tuple[str, str], Any]:
     table: dict[tuple[str, str], Any] = {("torch", "Size"): size,
                                          ("torch.serialization", "_get_layout"): layout,
                                          ("collections", "OrderedDict"): ordered_dict}
-    for cls in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
-        table[("pathlib", cls)] = path
+    for cls in PATH_CLASSES:
+        table[("pathlib", cls)] = functools.partial(_path, cls)
     return table
 
 

@@ -170,3 +170,43 @@ def test_a_failing_rank_surfaces_with_its_error() -> None:
     with pytest.raises(RankError, match="rank one is unhappy") as info:
         run_ranks(_fails, 2, timeout=60)
     assert 1 in info.value.failures and "ValueError" in info.value.failures[1]
+
+
+def _saved_as_on_python_313(path: Path, monkeypatch: pytest.MonkeyPatch) -> bytes:
+    """A DCP save whose ``.metadata`` names its path class as CPython 3.13 does
+    (``pathlib._local.PosixPath``; 3.11, 3.12 and 3.14 write ``pathlib.PosixPath``)."""
+    import pathlib
+    import sys
+    import types
+
+    moved = types.ModuleType("pathlib._local")
+    moved.PosixPath = pathlib.PosixPath  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pathlib._local", moved)
+    with monkeypatch.context() as m:
+        m.setattr(pathlib.PosixPath, "__module__", "pathlib._local")
+        dcp.save({"w": torch.arange(6.0).reshape(2, 3), "step": 7}, checkpoint_id=path,
+                 no_dist=True)
+    return (path / ".metadata").read_bytes()
+
+
+@pytest.mark.parametrize("python_313", [False, True])
+def test_checkpoint_id_is_the_path_torch_saved(tmp_path, monkeypatch, python_313) -> None:
+    """``StorageMeta.checkpoint_id`` (a ``PosixPath`` torch pickles as its class and parts)
+    decodes to ``str()`` of the path torch itself loads back, whichever CPython wrote it: a
+    DCP directory saved on 3.13 was refused on every Python ("checkpoint_id must be a str,
+    got pathlib._local.PosixPath"), and the parts were joined as ``//tmp/...``."""
+    path = tmp_path / "ckpt"
+    if python_313:
+        raw = _saved_as_on_python_313(path, monkeypatch)
+        assert b"pathlib._local" in raw and b"\x8c\x07pathlib\x94" not in raw
+    else:
+        dcp.save({"w": torch.arange(6.0).reshape(2, 3), "step": 7}, checkpoint_id=path,
+                 no_dist=True)
+    theirs = dcp.FileSystemReader(str(path)).read_metadata()  # (the fake module still there)
+    ours = load_metadata(path)
+    assert isinstance(theirs.storage_meta.checkpoint_id, os.PathLike)
+    assert ours.storage_meta.checkpoint_id == str(theirs.storage_meta.checkpoint_id) \
+        == str(path)
+    ck = cl.open(path)
+    assert ck.format == "dcp"
+    torch.testing.assert_close(ck.read("w"), torch.arange(6.0).reshape(2, 3))
