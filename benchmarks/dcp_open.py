@@ -108,7 +108,7 @@ def _inspect(root: Path) -> Any:
 
 
 def _inspect_general(root: Path) -> Any:
-    from ckptlab.plan.metadata import inspect_dcp
+    from ckptlab.dcp import inspect_dcp
 
     return inspect_dcp(root, fast=False)
 
@@ -181,7 +181,7 @@ def _memory_child(root: str, reader: str, what: str) -> None:
 
     import ckptlab.checkpoint._dcp_fast
     import ckptlab.checkpoint.open
-    import ckptlab.plan._metadata_columns  # noqa: F401
+    import ckptlab.dcp.columns  # noqa: F401
 
     fn = READERS[reader]
     with open(f"/proc/{os.getpid()}/statm") as f:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from typing import BinaryIO
 
+from ckptlab.dcp import DcpLayout, inspect_dcp, is_dcp_dir
 from ckptlab.format import ArchiveLayout
 from ckptlab.format import inspect as inspect_file
-from ckptlab.plan.metadata import DcpLayout, inspect_dcp, is_dcp_dir
 
 __all__ = ["inspect"]
 

@@ -116,11 +116,11 @@ SYMBOLS: dict[str, PrivateSymbol] = dict([
     _entry("torch.distributed.checkpoint.filesystem._StorageInfo",
            "torch.distributed.checkpoint.filesystem",
            "DCP's per-item storage record (relative_path, offset, length, "
-           "transform_descriptors): plan/_metadata_pickle.py, write/writer.py"),
+           "transform_descriptors): dcp/_decode.py, write/writer.py"),
     _entry("torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
            "torch.distributed.checkpoint.metadata",
            "the enum a DCP .metadata pickles TensorProperties.memory_format as: "
-           "plan/_metadata_pickle.py rebuilds it from the checked value"),
+           "dcp/_decode.py rebuilds it from the checked value"),
     _entry("torch.distributed.checkpoint.filesystem._metadata_fn",
            "torch.distributed.checkpoint.filesystem",
            "the name of DCP's metadata file ('.metadata'): plan/_synthetic_dcp.py"),

@@ -49,8 +49,8 @@ from ckptlab._lazy import lazy_attributes
 from ckptlab.errors import CkptlabError, InvalidArgumentError
 
 if TYPE_CHECKING:  # imported where used: --version and argument errors need none of them
+    from ckptlab.dcp import DcpLayout
     from ckptlab.format import ArchiveLayout
-    from ckptlab.plan.metadata import DcpLayout
 
 
 # names of this module imported on first use
@@ -463,7 +463,7 @@ def checkpoint_offsets(ck: Any) -> dict[str, Any]:
     count = _Count()
     item_nbytes: dict[tuple[str, int], int] = {}
     if ck.format == "dcp":
-        from ckptlab.plan.metadata import METADATA, inspect_dcp
+        from ckptlab.dcp import METADATA, inspect_dcp
 
         meta = inspect_dcp(ck.path, item_layouts=False)  # .metadata alone, in one read
         count.add(METADATA, ".metadata", 1, meta.metadata_nbytes)
@@ -927,7 +927,7 @@ def _dcp_layout(ck: Any) -> Any:
     """The DcpLayout of a DCP checkpoint when it has one at hand: kept on its .metadata file
     (opened from a URL), or built from the fast open's columns (equal to ``inspect_dcp``'s);
     None otherwise."""
-    from ckptlab.plan.metadata import DcpLayout
+    from ckptlab.dcp import DcpLayout
 
     kept = next((f.layout for f in ck.files if isinstance(f.layout, DcpLayout)), None)
     if kept is None and callable(getattr(ck, "dcp_layout", None)):
@@ -995,7 +995,7 @@ def _run(args: argparse.Namespace) -> None:
         path = _input_path(args.path, verb, directory=True)
         if args.records:
             from ckptlab._inspect import inspect
-            from ckptlab.plan.metadata import DcpLayout
+            from ckptlab.dcp import DcpLayout
 
             layout = _url_records_layout(_open(path)[0]) if _is_url(path) else inspect(path)
             if args.json:

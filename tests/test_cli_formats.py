@@ -354,7 +354,7 @@ def test_readiness_of_a_hugging_face_directory_goes_per_shard(made, cli) -> None
 
 
 def test_readiness_of_a_dcp_directory_goes_per_item(made, cli) -> None:
-    from ckptlab.plan.metadata import inspect_dcp
+    from ckptlab.dcp import inspect_dcp
 
     text, doc = readiness_of(cli, made["dcp"])
     items = {i.fqn: i for i in inspect_dcp(made["dcp"]).items if i.kind == "tensor"}

@@ -10,7 +10,9 @@ import ckptlab as cl
 UI_MODULES = ("ipywidgets", "panel", "plotly", "IPython", "anywidget", "bokeh")
 CORE = ("ckptlab", "ckptlab.format", "ckptlab.errors", "ckptlab.samples", "ckptlab.cli",
         "ckptlab.gds", "ckptlab.gds.handle", "ckptlab.gds.tutorial", "ckptlab.gds.readiness",
-        "ckptlab.gds._backends", "ckptlab.plan", "ckptlab.plan.metadata", "ckptlab.plan.ranks",
+        "ckptlab.gds._backends", "ckptlab.plan", "ckptlab.plan.ranks", "ckptlab.dcp",
+        "ckptlab.dcp.metadata", "ckptlab.dcp.layout", "ckptlab.dcp.items", "ckptlab.dcp.columns",
+        "ckptlab.dcp.remote",
         "ckptlab.plan.items", "ckptlab.plan.planning", "ckptlab.plan.cache",
         "ckptlab.plan.simulate", "ckptlab.write", "ckptlab.write.buckets",
         "ckptlab.write.timeline", "ckptlab._io", "ckptlab._io.durable", "ckptlab.gds.api",

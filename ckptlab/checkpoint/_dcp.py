@@ -1,8 +1,8 @@
 """DCP directories as a :class:`~ckptlab.checkpoint.Checkpoint`: one tensor per fqn, one part
 per saved chunk, the non-tensor items as values, and every data file tiled by its items.
 
-Every variant torch 2.13's writers produce opens here (the byte layouts are described in
-:mod:`ckptlab.plan.metadata`):
+Every variant torch 2.13's writers produce opens here (the directories are read by
+:mod:`ckptlab.dcp`, and the byte layouts described in :mod:`ckptlab.dcp.items`):
 
 - ``FileSystemWriter`` with torch.save items (the default): a part is the chunk's bytes inside
   its item's zip.
@@ -12,17 +12,16 @@ Every variant torch 2.13's writers produce opens here (the byte layouts are desc
   ``offset``/``nbytes`` = the stored bytes, ``stored_nbytes`` the same count); ``read``
   inflates it, never past the chunk's bytes plus the torch.save framing.
 - ``HuggingFaceStorageWriter(save_distributed=True)`` without consolidation: ``shard-*``
-  safetensors files and no ``.metadata``; each file's ``DCP_SHARDING_INFO`` places its tensors
-  in the global ones (:func:`open_dcp_shards`). With an index (rank-0 saves, consolidated
-  saves) the directory is plain Hugging Face safetensors, which :mod:`ckptlab.checkpoint.open`
-  reads.
+  safetensors files and no ``.metadata`` (:func:`ckptlab.dcp.is_dcp_shards_dir`); each file's
+  ``DCP_SHARDING_INFO`` places its tensors in the global ones (:func:`open_dcp_shards`). With
+  an index (rank-0 saves, consolidated saves) the directory is plain Hugging Face
+  safetensors, which :mod:`ckptlab.checkpoint.open` reads.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from typing import Any
 
 from ckptlab.checkpoint.model import (
@@ -38,10 +37,7 @@ from ckptlab.errors import ArchiveError, CorruptArchiveError, UnsupportedFormatE
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.format.layout import Segment, SegmentKind
 
-__all__ = ["dcp_files", "is_dcp_shards_dir", "open_dcp", "open_dcp_shards"]
-
-# torch.distributed.checkpoint._hf_utils.SHARDED_FILE_NAME + SUFFIX
-SHARD_FILE = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors")
+__all__ = ["dcp_files", "open_dcp", "open_dcp_shards"]
 
 
 def _path_of(meta: Any, fqn: str) -> tuple[Any, ...]:
@@ -57,7 +53,7 @@ def dcp_files(layout: Any, root: str) -> tuple[FileEntry, ...]:
     """``.metadata`` and every data file, each tiled by its items' own segments (a file's
     safetensors blob once, however many tensor items it holds; a compressed item as one run
     of stored bytes)."""
-    from ckptlab.plan.metadata import METADATA
+    from ckptlab.dcp import METADATA
 
     files = [FileEntry(METADATA, "dcp-metadata", layout.metadata_nbytes,
                        (Segment(SegmentKind.HEADER, 0, layout.metadata_nbytes, METADATA),)
@@ -141,7 +137,7 @@ def open_dcp(root: str, *, fast: bool = True) -> Checkpoint:
     item at open, which gives an equal checkpoint.
     """
     from ckptlab.checkpoint.open import _reader
-    from ckptlab.plan.metadata import METADATA, inspect_dcp
+    from ckptlab.dcp import METADATA, inspect_dcp
 
     if fast:
         from ckptlab.checkpoint._dcp_fast import open_dcp_fast
@@ -185,20 +181,9 @@ def open_dcp(root: str, *, fast: bool = True) -> Checkpoint:
 
 
 # -- HuggingFaceStorageWriter(save_distributed=True), not consolidated -------------------------
-def is_dcp_shards_dir(root: str, names: list[str] | None = None) -> bool:
-    """``root`` holds what ``HuggingFaceStorageWriter(save_distributed=True)`` writes without
-    consolidating: ``shard-NNNNN-model-NNNNN-of-NNNNN.safetensors`` files (one per rank and
-    output file), no ``.metadata`` and no ``*.index.json``. Reads no file."""
-    if names is None:
-        names = sorted(os.listdir(root))
-    shards = [n for n in names if n.endswith(".safetensors")]
-    return bool(shards) and all(SHARD_FILE.fullmatch(n) for n in shards) and not any(
-        n == ".metadata" or n.endswith(".index.json") for n in names)
-
-
 def open_dcp_shards(root: str) -> Checkpoint:
-    """A directory of DCP-written safetensors shards (see :func:`is_dcp_shards_dir`) as one
-    checkpoint of format ``"hf"``: each global tensor is made of the chunks the shards hold,
+    """A directory of DCP-written safetensors shards (see :func:`ckptlab.dcp.is_dcp_shards_dir`)
+    as one checkpoint of format ``"hf"``: each global tensor is made of the chunks the shards hold,
     placed by each file's ``__metadata__["DCP_SHARDING_INFO"]`` ``saved_offsets`` (all zeros
     where a file has none) and sized as ``HuggingFaceStorageReader`` sizes it: the largest
     ``offset + size`` in each dimension.
@@ -210,10 +195,10 @@ def open_dcp_shards(root: str) -> Checkpoint:
         dtypes, or chunks that do not tile the tensor.
     """
     from ckptlab.checkpoint.open import _reader
+    from ckptlab.dcp.items import sharding_offsets
     from ckptlab.format._paths import resolve_inside
     from ckptlab.format._source import ByteSource
     from ckptlab.format.safetensors import scan_safetensors
-    from ckptlab.plan.metadata import _sharding_offsets
 
     files: list[FileEntry] = []
     chunks: dict[str, list[Part]] = {}
@@ -229,7 +214,7 @@ def open_dcp_shards(root: str) -> Checkpoint:
         with ByteSource(full) as src:
             layout = scan_safetensors(src)
         try:
-            saved = _sharding_offsets(layout)
+            saved = sharding_offsets(layout)
         except ArchiveError as exc:
             raise CorruptArchiveError(exc.reason, path=full, record=exc.record,
                                       offset=exc.offset) from None

@@ -6,7 +6,7 @@ a 1,000,000-item checkpoint never opened. Here, for directories ``FileSystemWrit
 default (torch.save items back to back in each data file, no transforms):
 
 - ``.metadata`` is read once and decoded into columns
-  (:func:`ckptlab.plan._metadata_columns.decode_columns`), never into one object per item;
+  (:func:`ckptlab.dcp.columns.decode_columns`), never into one object per item;
 - at open, only what needs no item bytes is checked: every data file exists and holds its
   items, items do not overlap, each tensor's saved chunks lie inside it and their volumes add
   up to it;
@@ -15,11 +15,11 @@ default (torch.save items back to back in each data file, no transforms):
   ones of an item already scanned (same length, dtype and chunk shape: the *template*) except
   for the data record's CRC, the template's layout is the item's; otherwise the item is
   scanned in full, as before. Chunk tiling is then checked exactly, as before. (The
-  templates are :class:`ckptlab.plan.metadata._ItemLayouts`, which ``inspect_dcp`` uses too.)
+  templates are :class:`ckptlab.dcp.items.ItemLayouts`, which ``inspect_dcp`` uses too.)
 - a data file's segments are built when they are first used, from the same item layouts;
 - :meth:`DcpCheckpoint.dcp_layout` gives the directory's ``DcpLayout`` (what
   ``ckptlab inspect DIR --json`` prints) from the same columns and item layouts, equal to
-  :func:`ckptlab.plan.inspect_dcp`'s.
+  :func:`ckptlab.dcp.inspect_dcp`'s.
 
 Anything else (SAFETENSORS serialization, zstd transforms, a ``.metadata`` the columnar
 decoder does not read) returns None and takes the general path, which is unchanged. The two
@@ -43,15 +43,15 @@ from ckptlab.checkpoint.model import (
     contiguous_strides,
     span_nbytes,
 )
-from ckptlab.errors import ArchiveError, CorruptArchiveError
+from ckptlab.dcp.columns import EntryColumns
+from ckptlab.dcp.items import MAX_HANDLES, ItemLayouts
+from ckptlab.dcp.metadata import read_columns
+from ckptlab.errors import CorruptArchiveError
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.format.layout import ArchiveLayout, Segment, SegmentKind
-from ckptlab.plan._metadata_columns import EntryColumns
-from ckptlab.plan.metadata import _MAX_HANDLES, _ItemLayouts, _read_columns
 
 __all__ = ["open_columns", "open_dcp_fast"]
 
-_Items = _ItemLayouts  # item layouts through templates: shared with ``inspect_dcp``
 _SLICE = 1 << 16  # entries per slice of the open-time checks
 
 
@@ -130,8 +130,8 @@ class DcpCheckpoint(Checkpoint):
         self._dcp = dcp
 
     def dcp_layout(self) -> Any:
-        """The :class:`~ckptlab.plan.DcpLayout` of the directory, equal to
-        :func:`ckptlab.plan.inspect_dcp`'s, from this checkpoint's columns and the item
+        """The :class:`~ckptlab.dcp.DcpLayout` of the directory, equal to
+        :func:`ckptlab.dcp.inspect_dcp`'s, from this checkpoint's columns and the item
         layouts its tensors already read (``ckptlab inspect DIR --json`` uses it)."""
         return self._dcp.layout()
 
@@ -140,11 +140,11 @@ class _Dcp:
     """The columns of one directory and what is derived from them on demand."""
 
     def __init__(self, root: str, cols: Any, files: dict[str, int],
-                 items: _ItemLayouts | None = None) -> None:
+                 items: ItemLayouts | None = None) -> None:
         self.root = root
         self.cols = cols
         self.files = files
-        self.items = items if items is not None else _Items(root)
+        self.items = items if items is not None else ItemLayouts(root)
         self.metadata_loader: Any = None  # decodes .metadata (default: from root)
         self.by_fqn: dict[int, np.ndarray] = {}  # fqn id -> entries (tensor items)
         self.rows: np.ndarray = np.empty(0, np.int64)  # entry -> chunk row (-1: none)
@@ -157,11 +157,11 @@ class _Dcp:
         self._layout: Any = None
 
     def layout(self) -> Any:
-        """The directory's DcpLayout (:func:`ckptlab.plan.metadata._columns_layout`)."""
+        """The directory's DcpLayout (:func:`ckptlab.dcp.layout.columns_layout`)."""
         if self._layout is None:
-            from ckptlab.plan.metadata import _columns_layout
+            from ckptlab.dcp.layout import columns_layout
 
-            self._layout = _columns_layout(self.root, self.cols, self.metadata_nbytes,
+            self._layout = columns_layout(self.root, self.cols, self.metadata_nbytes,
                                            self.identity, self.files, self.items, self.rows,
                                            object_layouts=self.object_layouts,
                                            loader=self.metadata_loader)
@@ -193,7 +193,7 @@ class _Dcp:
 
     def entry(self, fqn: str) -> TensorEntry:
         from ckptlab.checkpoint._dcp import _check_tiling
-        from ckptlab.plan.metadata import METADATA
+        from ckptlab.dcp import METADATA
 
         dtype, requires_grad, shape, _, _ = self.cols.tensors[fqn]
         fid = self.fqn_ids.get(fqn)
@@ -254,22 +254,23 @@ def open_dcp_fast(root: str) -> Checkpoint | None:
         path raises for a damaged item.
     """
     from ckptlab.checkpoint.open import _reader
-    from ckptlab.plan.metadata import METADATA, _data_files
+    from ckptlab.dcp import METADATA
+    from ckptlab.dcp.layout import data_files
 
-    read = _read_columns(root)
+    read = read_columns(root)
     if read is None:
         return None
     cols, metadata_nbytes, identity = read
     if cols.transforms or not cols.has_storage_data:
         return None
-    files = _data_files(root, [n for n in sorted(os.listdir(root)) if n != METADATA],
+    files = data_files(root, [n for n in sorted(os.listdir(root)) if n != METADATA],
                         listed=True)
-    files.update(_data_files(root, sorted(set(cols.files) - set(files))))
-    items = _Items(root)
+    files.update(data_files(root, sorted(set(cols.files) - set(files))))
+    items = ItemLayouts(root)
     ck = open_columns(root, cols, files, items, metadata_nbytes=metadata_nbytes,
                       identity=identity, reader=_reader(root),
                       full_path=lambda name: os.path.join(root, name))
-    if ck is not None and len(files) <= _MAX_HANDLES:
+    if ck is not None and len(files) <= MAX_HANDLES:
         # open every data file now (a few): later reads do not depend on the directory
         # staying where it is
         try:
@@ -281,7 +282,7 @@ def open_dcp_fast(root: str) -> Checkpoint | None:
     return ck
 
 
-def open_columns(root: str, cols: Any, files: dict[str, int], items: _ItemLayouts, *,
+def open_columns(root: str, cols: Any, files: dict[str, int], items: ItemLayouts, *,
                  metadata_nbytes: int, identity: tuple[int, ...], reader: Any,
                  full_path: Any, checkpoint: type[DcpCheckpoint] | None = None,
                  metadata_loader: Any = None,
@@ -297,7 +298,7 @@ def open_columns(root: str, cols: Any, files: dict[str, int], items: _ItemLayout
     arrays, when the caller has them already. The object items are scanned here, through
     ``items``.
     """
-    from ckptlab.plan.metadata import METADATA
+    from ckptlab.dcp import METADATA
 
     n = cols.entries
     entries = entries if entries is not None else EntryColumns(cols)
@@ -331,7 +332,7 @@ def open_columns(root: str, cols: Any, files: dict[str, int], items: _ItemLayout
     dcp.file_of = file_of
     objects: dict[str, Any] = {}
     try:  # the data files opened from here on are closed if this does not return them
-        if _blob_first(items, cols, file_of, offset, tensor_item):
+        if items.blob_first(entries):
             items.close()
             return None
         dcp.rows = entries.rows
@@ -365,33 +366,10 @@ def open_columns(root: str, cols: Any, files: dict[str, int], items: _ItemLayout
     return (checkpoint or DcpCheckpoint)(dcp, tuple(entries), objects, reader)
 
 
-def _blob_first(items: _ItemLayouts, cols: Any, file_of: np.ndarray, offset: np.ndarray,
-                tensor_item: np.ndarray) -> bool:
-    """Whether some data file's first tensor item is not a torch.save zip: a SAFETENSORS
-    blob holding a single tensor item (several overlap, which sends the file to the general
-    path already). One 4-byte read per data file; a file that cannot be read is left to the
-    checks that say why."""
-    from ckptlab.plan.metadata import ZIP_MAGIC
-
-    idx = np.nonzero(tensor_item)[0]
-    if not len(idx):
-        return False
-    order = idx[np.lexsort((offset[idx], file_of[idx]))]
-    first = order[np.r_[True, file_of[order][1:] != file_of[order][:-1]]]
-    for e in first:
-        try:
-            head = items.read(cols.files[file_of[e]], int(offset[e]), 4)
-        except (OSError, ArchiveError):
-            return False
-        if head != ZIP_MAGIC:
-            return True
-    return False
-
-
 def _check_volumes(root: str, entries: EntryColumns) -> None:
     """At open, without item bytes: each tensor's saved chunks lie inside it and their
     volumes add up to its volume (the exact tiling is checked when the tensor is built)."""
-    from ckptlab.plan.metadata import METADATA
+    from ckptlab.dcp import METADATA
 
     cols, rows, fqn_of, tensor_item = entries.cols, entries.rows, entries.fqn_of, \
         entries.tensor_item
@@ -465,7 +443,7 @@ def _check_volumes(root: str, entries: EntryColumns) -> None:
 
 
 def _volume_error(root: str, name: str, shape: tuple[int, ...], got: int) -> None:
-    from ckptlab.plan.metadata import METADATA
+    from ckptlab.dcp import METADATA
 
     raise CorruptArchiveError("the saved chunks do not tile the tensor: their volumes add up "
                               "to another size", path=os.path.join(root, METADATA),

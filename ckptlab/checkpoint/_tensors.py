@@ -330,7 +330,7 @@ def part_tensor(path_of: Any, part: Part) -> Any:
     """One part as a dense tensor (its own shape and stride); a compressed part (a DCP item
     through ZStandard) is inflated, never past its chunk's bytes plus the torch.save framing."""
     if part.compression is not None:
-        from ckptlab.plan.metadata import decode_compressed_chunk
+        from ckptlab.dcp.items import decode_compressed_chunk
 
         path = path_of(part.file)
         raw, stride = decode_compressed_chunk(

@@ -382,7 +382,7 @@ def _with_extra_files(ck: Checkpoint, root: str, extra: list[str],
 
 
 def _open_dir(root: str) -> Checkpoint:
-    from ckptlab.plan.metadata import METADATA
+    from ckptlab.dcp import METADATA
 
     names = _dir_files(root)
     if METADATA in names:
@@ -392,7 +392,8 @@ def _open_dir(root: str) -> Checkpoint:
     index = _hf_model_name(names, HF_INDEXES, _HF_INDEX_RE)
     if index is not None:
         return _open_hf_index(root, index, names)
-    from ckptlab.checkpoint._dcp import is_dcp_shards_dir, open_dcp_shards
+    from ckptlab.checkpoint._dcp import open_dcp_shards
+    from ckptlab.dcp import is_dcp_shards_dir
 
     if is_dcp_shards_dir(root, names):  # HuggingFaceStorageWriter(save_distributed=True)
         return open_dcp_shards(root)
@@ -532,8 +533,8 @@ def _open_remote_dcp(store: Any, root: str) -> Checkpoint:
 
     from ckptlab.checkpoint._dcp import open_dcp
     from ckptlab.checkpoint._dcp_remote import open_dcp_remote
+    from ckptlab.dcp import METADATA, inspect_dcp, metadata_of
     from ckptlab.format._remote import join_url
-    from ckptlab.plan.metadata import METADATA, inspect_dcp, metadata_of
 
     raw = store.whole(join_url(root, METADATA))
     quick = open_dcp_remote(store, root, raw)
@@ -606,8 +607,8 @@ def open_url(url: str, storage_options: dict[str, Any] | None = None
              ) -> tuple[Checkpoint, Any]:
     """:func:`open_checkpoint` of a URL, and the :class:`~ckptlab.format._remote.RemoteStore`
     whose ``stats`` count the requests made (opening, then each ``read``)."""
+    from ckptlab.dcp import METADATA
     from ckptlab.format._remote import RemoteStore, url_name
-    from ckptlab.plan.metadata import METADATA
 
     store = RemoteStore(url, storage_options)
     name = url_name(url)

@@ -1,4 +1,4 @@
-"""torch.distributed.checkpoint (DCP): planning, resharding and real checkpoint directories.
+"""torch.distributed.checkpoint (DCP) planning: items, plan cache, resharding, simulation.
 
 - :mod:`~ckptlab.plan.items`: write items (Tensor / DTensor / ShardedTensor / bytes) and
   per-rank :class:`LocalPlan` values; :func:`shard_chunk`, DTensor's box arithmetic.
@@ -7,11 +7,19 @@
 - :mod:`~ckptlab.plan.cache`: :class:`PlanCache`, keyed by namespace + structure fingerprint.
 - :mod:`~ckptlab.plan.reshard` / :mod:`~ckptlab.plan.validate`: read items and chunk checks.
 - :mod:`~ckptlab.plan.simulate`: N-rank local plans from LLM config tables.
-- :mod:`~ckptlab.plan.metadata`: the DCP inspector (restricted unpickler for ``.metadata``).
 - :mod:`~ckptlab.plan.ranks`: run a function on real gloo ranks.
+
+Reading real DCP directories (``.metadata``, items, variants) is :mod:`ckptlab.dcp`'s; its
+:func:`~ckptlab.dcp.inspect_dcp`, :func:`~ckptlab.dcp.load_metadata`,
+:func:`~ckptlab.dcp.is_dcp_dir`, :class:`~ckptlab.dcp.DcpLayout` and
+:class:`~ckptlab.dcp.DcpItem` stay importable from here.
 """
 
 from ckptlab._lazy import lazy_attributes
+
+# moved to ckptlab.dcp (reading DCP directories): the same objects, re-exported here because
+# they were public in ckptlab.plan
+from ckptlab.dcp import DcpItem, DcpLayout, inspect_dcp, is_dcp_dir, load_metadata
 from ckptlab.plan.cache import (
     CacheEvent,
     PlanCache,
@@ -26,7 +34,6 @@ from ckptlab.plan.items import (
     shard_chunk,
     write_items,
 )
-from ckptlab.plan.metadata import DcpItem, DcpLayout, inspect_dcp, is_dcp_dir, load_metadata
 from ckptlab.plan.planning import (
     GlobalPlan,
     PlanBook,

@@ -148,9 +148,9 @@ def _worker(budget_nbytes: int) -> None:  # pragma: no cover - runs in the child
     import torch.distributed.checkpoint.metadata  # noqa: F401
 
     import ckptlab
+    import ckptlab.dcp
     import ckptlab.format._pickle as pickle_scan
-    import ckptlab.plan.metadata
-    from ckptlab.plan._metadata_pickle import decode_metadata
+    from ckptlab.dcp._decode import decode_metadata
 
     readers = {
         "inspect": lambda p: ckptlab.inspect(p),

@@ -20,10 +20,10 @@ import plotly.graph_objects as go
 from plotly.colors import sample_colorscale
 from plotly.subplots import make_subplots
 
+from ckptlab.dcp import DcpLayout
 from ckptlab.errors import InvalidArgumentError
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.plan.cache import CacheEvent
-from ckptlab.plan.metadata import DcpLayout
 from ckptlab.plan.planning import GlobalPlan, TensorEntry
 from ckptlab.plan.reshard import Chunk, ReadItem, read_items
 from ckptlab.viz._style import ACCENT, PALETTE, human_nbytes, plain_text, style_figure

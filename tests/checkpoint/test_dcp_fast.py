@@ -26,9 +26,9 @@ from hypothesis import HealthCheck, given, settings
 import ckptlab as cl
 from ckptlab.checkpoint._dcp import open_dcp
 from ckptlab.checkpoint._dcp_fast import DcpCheckpoint
+from ckptlab.dcp._decode import decode_metadata
+from ckptlab.dcp.columns import decode_columns
 from ckptlab.errors import CkptlabError, CorruptArchiveError
-from ckptlab.plan._metadata_columns import decode_columns
-from ckptlab.plan._metadata_pickle import decode_metadata
 from ckptlab.plan._synthetic_dcp import write_synthetic_dcp
 from ckptlab.testing.pickles import pickle_mutations
 

@@ -29,10 +29,11 @@ import pytest
 import torch
 
 import ckptlab as cl
-from ckptlab.checkpoint._dcp import is_dcp_shards_dir, open_dcp_shards
+from ckptlab.checkpoint._dcp import open_dcp_shards
+from ckptlab.dcp import inspect_dcp, is_dcp_shards_dir
+from ckptlab.dcp.items import inflate_item
 from ckptlab.errors import CkptlabError, CorruptArchiveError, UnsupportedFormatError
 from ckptlab.plan import run_ranks
-from ckptlab.plan.metadata import inflate_item, inspect_dcp
 
 zstandard = pytest.importorskip("zstandard")
 

@@ -378,7 +378,7 @@ def test_dcp_listing_of_small_items_in_any_order_moves_the_data_about_once(serve
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from ckptlab.checkpoint import _dcp_remote
+    from ckptlab.dcp import remote as dcp_remote
 
     g = torch.Generator().manual_seed(1)
     sd = {f"t.{i}": torch.randn(64 * (1 + i % 4), 128, generator=g) for i in range(160)}
@@ -389,7 +389,7 @@ def test_dcp_listing_of_small_items_in_any_order_moves_the_data_about_once(serve
     _, data_nbytes = _data_nbytes(server, "dcpsmall")
     local = cl.open(os.path.join(server.root, "dcpsmall"))
     ck = cl.open(server.url("dcpsmall/"))
-    monkeypatch.setattr(_dcp_remote, "_KEEP", 2 << 20)  # a keep smaller than the data
+    monkeypatch.setattr(dcp_remote, "_KEEP", 2 << 20)  # a keep smaller than the data
     server.mark()
     for name in sd:
         assert ck.tensors[name] == local.tensors[name], name
@@ -640,8 +640,8 @@ def test_remote_items_read_ahead_is_exact_and_one_request_per_miss():
     """RemoteItems' reads against a counting store, without a server: random item spans,
     random walks; every read returns the file's bytes, a miss costs one request, ``fetch``
     one request at most, and the kept bytes stay bounded."""
-    from ckptlab.checkpoint import _dcp_remote
-    from ckptlab.checkpoint._dcp_remote import RemoteItems
+    from ckptlab.dcp import remote as dcp_remote
+    from ckptlab.dcp.remote import RemoteItems
     from ckptlab.format._remote import RemoteSource
 
     rng = random.Random(3)
@@ -668,7 +668,7 @@ def test_remote_items_read_ahead_is_exact_and_one_request_per_miss():
                 assert items.read("f", off, n) == data[off:off + n]
             assert store.stats.requests - before <= 1, trial
             kept = sum(hi - lo for lo, hi in src.kept_ranges())
-            assert kept <= _dcp_remote._KEEP + (1 << 21)
+            assert kept <= dcp_remote._KEEP + (1 << 21)
         assert items.read("f", len(data) - 3, 10) == data[-3:]
         assert items.read("f", len(data), 10) == b""
 

@@ -1,5 +1,5 @@
 """The columnar ``.metadata`` decoder reads runs of per-item records many at a time (numpy over
-the bytes, :func:`ckptlab.plan._metadata_columns._vector`); it must give exactly what the
+the bytes, :func:`ckptlab.dcp.columns._vector`); it must give exactly what the
 one-record-at-a-time path gives (``decode_columns(data, vectorised=False)``) on every input:
 generated DCP metadata of varied shapes, ranks, dtypes, keys, ints of every pickle width and
 frame layouts, and mutated bytes (both None, or equal columns).
@@ -19,9 +19,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptlab.plan import _metadata_columns as mc
-from ckptlab.plan._metadata_columns import decode_columns
-from ckptlab.plan._metadata_pickle import decode_metadata
+from ckptlab.dcp import columns as mc
+from ckptlab.dcp._decode import decode_metadata
+from ckptlab.dcp.columns import decode_columns
 from ckptlab.testing.pickles import pickle_mutations
 
 md = pytest.importorskip("torch.distributed.checkpoint.metadata")

@@ -29,12 +29,12 @@ from hypothesis import HealthCheck, given, settings
 import ckptlab as cl
 from ckptlab.checkpoint._dcp_fast import DcpCheckpoint
 from ckptlab.cli import main
+from ckptlab.dcp import DcpLayout, inspect_dcp, load_metadata
 from ckptlab.errors import CkptlabError, CorruptArchiveError
 from ckptlab.format._source import ByteSource
 from ckptlab.format._window import FileWindow
 from ckptlab.format.archive import scan_torch_zip
 from ckptlab.plan._synthetic_dcp import write_synthetic_dcp
-from ckptlab.plan.metadata import DcpLayout, inspect_dcp, load_metadata
 from ckptlab.testing.pickles import pickle_mutations
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -1,7 +1,7 @@
-"""DCP's ``.metadata`` straight into columns: the fast path of :mod:`._metadata_pickle`.
+"""DCP's ``.metadata`` straight into columns: the fast path of :mod:`._decode`.
 
 A 1,000,000-item ``.metadata`` is about 135 MB of pickle. Turning it into DCP's own objects
-(what ``pickle.load`` does, and what :func:`~ckptlab.plan._metadata_pickle.decode_metadata`
+(what ``pickle.load`` does, and what :func:`~ckptlab.dcp._decode.decode_metadata`
 does after its bounded interpreter) makes some ten Python objects per item: gigabytes, and tens
 of seconds. This module reads the opcodes ``pickle.dump`` writes for a ``Metadata`` (protocol
 4 or 5: ``MEMOIZE``, ``STACK_GLOBAL``, ``NEWOBJ`` + ``BUILD`` of dataclasses, ``torch.Size``
@@ -31,7 +31,7 @@ opcodes, and pickle's SETITEMS/APPENDS + MARK batch breaks, applied as the opcod
 them) is taken; a record the steps do not accept goes to the regular expression and the
 opcode loop, as before. ``decode_columns(data, vectorised=False)`` is the one-at-a-time path:
 the two give equal columns, or both None, on every input
-(``tests/plan/test_metadata_columns_vector.py``).
+(``tests/dcp/test_columns_vector.py``).
 
 ``None`` means "not the plain shape this fast path knows": the caller then runs the bounded
 interpreter and the field-by-field converter, which accept or refuse the file with their own
@@ -53,7 +53,8 @@ from typing import Any
 
 from ckptlab.format._unpickle import PATH_CLASSES, canonical_global, path_value
 
-__all__ = ["MetadataColumns", "chunk_rows", "decode_columns", "duplicate_keys"]
+__all__ = ["EntryColumns", "MetadataColumns", "chunk_rows", "chunk_volumes", "decode_columns",
+           "duplicate_keys"]
 
 _MD = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"

@@ -24,8 +24,8 @@ import torch.distributed.checkpoint as dcp
 
 import ckptlab as cl
 from ckptlab.cli import main
+from ckptlab.dcp import inspect_dcp, load_metadata
 from ckptlab.errors import ArchiveError
-from ckptlab.plan import inspect_dcp, load_metadata
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "symlink"), reason="no symlinks here")
 
@@ -133,7 +133,7 @@ def test_relative_path_leaving_the_directory_is_refused(copy: Path, where: str) 
 _FIFO_PROBE = textwrap.dedent("""
     import sys
     from ckptlab.errors import UnsupportedFormatError
-    from ckptlab.plan import inspect_dcp, load_metadata
+    from ckptlab.dcp import inspect_dcp, load_metadata
     try:
         (load_metadata if sys.argv[2] == "metadata" else inspect_dcp)(sys.argv[1])
     except UnsupportedFormatError as exc:

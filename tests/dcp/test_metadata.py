@@ -16,8 +16,9 @@ import torch.distributed.checkpoint as dcp
 
 import ckptlab as cl
 from ckptlab.cli import main
+from ckptlab.dcp import inspect_dcp, load_metadata
 from ckptlab.errors import ArchiveError, CorruptArchiveError, UnsupportedFormatError
-from ckptlab.plan import RankError, inspect_dcp, load_metadata, run_ranks
+from ckptlab.plan import RankError, run_ranks
 
 
 @pytest.fixture(scope="module")
