@@ -162,9 +162,9 @@ class _Dcp:
             from ckptlab.dcp.layout import columns_layout
 
             self._layout = columns_layout(self.root, self.cols, self.metadata_nbytes,
-                                           self.identity, self.files, self.items, self.rows,
-                                           object_layouts=self.object_layouts,
-                                           loader=self.metadata_loader)
+                                          self.identity, self.files, self.items, self.rows,
+                                          object_layouts=self.object_layouts,
+                                          loader=self.metadata_loader)
         return self._layout
 
     # -- one tensor ------------------------------------------------------------------------
@@ -264,7 +264,7 @@ def open_dcp_fast(root: str) -> Checkpoint | None:
     if cols.transforms or not cols.has_storage_data:
         return None
     files = data_files(root, [n for n in sorted(os.listdir(root)) if n != METADATA],
-                        listed=True)
+                       listed=True)
     files.update(data_files(root, sorted(set(cols.files) - set(files))))
     items = ItemLayouts(root)
     ck = open_columns(root, cols, files, items, metadata_nbytes=metadata_nbytes,

@@ -97,8 +97,8 @@ def open_dcp_remote(store: Any, root: str, raw: bytes) -> DcpCheckpoint | None:
     if found is None:
         return None
     items, entries, urls = found
-    ck = open_columns(root, entries.cols, {name: src.nbytes for name, src in items.sources.items()},
-                      items, metadata_nbytes=len(raw), identity=(),
+    sizes = {name: src.nbytes for name, src in items.sources.items()}
+    ck = open_columns(root, entries.cols, sizes, items, metadata_nbytes=len(raw), identity=(),
                       reader=_remote_reader(store, urls.__getitem__, items.fetch),
                       full_path=lambda name: join_url(root, name),
                       checkpoint=RemoteDcpCheckpoint,

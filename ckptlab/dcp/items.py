@@ -65,6 +65,9 @@ _SHARDING_INFO = "DCP_SHARDING_INFO"  # torch.distributed.checkpoint._hf_utils.C
 
 
 def item_layout(f: io.BufferedReader, file: str, offset: int, nbytes: int) -> ArchiveLayout:
+    """The torch.save layout of the item ``[offset, offset + nbytes)`` of the open data file
+    ``f`` (named ``file``), read through a window on it: offsets relative to the item, ``path``
+    ``"FILE@OFFSET"``; no tensor bytes are read. Raises what a damaged archive raises."""
     name = f"{file}@{offset}"
     with ByteSource(FileWindow(f, offset, nbytes, name)) as src:
         return scan_torch_zip(src)

@@ -231,9 +231,9 @@ class _ColumnarDcpLayout(DcpLayout):
 
 
 def columns_layout(root: str, cols: Any, metadata_nbytes: int, identity: tuple[int, ...],
-                   files: dict[str, int], layouts: ItemLayouts, rows: Any, *,
-                   object_layouts: dict[int, ArchiveLayout] | None = None,
-                   item_layouts: bool = True, loader: Any = None) -> DcpLayout:
+                  files: dict[str, int], layouts: ItemLayouts, rows: Any, *,
+                  object_layouts: dict[int, ArchiveLayout] | None = None,
+                  item_layouts: bool = True, loader: Any = None) -> DcpLayout:
     """The :class:`DcpLayout` of a directory in DCP's default format (torch.save items, no
     transforms, no overlapping items, no duplicate keys: the caller checked) from its
     columns: the same items, in the same order, with the same fields as the general path of
@@ -309,10 +309,10 @@ def _inspect_columns(path: str, item_layouts: bool) -> DcpLayout | None:
     layouts = ItemLayouts(path)
     try:
         files = data_files(path, [name for name in sorted(os.listdir(path))
-                                   if name != METADATA], listed=True)
+                                  if name != METADATA], listed=True)
         files.update(data_files(path, sorted(set(cols.files) - set(files))))
         return columns_layout(path, cols, metadata_nbytes, identity, files, layouts,
-                              entries.rows, item_layouts=item_layouts)
+                             entries.rows, item_layouts=item_layouts)
     except (ArchiveError, OSError):
         return None
     finally:
@@ -345,8 +345,8 @@ def inspect_dcp(path: str | os.PathLike[str], *, item_layouts: bool = True,
     -------
     DcpLayout
         Items sorted by file and offset; tensor items carry their chunk's offsets and sizes in
-        the global tensor and the absolute file offset of their bytes (see the module docstring
-        for the SAFETENSORS serialization and compressed items).
+        the global tensor and the absolute file offset of their bytes (see
+        :mod:`ckptlab.dcp.items` for the SAFETENSORS serialization and compressed items).
     """
     path = os.fspath(path)
     if fast:
@@ -356,7 +356,7 @@ def inspect_dcp(path: str | os.PathLike[str], *, item_layouts: bool = True,
     meta = load_metadata(path)
     metadata_nbytes = data_files(path, [METADATA])[METADATA]
     files = data_files(path, [name for name in sorted(os.listdir(path)) if name != METADATA],
-                        listed=True)
+                       listed=True)
     entries = []
     handles: dict[str, io.BufferedReader] = {}
 

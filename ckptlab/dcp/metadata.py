@@ -68,6 +68,8 @@ def metadata_of(data: bytes, meta_path: str) -> Any:
 
 
 def is_dcp_dir(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a directory holding a ``.metadata`` entry (what ``dcp.save``
+    writes). Reads no file."""
     # any .metadata that is not a directory: a FIFO or a symlink out of the directory is a DCP
     # directory that load_metadata refuses with the reason, not "not a checkpoint file"
     meta = os.path.join(os.fspath(path), METADATA)
