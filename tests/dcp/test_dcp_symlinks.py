@@ -18,7 +18,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import dcp_workers
 import pytest
 import torch.distributed.checkpoint as dcp
 
@@ -26,6 +25,7 @@ import ckptlab as cl
 from ckptlab.cli import main
 from ckptlab.dcp import inspect_dcp, load_metadata
 from ckptlab.errors import ArchiveError
+from ckptlab.testing import dcp_workers
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "symlink"), reason="no symlinks here")
 

@@ -9,7 +9,6 @@ import pickle
 import shutil
 from pathlib import Path
 
-import dcp_workers
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -19,6 +18,7 @@ from ckptlab.cli import main
 from ckptlab.dcp import inspect_dcp, load_metadata
 from ckptlab.errors import ArchiveError, CorruptArchiveError, UnsupportedFormatError
 from ckptlab.plan import RankError, run_ranks
+from ckptlab.testing import dcp_workers
 
 
 @pytest.fixture(scope="module")

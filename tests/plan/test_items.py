@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import plan_workers
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
 from torch.distributed.tensor import Partial, Replicate, Shard
+
+from ckptlab.testing import plan_workers
 
 try:  # torch >= 2.8: the box arithmetic on a mesh shape and coordinate, no DeviceMesh needed
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset

@@ -3,7 +3,6 @@ and its cache goes miss -> hit -> delta per namespace."""
 
 from __future__ import annotations
 
-import plan_workers
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -11,6 +10,7 @@ import torch.distributed.checkpoint as dcp
 from ckptlab.errors import PlanError
 from ckptlab.plan import PlanCache, inspect_dcp, run_ranks
 from ckptlab.plan.planner import CachedSavePlanner
+from ckptlab.testing import plan_workers
 
 # dcp.load/save without a process group says it assumes a single process: that is the point
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import dcp_workers as W
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from ckptlab.plan import Chunk, inspect_dcp, read_items, run_ranks, validate_chunks
+from ckptlab.testing import dcp_workers as W
 
 # placements per tensor: "S<d>" = Shard(d), "R" = Replicate(); tensors not named stay plain
 SAVE_1D = ((2,), {"w": ("S0",), "e": ("S0",), "i": ("S0",), "v": ("S0",), "r": ("R",),

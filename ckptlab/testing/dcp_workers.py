@@ -1,4 +1,5 @@
-"""Rank functions for the DCP tests (module level: torch.multiprocessing spawn imports them)."""
+"""Rank functions for the DCP tests (module level: torch.multiprocessing spawn imports them
+by module path, so they live in the package, not beside the tests)."""
 
 from __future__ import annotations
 
