@@ -85,6 +85,7 @@ __all__ = [
     "SharedEmptyChanged",
     "canonical_global",
     "interpret",
+    "interpreter",
     "path_value",
 ]
 
@@ -484,6 +485,31 @@ def _filled_at_once(data: Any, pos: int) -> bool:
         code = data[pos]
         pos += 2 if code == 0x71 else 5 if code == 0x72 else 1 if code == 0x94 else 0
     return pos >= n or data[pos] in (0x28, 0x62)
+
+
+def interpreter(impl: str | None = None) -> Callable[..., Interpretation]:
+    """:func:`interpret`'s plain semantics (``fast_paths=False``: one opcode at a time) by one
+    implementation, as CPython pairs ``pickle.py`` with ``_pickle.c``: ``"python"`` (the loop
+    here), ``"c"`` (:mod:`ckptlab.format._interp`, the whole loop compiled; ImportError where
+    ckptlab was built without a C compiler) or None (the compiled one where it was built).
+
+    Each takes ``(data, *, handlers, persistent_load, buildable, memory_per_byte)`` and gives
+    the same :class:`Interpretation`, handler calls, memo, budget and errors
+    (``tests/format/test_interp.py`` runs one suite against both).
+    """
+    if impl in ("c", None):
+        try:
+            from ckptlab.format._interp import interpret as compiled
+        except ImportError:
+            if impl == "c":
+                raise
+        else:
+            return compiled  # type: ignore[no-any-return]
+    elif impl != "python":
+        raise ValueError(f"impl is 'python', 'c' or None, not {impl!r}")
+    from functools import partial
+
+    return partial(interpret, fast_paths=False)
 
 
 def failure_offset(error: PickleDataError) -> int:

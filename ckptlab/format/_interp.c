@@ -1,0 +1,1948 @@
+/* ckptlab.format._interp: ckptlab's pickle interpreter, compiled.
+ *
+ * interpret(data, *, handlers=None, persistent_load=None, buildable=(), memory_per_byte=...)
+ * is ``ckptlab.format._unpickle.interpret(data, ..., fast_paths=False)`` in C, the way
+ * CPython's _pickle.c is pickle.py in C: the whole interface, the same rules (see
+ * _unpickle's module docstring), the same results, and the same test suite
+ * (tests/format/test_interp.py runs every case against both). It is one loop over the
+ * opcodes, one at a time:
+ *
+ * - the stack is one C array of references; MARK pushes the stack's length on a second array
+ *   (the metastack), so "the stack" of an opcode is what lies above the last mark;
+ * - the memo is a C array for the dense indices picklers write and a dict for sparse ones;
+ * - what the pickle names or builds is made by calling _unpickle's own classes and functions
+ *   (Global, Reduced, OpaqueKey, Interpretation, canonical_global) and the caller's handlers
+ *   and persistent_load, in the order and with the arguments the Python loop calls them;
+ * - every opcode charges the budget what the Python loop charges, at the same opcode, and
+ *   every error is a PickleDataError (PickleBudgetError) with ``offset`` the position of the
+ *   failing opcode and, where practical, the Python loop's message.
+ *
+ * Safety: every declared length is checked against the bytes left before anything is read
+ * or allocated; nothing recurses (nesting depth is only the length of the two arrays, bounded
+ * by the input's length); only CPython's public C API is used.
+ *
+ * Two inputs the Python loop lets through as a bare Python exception are a PickleDataError
+ * here: a protocol-0 STRING with a malformed escape (ValueError there) and a GET of a
+ * negative memo index (the list's negative indexing there: IndexError or the wrong entry).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <string.h>
+
+/* What the interpreter uses from ckptlab.format._unpickle (bound on the first call: the
+ * module may import this one). */
+typedef struct {
+    int bound;
+    PyObject *unpickle;
+    PyObject *Global, *Reduced, *OpaqueKey, *Interpretation, *canonical_global;
+    PyObject *PickleDataError, *PickleBudgetError;
+    PyObject *memory_per_byte;  /* interpret's default, as the Python signature binds it */
+    PyObject *escape_decode;    /* codecs.escape_decode (protocol 0's STRING) */
+    PyObject *int_from_bytes;   /* int.from_bytes (LONG1/LONG4 past 8 bytes) */
+    PyObject *int_max, *int_min;  /* 2**64, -2**64: the ints a dict key may be */
+    PyObject *s_module, *s_name, *s_qualname, *s_func, *s_state, *s_items, *s_pairs;
+    PyObject *s_update, *s_extend, *s_ckptlab_build, *s_get, *s_strip, *s_rstrip, *s_L;
+    PyObject *s_offset, *s_comma, *s_little, *s_signed;
+    Py_ssize_t max_int_nbytes, max_key_leaves, max_text_line;
+} State;
+
+#define STATE_OBJECTS(X) X(unpickle) X(Global) X(Reduced) X(OpaqueKey) X(Interpretation) \
+    X(canonical_global) X(PickleDataError) X(PickleBudgetError) X(memory_per_byte) \
+    X(escape_decode) X(int_from_bytes) X(int_max) X(int_min) X(s_module) X(s_name) \
+    X(s_qualname) X(s_func) X(s_state) X(s_items) X(s_pairs) X(s_update) X(s_extend) \
+    X(s_ckptlab_build) X(s_get) X(s_strip) X(s_rstrip) X(s_L) X(s_offset) X(s_comma) \
+    X(s_little) X(s_signed)
+
+static void
+unbind(State *st)
+{
+#define CLEAR(f) Py_CLEAR(st->f);
+    STATE_OBJECTS(CLEAR)
+#undef CLEAR
+    st->bound = 0;
+}
+
+static Py_ssize_t
+ssize_attr(PyObject *mod, const char *name)
+{
+    PyObject *v = PyObject_GetAttrString(mod, name);
+    if (v == NULL)
+        return -1;
+    Py_ssize_t out = PyLong_AsSsize_t(v);
+    Py_DECREF(v);
+    return out;
+}
+
+static int
+bind(State *st)
+{
+    PyObject *mod = PyImport_ImportModule("ckptlab.format._unpickle");
+    if (mod == NULL)
+        return -1;
+    st->unpickle = mod;
+#define ATTR(f, name) if ((st->f = PyObject_GetAttrString(mod, name)) == NULL) goto fail;
+    ATTR(Global, "Global")
+    ATTR(Reduced, "Reduced")
+    ATTR(OpaqueKey, "OpaqueKey")
+    ATTR(Interpretation, "Interpretation")
+    ATTR(canonical_global, "canonical_global")
+    ATTR(PickleDataError, "PickleDataError")
+    ATTR(PickleBudgetError, "PickleBudgetError")
+    ATTR(memory_per_byte, "MEMORY_PER_BYTE")
+#undef ATTR
+    if ((st->max_int_nbytes = ssize_attr(mod, "MAX_INT_NBYTES")) < 0 ||
+        (st->max_key_leaves = ssize_attr(mod, "MAX_KEY_LEAVES")) < 0 ||
+        (st->max_text_line = ssize_attr(mod, "_MAX_TEXT_LINE")) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ImportError, "ckptlab.format._unpickle: a negative limit");
+        goto fail;
+    }
+    PyObject *codecs = PyImport_ImportModule("codecs");
+    if (codecs == NULL)
+        goto fail;
+    st->escape_decode = PyObject_GetAttrString(codecs, "escape_decode");
+    Py_DECREF(codecs);
+    if (st->escape_decode == NULL)
+        goto fail;
+    if ((st->int_from_bytes = PyObject_GetAttrString((PyObject *)&PyLong_Type,
+                                                     "from_bytes")) == NULL)
+        goto fail;
+    PyObject *one = PyLong_FromLong(1), *sixty_four = PyLong_FromLong(64);
+    if (one != NULL && sixty_four != NULL)
+        st->int_max = PyNumber_Lshift(one, sixty_four);
+    Py_XDECREF(one);
+    Py_XDECREF(sixty_four);
+    if (st->int_max == NULL || (st->int_min = PyNumber_Negative(st->int_max)) == NULL)
+        goto fail;
+#define NAME(f, text) if ((st->f = PyUnicode_InternFromString(text)) == NULL) goto fail;
+    NAME(s_module, "module")
+    NAME(s_name, "name")
+    NAME(s_qualname, "qualname")
+    NAME(s_func, "func")
+    NAME(s_state, "state")
+    NAME(s_items, "items")
+    NAME(s_pairs, "pairs")
+    NAME(s_update, "update")
+    NAME(s_extend, "extend")
+    NAME(s_ckptlab_build, "ckptlab_build")
+    NAME(s_get, "get")
+    NAME(s_strip, "strip")
+    NAME(s_rstrip, "rstrip")
+    NAME(s_L, "L")
+    NAME(s_offset, "offset")
+    NAME(s_comma, ",")
+    NAME(s_little, "little")
+    NAME(s_signed, "signed")
+#undef NAME
+    st->bound = 1;
+    return 0;
+fail:
+    unbind(st);
+    return -1;
+}
+
+/* -- the machine ------------------------------------------------------------------------ */
+typedef struct {
+    State *st;
+    const unsigned char *p;
+    Py_ssize_t n;
+    Py_ssize_t pos;
+    PyObject *handlers;    /* borrowed; NULL: none */
+    PyObject *persistent;  /* borrowed; NULL: none */
+    PyObject *buildable;   /* (Reduced, *buildable) */
+    long long budget;      /* never negative: a charge past it fails instead */
+    PyObject **stack;      /* owned references */
+    Py_ssize_t size, cap;
+    Py_ssize_t *marks;     /* the metastack: the stack's length at each open MARK */
+    Py_ssize_t nmarks, mcap;
+    PyObject **memo;       /* the dense memo: indices 0..memo_len-1, owned references */
+    Py_ssize_t memo_len, memo_cap;
+    PyObject *sparse;      /* {index: object} for the others, made when first needed */
+    PyObject *globals;     /* {(module, name): Global} */
+    PyObject *seen;        /* ["module.name", ...] in order of first appearance */
+    PyObject *keycache;    /* {id(tuple): (tuple, key)}, as _unpickle._key keeps it */
+    long proto;
+} Machine;
+
+static int
+fail(Machine *m, const char *format, ...)
+{
+    va_list va;
+    va_start(va, format);
+    PyObject *message = PyUnicode_FromFormatV(format, va);
+    va_end(va);
+    if (message != NULL) {
+        PyErr_SetObject(m->st->PickleDataError, message);
+        Py_DECREF(message);
+    }
+    return -1;
+}
+
+static PyObject *
+commas_ll(State *st, long long v)
+{
+    PyObject *value = PyLong_FromLongLong(v);
+    if (value == NULL)
+        return NULL;
+    PyObject *text = PyObject_Format(value, st->s_comma);
+    Py_DECREF(value);
+    return text;
+}
+
+static PyObject *
+commas_ull(State *st, unsigned long long v)
+{
+    PyObject *value = PyLong_FromUnsignedLongLong(v);
+    if (value == NULL)
+        return NULL;
+    PyObject *text = PyObject_Format(value, st->s_comma);
+    Py_DECREF(value);
+    return text;
+}
+
+/* "{what} declares {nbytes:,} bytes but only {left:,} are left" */
+static int
+fail_declares(Machine *m, const char *what, int negative, unsigned long long nbytes)
+{
+    PyObject *a = negative ? commas_ll(m->st, -(long long)nbytes) : commas_ull(m->st, nbytes);
+    PyObject *b = commas_ll(m->st, m->n - m->pos);
+    if (a != NULL && b != NULL)
+        fail(m, "%s declares %U bytes but only %U are left", what, a, b);
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    return -1;
+}
+
+static PyObject *
+over_budget(Machine *m)
+{
+    PyObject *per_byte = PyObject_GetAttrString(m->st->unpickle, "MEMORY_PER_BYTE");
+    PyObject *in = commas_ll(m->st, m->n);
+    if (per_byte != NULL && in != NULL) {
+        PyObject *message = PyUnicode_FromFormat(
+            "the pickle would need more than %S bytes of memory per byte of input (%U bytes "
+            "in, budget exceeded); ckptlab refuses it", per_byte, in);
+        if (message != NULL) {
+            PyErr_SetObject(m->st->PickleBudgetError, message);
+            Py_DECREF(message);
+        }
+    }
+    Py_XDECREF(per_byte);
+    Py_XDECREF(in);
+    return NULL;
+}
+
+static int
+charge(Machine *m, unsigned long long nbytes)
+{
+    if (nbytes > (unsigned long long)m->budget) {
+        over_budget(m);
+        return -1;
+    }
+    m->budget -= (long long)nbytes;
+    return 0;
+}
+
+/* type(obj).__name__ */
+static PyObject *
+type_name(PyObject *obj)
+{
+    return PyType_GetName(Py_TYPE(obj));
+}
+
+static void
+opcode_text(char *out, int code)
+{
+    static const char hex[] = "0123456789abcdef";
+    out[0] = '0';
+    out[1] = 'x';
+    out[2] = hex[(code >> 4) & 15];
+    out[3] = hex[code & 15];
+    out[4] = '\0';
+}
+
+/* -- the stack -------------------------------------------------------------------------- */
+static Py_ssize_t
+frame_base(const Machine *m)
+{
+    return m->nmarks ? m->marks[m->nmarks - 1] : 0;
+}
+
+/* How many objects "the stack" has: those above the last MARK. */
+static Py_ssize_t
+stack_len(const Machine *m)
+{
+    return m->size - frame_base(m);
+}
+
+static int
+grow(void **array, Py_ssize_t *cap, Py_ssize_t need, size_t item)
+{
+    if (need <= *cap)
+        return 0;
+    Py_ssize_t new_cap = *cap < 16 ? 16 : *cap;
+    while (new_cap < need)
+        new_cap *= 2;
+    if ((size_t)new_cap > PY_SSIZE_T_MAX / item) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    void *grown = PyMem_Realloc(*array, (size_t)new_cap * item);
+    if (grown == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *array = grown;
+    *cap = new_cap;
+    return 0;
+}
+
+/* Push ``obj`` (a new reference, or NULL for an error already set). */
+static int
+push(Machine *m, PyObject *obj)
+{
+    if (obj == NULL)
+        return -1;
+    if (grow((void **)&m->stack, &m->cap, m->size + 1, sizeof(PyObject *)) < 0) {
+        Py_DECREF(obj);
+        return -1;
+    }
+    m->stack[m->size++] = obj;
+    return 0;
+}
+
+/* Drop the objects from stack index ``base`` up. */
+static void
+truncate_to(Machine *m, Py_ssize_t base)
+{
+    while (m->size > base) {
+        PyObject *obj = m->stack[--m->size];
+        Py_DECREF(obj);
+    }
+}
+
+/* Replace the top of the stack with ``obj`` (a new reference, or NULL for an error). */
+static int
+replace_top(Machine *m, PyObject *obj)
+{
+    if (obj == NULL)
+        return -1;
+    PyObject *old = m->stack[m->size - 1];
+    m->stack[m->size - 1] = obj;
+    Py_DECREF(old);
+    return 0;
+}
+
+/* _unpickle._pop_mark: the items since the last MARK are stack[*base:m->size]; the MARK is
+ * gone (the caller drops the items with truncate_to). */
+static int
+pop_mark(Machine *m, int code, Py_ssize_t *base)
+{
+    if (m->nmarks == 0) {
+        char text[8];
+        opcode_text(text, code);
+        return fail(m, "opcode %s without a MARK", text);
+    }
+    *base = m->marks[--m->nmarks];
+    return 0;
+}
+
+/* _unpickle._need */
+static int
+need(Machine *m, Py_ssize_t k, int code)
+{
+    Py_ssize_t have = stack_len(m);
+    if (have < k) {
+        char text[8];
+        opcode_text(text, code);
+        return fail(m, "opcode %s needs %zd items on the stack, found %zd", text, k, have);
+    }
+    return 0;
+}
+
+/* _unpickle._need for the stack below a MARK just popped (its items from ``base`` up) */
+static int
+need_below(Machine *m, Py_ssize_t base, Py_ssize_t k, int code)
+{
+    Py_ssize_t have = base - frame_base(m);
+    if (have < k) {
+        char text[8];
+        opcode_text(text, code);
+        return fail(m, "opcode %s needs %zd items on the stack, found %zd", text, k, have);
+    }
+    return 0;
+}
+
+/* -- the memo --------------------------------------------------------------------------- */
+static int
+sparse_put(Machine *m, PyObject *key, PyObject *value)
+{
+    if (m->sparse == NULL && (m->sparse = PyDict_New()) == NULL)
+        return -1;
+    int has = PyDict_Contains(m->sparse, key);
+    if (has < 0 || (!has && charge(m, 128) < 0))
+        return -1;
+    return PyDict_SetItem(m->sparse, key, value);
+}
+
+static int
+memo_append(Machine *m, PyObject *value)
+{
+    if (grow((void **)&m->memo, &m->memo_cap, m->memo_len + 1, sizeof(PyObject *)) < 0)
+        return -1;
+    Py_INCREF(value);
+    m->memo[m->memo_len++] = value;
+    return charge(m, 16);
+}
+
+static int
+memo_put(Machine *m, Py_ssize_t index, PyObject *value)
+{
+    if (index == m->memo_len)
+        return memo_append(m, value);
+    if (index < m->memo_len) {
+        PyObject *old = m->memo[index];
+        Py_INCREF(value);
+        m->memo[index] = value;
+        Py_DECREF(old);
+        return 0;
+    }
+    PyObject *key = PyLong_FromSsize_t(index);
+    if (key == NULL)
+        return -1;
+    int rc = sparse_put(m, key, value);
+    Py_DECREF(key);
+    return rc;
+}
+
+/* memo[index] as a new reference (``key`` the index as an int, or NULL to make one). */
+static PyObject *
+memo_get(Machine *m, Py_ssize_t index, PyObject *key)
+{
+    if (index >= 0 && index < m->memo_len) {
+        Py_INCREF(m->memo[index]);
+        return m->memo[index];
+    }
+    PyObject *made = NULL;
+    if (key == NULL && (key = made = PyLong_FromSsize_t(index)) == NULL)
+        return NULL;
+    PyObject *found = m->sparse ? PyDict_GetItemWithError(m->sparse, key) : NULL;
+    if (found != NULL)
+        Py_INCREF(found);
+    else if (!PyErr_Occurred())
+        fail(m, "memo index %S was never stored", key);
+    Py_XDECREF(made);
+    return found;
+}
+
+/* -- reading ---------------------------------------------------------------------------- */
+static uint32_t
+le32(const unsigned char *q)
+{
+    return (uint32_t)q[0] | ((uint32_t)q[1] << 8) | ((uint32_t)q[2] << 16) |
+           ((uint32_t)q[3] << 24);
+}
+
+static uint64_t
+le64(const unsigned char *q)
+{
+    return (uint64_t)le32(q) | ((uint64_t)le32(q + 4) << 32);
+}
+
+/* _Machine.take for a declared length (``negative``: the length is -nbytes): the bytes at
+ * the position, which moves past them. */
+static const unsigned char *
+take(Machine *m, int negative, unsigned long long nbytes, const char *what)
+{
+    if (negative || nbytes > (unsigned long long)(m->n - m->pos)) {
+        fail_declares(m, what, negative, nbytes);
+        return NULL;
+    }
+    const unsigned char *at = m->p + m->pos;
+    m->pos += (Py_ssize_t)nbytes;
+    return at;
+}
+
+/* A signed 32-bit length (BINSTRING, LONG4) */
+static const unsigned char *
+take_i32(Machine *m, int32_t length, const char *what)
+{
+    if (length < 0)
+        return take(m, 1, (unsigned long long)(-(long long)length), what);
+    return take(m, 0, (unsigned long long)length, what);
+}
+
+/* _Machine.line: a protocol-0 argument, up to its newline (within max_text_line bytes). */
+static int
+line_span(Machine *m, const char *what, Py_ssize_t *start, Py_ssize_t *length)
+{
+    Py_ssize_t limit = m->n - m->pos;
+    if (limit > m->st->max_text_line)
+        limit = m->st->max_text_line;
+    const unsigned char *nl = memchr(m->p + m->pos, '\n', (size_t)limit);
+    if (nl == NULL)
+        return fail(m, "%s: no newline within %zd bytes", what, m->st->max_text_line);
+    *start = m->pos;
+    *length = nl - (m->p + m->pos);
+    m->pos += *length + 1;
+    return 0;
+}
+
+static PyObject *
+line(Machine *m, const char *what)
+{
+    Py_ssize_t start = 0, length = 0;
+    if (line_span(m, what, &start, &length) < 0)
+        return NULL;
+    return PyUnicode_DecodeLatin1((const char *)m->p + start, length, NULL);
+}
+
+/* _Machine.text_int: a protocol-0 int (INT, LONG, GET, PUT) from its text. */
+static PyObject *
+text_int(Machine *m, PyObject *text)
+{
+    State *st = m->st;
+    PyObject *stripped = PyObject_CallMethodNoArgs(text, st->s_strip);
+    if (stripped == NULL)
+        return NULL;
+    PyObject *digits = PyObject_CallMethodOneArg(stripped, st->s_rstrip, st->s_L);
+    Py_DECREF(stripped);
+    if (digits == NULL)
+        return NULL;
+    PyObject *value = NULL;
+    Py_ssize_t length = PyUnicode_GetLength(digits);
+    if (length > 2 * st->max_int_nbytes) {
+        PyObject *count = commas_ll(st, length);
+        if (count != NULL)
+            fail(m, "an int of %U digits", count);
+        Py_XDECREF(count);
+        goto done;
+    }
+    int hex = length >= 2 && PyUnicode_ReadChar(digits, 0) == '0' &&
+              (PyUnicode_ReadChar(digits, 1) == 'x' || PyUnicode_ReadChar(digits, 1) == 'X');
+    value = PyLong_FromUnicodeObject(digits, hex ? 0 : 10);
+    if (value == NULL && PyErr_ExceptionMatches(PyExc_ValueError)) {
+        PyErr_Clear();
+        PyObject *head = PyUnicode_Substring(digits, 0, 40);
+        if (head != NULL)
+            fail(m, "not an int: %R", head);
+        Py_XDECREF(head);
+    }
+done:
+    Py_DECREF(digits);
+    return value;
+}
+
+/* _Machine.int_from_bytes: LONG1/LONG4's little-endian two's complement. */
+static PyObject *
+int_from_bytes(Machine *m, const unsigned char *q, Py_ssize_t length)
+{
+    State *st = m->st;
+    if (length > st->max_int_nbytes) {
+        PyObject *count = commas_ll(st, length);
+        if (count != NULL)
+            fail(m, "an int of %U bytes (at most %zd)", count, st->max_int_nbytes);
+        Py_XDECREF(count);
+        return NULL;
+    }
+    if (charge(m, 64 + (unsigned long long)length) < 0)
+        return NULL;
+    if (length <= 8) {
+        uint64_t u = 0;
+        for (Py_ssize_t i = length - 1; i >= 0; i--)
+            u = (u << 8) | q[i];
+        if (length > 0 && length < 8 && (q[length - 1] & 0x80))
+            u |= ~(uint64_t)0 << (8 * length);  /* sign-extend */
+        return PyLong_FromLongLong((long long)u);
+    }
+    PyObject *raw = PyBytes_FromStringAndSize((const char *)q, length);
+    PyObject *args = raw ? PyTuple_Pack(2, raw, st->s_little) : NULL;
+    PyObject *kwargs = args ? PyDict_New() : NULL;
+    PyObject *value = NULL;
+    if (kwargs != NULL && PyDict_SetItem(kwargs, st->s_signed, Py_True) == 0)
+        value = PyObject_Call(st->int_from_bytes, args, kwargs);
+    Py_XDECREF(raw);
+    Py_XDECREF(args);
+    Py_XDECREF(kwargs);
+    return value;
+}
+
+/* -- keys ------------------------------------------------------------------------------- */
+static int
+simple_key(State *st, PyObject *v)
+{
+    return PyUnicode_CheckExact(v) || PyBytes_CheckExact(v) || PyFloat_CheckExact(v) ||
+           PyBool_Check(v) || v == Py_None || Py_TYPE(v) == (PyTypeObject *)st->Global;
+}
+
+/* -2**64 < v < 2**64, for an int */
+static int
+int_in_range(State *st, PyObject *v)
+{
+    int overflow = 0;
+    PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (!overflow)
+        return PyErr_Occurred() ? -1 : 1;
+    int below = PyObject_RichCompareBool(v, st->int_max, Py_LT);
+    if (below <= 0)
+        return below;
+    return PyObject_RichCompareBool(v, st->int_min, Py_GT);
+}
+
+static PyObject *
+opaque(State *st, PyObject *v)
+{
+    return PyObject_CallOneArg(st->OpaqueKey, v);
+}
+
+/* _unpickle._key: ``v`` if hashing it is cheap and shallow, else an OpaqueKey. */
+static PyObject *
+key_of(Machine *m, PyObject *v)
+{
+    State *st = m->st;
+    if (simple_key(st, v) || PyFrozenSet_CheckExact(v)) {
+        Py_INCREF(v);
+        return v;
+    }
+    if (PyLong_CheckExact(v)) {
+        int ok = int_in_range(st, v);
+        if (ok < 0)
+            return NULL;
+        if (ok) {
+            Py_INCREF(v);
+            return v;
+        }
+        return opaque(st, v);
+    }
+    if (!PyTuple_CheckExact(v))
+        return opaque(st, v);
+    if (m->keycache == NULL && (m->keycache = PyDict_New()) == NULL)
+        return NULL;
+    PyObject *id = PyLong_FromVoidPtr(v);
+    if (id == NULL)
+        return NULL;
+    PyObject *hit = PyDict_GetItemWithError(m->keycache, id);
+    if (hit != NULL && PyTuple_Check(hit) && PyTuple_GET_SIZE(hit) == 2 &&
+        PyTuple_GET_ITEM(hit, 0) == v) {
+        PyObject *result = PyTuple_GET_ITEM(hit, 1);
+        Py_INCREF(result);
+        Py_DECREF(id);
+        return result;
+    }
+    PyObject *result = NULL, *entry = NULL;
+    if (PyErr_Occurred())
+        goto done;
+    Py_ssize_t count = PyTuple_GET_SIZE(v);
+    int ok = count <= st->max_key_leaves;
+    for (Py_ssize_t i = 0; ok && i < count; i++) {
+        PyObject *item = PyTuple_GET_ITEM(v, i);
+        if (simple_key(st, item))
+            continue;
+        ok = PyLong_CheckExact(item) ? int_in_range(st, item) : 0;
+        if (ok < 0)
+            goto done;
+    }
+    if (ok) {
+        Py_INCREF(v);
+        result = v;
+    } else if ((result = opaque(st, v)) == NULL) {
+        goto done;
+    }
+    if ((entry = PyTuple_Pack(2, v, result)) == NULL ||
+        PyDict_SetItem(m->keycache, id, entry) < 0)
+        Py_CLEAR(result);
+done:
+    Py_XDECREF(entry);
+    Py_DECREF(id);
+    return result;
+}
+
+/* -- what the pickle names and calls ---------------------------------------------------- */
+/* _Machine.global_: one Global per (module, name), as canonical_global names it. */
+static PyObject *
+global_(Machine *m, PyObject *module, PyObject *name)
+{
+    State *st = m->st;
+    if (!PyUnicode_CheckExact(module) || !PyUnicode_CheckExact(name)) {
+        fail(m, "STACK_GLOBAL of non-strings");
+        return NULL;
+    }
+    PyObject *key = PyObject_CallFunctionObjArgs(st->canonical_global, module, name, NULL);
+    if (key == NULL)
+        return NULL;
+    PyObject *found = NULL;
+    if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 2) {
+        PyErr_SetString(PyExc_ValueError, "canonical_global gave no (module, name) pair");
+        goto done;
+    }
+    found = PyDict_GetItemWithError(m->globals, key);
+    if (found != NULL) {
+        Py_INCREF(found);
+        goto done;
+    }
+    if (PyErr_Occurred())
+        goto done;
+    module = PyTuple_GET_ITEM(key, 0);
+    name = PyTuple_GET_ITEM(key, 1);
+    Py_ssize_t chars_module = PyObject_Length(module), chars_name = PyObject_Length(name);
+    if (chars_module < 0 || chars_name < 0 ||
+        charge(m, 320 + 4 * ((unsigned long long)chars_module + chars_name)) < 0)
+        goto done;
+    found = PyObject_CallFunctionObjArgs(st->Global, module, name, NULL);
+    if (found == NULL)
+        goto done;
+    PyObject *qualified = PyUnicode_FromFormat("%S.%S", module, name);
+    if (qualified == NULL || PyDict_SetItem(m->globals, key, found) < 0 ||
+        PyList_Append(m->seen, qualified) < 0)
+        Py_CLEAR(found);
+    Py_XDECREF(qualified);
+done:
+    Py_DECREF(key);
+    return found;
+}
+
+/* The handler for ``func`` (a new reference), or NULL: none (no error set) or an error. */
+static PyObject *
+handler_of(Machine *m, PyObject *func)
+{
+    State *st = m->st;
+    if (m->handlers == NULL)
+        return NULL;
+    PyObject *module = PyObject_GetAttr(func, st->s_module);
+    PyObject *name = module ? PyObject_GetAttr(func, st->s_name) : NULL;
+    PyObject *key = name ? PyTuple_Pack(2, module, name) : NULL;
+    Py_XDECREF(module);
+    Py_XDECREF(name);
+    if (key == NULL)
+        return NULL;
+    PyObject *handler;
+    if (PyDict_CheckExact(m->handlers)) {
+        handler = PyDict_GetItemWithError(m->handlers, key);
+        Py_XINCREF(handler);
+    } else {
+        handler = PyObject_CallMethodOneArg(m->handlers, st->s_get, key);
+    }
+    Py_DECREF(key);
+    if (handler == Py_None)
+        Py_CLEAR(handler);
+    return handler;
+}
+
+/* _Machine.call: ``func(*args, **kwargs)`` by its handler, else a Reduced (``kwargs``
+ * Py_None where the opcode has none). */
+static PyObject *
+call(Machine *m, PyObject *func, PyObject *args, PyObject *kwargs)
+{
+    State *st = m->st;
+    PyObject *made = NULL, *qualname = NULL, *handler = NULL, *what;
+    int is_global = PyObject_IsInstance(func, st->Global);
+    if (is_global < 0)
+        return NULL;
+    if (!is_global) {
+        if ((what = type_name(func)) != NULL)
+            fail(m, "call of a %U, not a global", what);
+        Py_XDECREF(what);
+        return NULL;
+    }
+    if ((qualname = PyObject_GetAttr(func, st->s_qualname)) == NULL)
+        return NULL;
+    if (!PyTuple_Check(args)) {
+        if ((what = type_name(args)) != NULL)
+            fail(m, "call of %U with %U args", qualname, what);
+        Py_XDECREF(what);
+        goto done;
+    }
+    if (charge(m, 320) < 0)
+        goto done;
+    handler = handler_of(m, func);
+    if (handler != NULL) {
+        if (kwargs != Py_None) {
+            int truth = PyObject_IsTrue(kwargs);
+            if (truth < 0)
+                goto done;
+            if (truth) {
+                fail(m, "%U called with keyword arguments", qualname);
+                goto done;
+            }
+        }
+        PyObject *positional = PyTuple_CheckExact(args) ? Py_NewRef(args)
+                                                        : PySequence_Tuple(args);
+        if (positional == NULL)
+            goto done;
+        made = PyObject_Call(handler, positional, NULL);
+        Py_DECREF(positional);
+        if (made == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+            /* arguments the function does not take: bad data */
+#if PY_VERSION_HEX >= 0x030C0000
+            PyObject *exc = PyErr_GetRaisedException();
+#else
+            PyObject *type, *exc, *tb;
+            PyErr_Fetch(&type, &exc, &tb);
+            PyErr_NormalizeException(&type, &exc, &tb);
+            Py_XDECREF(type);
+            Py_XDECREF(tb);
+#endif
+            PyObject *text = exc ? PyObject_Str(exc) : NULL;
+            PyObject *head = text ? PyUnicode_Substring(text, 0, 120) : NULL;
+            Py_ssize_t count = head ? PyObject_Length(args) : -1;
+            if (count >= 0)
+                fail(m, "%U called with %zd arguments it does not take (%U)", qualname, count,
+                     head);
+            Py_XDECREF(exc);
+            Py_XDECREF(text);
+            Py_XDECREF(head);
+        }
+        goto done;
+    }
+    if (PyErr_Occurred())
+        goto done;
+    if (kwargs != Py_None && !PyDict_Check(kwargs)) {
+        fail(m, "%U called with non-dict kwargs", qualname);
+        goto done;
+    }
+    made = PyObject_CallFunctionObjArgs(st->Reduced, func, args, kwargs, NULL);
+done:
+    Py_DECREF(qualname);
+    Py_XDECREF(handler);
+    return made;
+}
+
+static PyObject *
+persistent_load(Machine *m, PyObject *pid)
+{
+    if (m->persistent == NULL) {
+        fail(m, "a persistent id where none is expected");
+        return NULL;
+    }
+    return PyObject_CallOneArg(m->persistent, pid);
+}
+
+/* ``target.<attr>.extend(items)``: a Reduced's items or pairs */
+static int
+call_extend(State *st, PyObject *target, PyObject *attr, PyObject *items)
+{
+    PyObject *list = PyObject_GetAttr(target, attr);
+    if (list == NULL)
+        return -1;
+    PyObject *done = PyObject_CallMethodOneArg(list, st->s_extend, items);
+    Py_DECREF(list);
+    if (done == NULL)
+        return -1;
+    Py_DECREF(done);
+    return 0;
+}
+
+/* _Machine.setitems: ``count`` keys and values, alternating, into ``target``. */
+static int
+setitems(Machine *m, PyObject *target, PyObject *const *flat, Py_ssize_t count)
+{
+    State *st = m->st;
+    if (count % 2)
+        return fail(m, "SETITEMS with an odd number of items");
+    if (charge(m, 64 * ((unsigned long long)count / 2 + 1)) < 0)
+        return -1;
+    if (PyDict_Check(target)) {
+        int all_str = 1;
+        for (Py_ssize_t i = 0; i < count && all_str; i += 2)
+            all_str = PyUnicode_CheckExact(flat[i]);
+        if (all_str && PyDict_CheckExact(target)) {  /* a state dict: string keys, as they are */
+            for (Py_ssize_t i = 0; i < count; i += 2)
+                if (PyDict_SetItem(target, flat[i], flat[i + 1]) < 0)
+                    return -1;
+            return 0;
+        }
+        if (all_str) {  /* a dict of another class: its own update() */
+            PyObject *pairs = PyList_New(count / 2);
+            if (pairs == NULL)
+                return -1;
+            for (Py_ssize_t i = 0; i < count; i += 2) {
+                PyObject *pair = PyTuple_Pack(2, flat[i], flat[i + 1]);
+                if (pair == NULL) {
+                    Py_DECREF(pairs);
+                    return -1;
+                }
+                PyList_SET_ITEM(pairs, i / 2, pair);
+            }
+            PyObject *done = PyObject_CallMethodOneArg(target, st->s_update, pairs);
+            Py_DECREF(pairs);
+            if (done == NULL)
+                return -1;
+            Py_DECREF(done);
+            return 0;
+        }
+        for (Py_ssize_t i = 0; i < count; i += 2) {
+            PyObject *key = key_of(m, flat[i]);
+            if (key == NULL)
+                return -1;
+            int rc = PyObject_SetItem(target, key, flat[i + 1]);
+            Py_DECREF(key);
+            if (rc < 0)
+                return -1;
+        }
+        return 0;
+    }
+    int reduced = PyObject_IsInstance(target, st->Reduced);
+    if (reduced < 0)
+        return -1;
+    if (reduced) {  /* its pairs, keys as they are */
+        PyObject *pairs = PyList_New(count / 2);
+        if (pairs == NULL)
+            return -1;
+        for (Py_ssize_t i = 0; i < count; i += 2) {
+            PyObject *pair = PyTuple_Pack(2, flat[i], flat[i + 1]);
+            if (pair == NULL) {
+                Py_DECREF(pairs);
+                return -1;
+            }
+            PyList_SET_ITEM(pairs, i / 2, pair);
+        }
+        int rc = call_extend(st, target, st->s_pairs, pairs);
+        Py_DECREF(pairs);
+        return rc;
+    }
+    PyObject *what = type_name(target);
+    if (what != NULL)
+        fail(m, "SETITEM on a %U", what);
+    Py_XDECREF(what);
+    return -1;
+}
+
+/* _Machine.appends */
+static int
+appends(Machine *m, PyObject *target, PyObject *const *items, Py_ssize_t count)
+{
+    State *st = m->st;
+    if (charge(m, 16 * (unsigned long long)count + 16) < 0)
+        return -1;
+    if (PyList_CheckExact(target)) {
+        for (Py_ssize_t i = 0; i < count; i++)
+            if (PyList_Append(target, items[i]) < 0)
+                return -1;
+        return 0;
+    }
+    int reduced = PyObject_IsInstance(target, st->Reduced);
+    if (reduced < 0)
+        return -1;
+    if (reduced) {
+        PyObject *list = PyList_New(count);
+        if (list == NULL)
+            return -1;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            Py_INCREF(items[i]);
+            PyList_SET_ITEM(list, i, items[i]);
+        }
+        int rc = call_extend(st, target, st->s_items, list);
+        Py_DECREF(list);
+        return rc;
+    }
+    PyObject *what = type_name(target);
+    if (what != NULL)
+        fail(m, "APPEND on a %U", what);
+    Py_XDECREF(what);
+    return -1;
+}
+
+/* _Machine.build */
+static int
+build(Machine *m, PyObject *target, PyObject *state)
+{
+    State *st = m->st;
+    int ok = PyObject_IsInstance(target, m->buildable);
+    if (ok < 0)
+        return -1;
+    if (!ok) {
+        int is_global = PyObject_IsInstance(target, st->Global);
+        if (is_global < 0)
+            return -1;
+        PyObject *what = is_global ? PyObject_GetAttr(target, st->s_qualname)
+                                   : type_name(target);
+        if (what != NULL)
+            fail(m, "BUILD applied to %S, which ckptlab never builds", what);
+        Py_XDECREF(what);
+        return -1;
+    }
+    int reduced = PyObject_IsInstance(target, st->Reduced);
+    if (reduced < 0)
+        return -1;
+    if (!reduced) {
+        PyObject *done = PyObject_CallMethodOneArg(target, st->s_ckptlab_build, state);
+        Py_XDECREF(done);
+        return done ? 0 : -1;
+    }
+    PyObject *before = PyObject_GetAttr(target, st->s_state);
+    if (before == NULL)
+        return -1;
+    int twice = before != Py_None;
+    Py_DECREF(before);
+    if (twice) {
+        PyObject *func = PyObject_GetAttr(target, st->s_func);
+        PyObject *qualname = func ? PyObject_GetAttr(func, st->s_qualname) : NULL;
+        if (qualname != NULL)
+            fail(m, "BUILD applied twice to a %S", qualname);
+        Py_XDECREF(func);
+        Py_XDECREF(qualname);
+        return -1;
+    }
+    return PyObject_SetAttr(target, st->s_state, state);
+}
+
+/* _Machine.make_set: the items as set members (keys), charged. */
+static PyObject *
+make_set(Machine *m, PyObject *const *items, Py_ssize_t count)
+{
+    if (charge(m, 96 * (unsigned long long)count + 256) < 0)
+        return NULL;
+    PyObject *keys = PyList_New(count);
+    if (keys == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *key = key_of(m, items[i]);
+        if (key == NULL) {
+            Py_DECREF(keys);
+            return NULL;
+        }
+        PyList_SET_ITEM(keys, i, key);
+    }
+    return keys;
+}
+
+static PyObject *
+tuple_of(PyObject *const *items, Py_ssize_t count)
+{
+    PyObject *tuple = PyTuple_New(count);
+    if (tuple == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_INCREF(items[i]);
+        PyTuple_SET_ITEM(tuple, i, items[i]);
+    }
+    return tuple;
+}
+
+static PyObject *
+list_of(PyObject *const *items, Py_ssize_t count)
+{
+    PyObject *list = PyList_New(count);
+    if (list == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_INCREF(items[i]);
+        PyList_SET_ITEM(list, i, items[i]);
+    }
+    return list;
+}
+
+/* -- strings ---------------------------------------------------------------------------- */
+/* A string opcode's payload: decoded, pushed, charged 96 + 4 bytes per payload byte. */
+static int
+push_text(Machine *m, const unsigned char *q, Py_ssize_t length, const char *errors)
+{
+    if (push(m, PyUnicode_DecodeUTF8((const char *)q, length, errors)) < 0)
+        return -1;
+    return charge(m, 96 + 4 * (unsigned long long)length);
+}
+
+/* STRING: protocol 0's quoted Python 2 str */
+static int
+op_string(Machine *m)
+{
+    Py_ssize_t start = 0, length = 0;
+    if (line_span(m, "STRING", &start, &length) < 0)
+        return -1;
+    const unsigned char *q = m->p + start;
+    while (length > 0 && q[length - 1] == '\r')
+        length--;
+    if (length < 2 || q[0] != q[length - 1] || (q[0] != '\'' && q[0] != '"'))
+        return fail(m, "STRING is not quoted");
+    PyObject *inner = PyBytes_FromStringAndSize((const char *)q + 1, length - 2);
+    if (inner == NULL)
+        return -1;
+    PyObject *decoded = PyObject_CallOneArg(m->st->escape_decode, inner);
+    Py_DECREF(inner);
+    if (decoded == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_ValueError))
+            return -1;
+#if PY_VERSION_HEX >= 0x030C0000
+        PyObject *exc = PyErr_GetRaisedException();
+#else
+        PyObject *type, *exc, *tb;
+        PyErr_Fetch(&type, &exc, &tb);
+        PyErr_NormalizeException(&type, &exc, &tb);
+        Py_XDECREF(type);
+        Py_XDECREF(tb);
+#endif
+        fail(m, "STRING with a bad escape: %S", exc);
+        Py_XDECREF(exc);
+        return -1;
+    }
+    PyObject *raw = PyTuple_Check(decoded) && PyTuple_GET_SIZE(decoded) > 0
+                    ? PyTuple_GET_ITEM(decoded, 0) : NULL;
+    int rc = -1;
+    if (raw == NULL || !PyBytes_Check(raw))
+        PyErr_SetString(PyExc_TypeError, "codecs.escape_decode gave no bytes");
+    else
+        rc = push_text(m, (const unsigned char *)PyBytes_AS_STRING(raw), PyBytes_GET_SIZE(raw),
+                       "surrogateescape");
+    Py_DECREF(decoded);
+    return rc;
+}
+
+/* INT (a bool as 00/01), LONG, FLOAT: protocol 0's numbers */
+static int
+op_text_number(Machine *m, int code)
+{
+    PyObject *text = line(m, code == 'I' ? "INT" : code == 'L' ? "LONG" : "FLOAT");
+    if (text == NULL)
+        return -1;
+    PyObject *value = NULL;
+    Py_ssize_t charged = 48;
+    if (code == 'I') {
+        PyObject *stripped = PyObject_CallMethodNoArgs(text, m->st->s_strip);
+        Py_DECREF(text);
+        if ((text = stripped) == NULL)
+            return -1;
+        if (PyUnicode_CompareWithASCIIString(text, "01") == 0)
+            value = Py_NewRef(Py_True);
+        else if (PyUnicode_CompareWithASCIIString(text, "00") == 0)
+            value = Py_NewRef(Py_False);
+        else
+            value = text_int(m, text);
+        charged = 64 + PyUnicode_GetLength(text);
+    } else if (code == 'L') {
+        value = text_int(m, text);
+        charged = 64 + PyUnicode_GetLength(text);
+    } else {
+        value = PyFloat_FromString(text);
+        if (value == NULL && PyErr_ExceptionMatches(PyExc_ValueError)) {
+            PyErr_Clear();
+            PyObject *head = PyUnicode_Substring(text, 0, 40);
+            if (head != NULL)
+                fail(m, "not a float: %R", head);
+            Py_XDECREF(head);
+        }
+    }
+    Py_DECREF(text);
+    if (push(m, value) < 0)
+        return -1;
+    return charge(m, (unsigned long long)charged);
+}
+
+/* -- errors ----------------------------------------------------------------------------- */
+static PyObject *
+raised(void)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    return PyErr_GetRaisedException();
+#else
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (value != NULL && tb != NULL)
+        PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+#endif
+}
+
+static void
+reraise(PyObject *exc)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(exc);
+#else
+    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
+#endif
+}
+
+/* _unpickle._position, then interpret's handling of it: an error of the loop (a
+ * PickleDataError, a UnicodeDecodeError, a RecursionError, a MemoryError) as a
+ * PickleDataError whose ``offset`` is ``op``; any other exception as it is. */
+static PyObject *
+positioned(Machine *m, Py_ssize_t op)
+{
+    State *st = m->st;
+    PyObject *exc = raised();
+    if (exc == NULL)
+        return NULL;
+    PyObject *error = NULL;
+    if (PyErr_GivenExceptionMatches(exc, st->PickleDataError)) {
+        error = Py_NewRef(exc);
+    } else if (PyErr_GivenExceptionMatches(exc, PyExc_UnicodeDecodeError)) {
+        PyObject *reason = PyObject_GetAttrString(exc, "reason");
+        PyObject *start = reason ? PyObject_GetAttrString(exc, "start") : NULL;
+        PyObject *message = start ? PyUnicode_FromFormat(
+            "a string is not valid UTF-8: %S at byte %S", reason, start) : NULL;
+        if (message != NULL)
+            error = PyObject_CallOneArg(st->PickleDataError, message);
+        Py_XDECREF(reason);
+        Py_XDECREF(start);
+        Py_XDECREF(message);
+    } else if (PyErr_GivenExceptionMatches(exc, PyExc_RecursionError)) {
+        PyObject *message = PyUnicode_FromString("objects nested too deeply");
+        if (message != NULL)
+            error = PyObject_CallOneArg(st->PickleDataError, message);
+        Py_XDECREF(message);
+    } else if (PyErr_GivenExceptionMatches(exc, PyExc_MemoryError)) {
+        PyObject *message = PyUnicode_FromString("out of memory interpreting the pickle");
+        if (message != NULL)
+            error = PyObject_CallOneArg(st->PickleBudgetError, message);
+        Py_XDECREF(message);
+    } else {
+        reraise(exc);
+        return NULL;
+    }
+    Py_DECREF(exc);
+    if (error == NULL)
+        return NULL;
+    PyObject *offset = PyLong_FromSsize_t(op);
+    int rc = offset ? PyObject_SetAttr(error, st->s_offset, offset) : -1;
+    Py_XDECREF(offset);
+    if (rc < 0) {
+        Py_DECREF(error);
+        return NULL;
+    }
+    PyException_SetCause(error, NULL);  /* raise ... from None */
+    reraise(error);
+    return NULL;
+}
+
+/* -- the loop --------------------------------------------------------------------------- */
+static PyObject *
+run(Machine *m)
+{
+    State *st = m->st;
+    const unsigned char *p = m->p;
+    const Py_ssize_t n = m->n;
+    Py_ssize_t op = 0, base = 0;
+    const unsigned char *q;
+    PyObject *obj, *a, *b;
+
+    for (;;) {
+        if (m->pos >= n) {
+            fail(m, "the pickle ends without a STOP opcode");
+            goto error;
+        }
+        op = m->pos;
+        int code = p[m->pos++];
+        switch (code) {
+        /* -- ints, floats, None, bools -- */
+        case 'K':  /* BININT1 */
+            if (m->pos >= n) {
+                fail(m, "BININT1 without its value");
+                goto error;
+            }
+            if (push(m, PyLong_FromLong(p[m->pos])) < 0 || charge(m, 16) < 0)
+                goto error;
+            m->pos += 1;
+            break;
+        case 'M':  /* BININT2 */
+            if (n - m->pos < 2) {
+                fail(m, "BININT2 without its value");
+                goto error;
+            }
+            if (push(m, PyLong_FromLong(p[m->pos] | (p[m->pos + 1] << 8))) < 0 ||
+                charge(m, 48) < 0)
+                goto error;
+            m->pos += 2;
+            break;
+        case 'J':  /* BININT */
+            if (n - m->pos < 4) {
+                fail(m, "BININT without its value");
+                goto error;
+            }
+            if (push(m, PyLong_FromLong((int32_t)le32(p + m->pos))) < 0 || charge(m, 48) < 0)
+                goto error;
+            m->pos += 4;
+            break;
+        case 0x8a:  /* LONG1 */
+        case 0x8b:  /* LONG4 */
+            if (code == 0x8a) {
+                if ((q = take(m, 0, 1, "LONG1")) == NULL || (q = take(m, 0, q[0], "LONG1")) == NULL)
+                    goto error;
+            } else if ((q = take(m, 0, 4, "LONG4")) == NULL ||
+                       (q = take_i32(m, (int32_t)le32(q), "LONG4")) == NULL) {
+                goto error;
+            }
+            if (push(m, int_from_bytes(m, q, m->p + m->pos - q)) < 0)
+                goto error;
+            break;
+        case 'I':  /* INT */
+        case 'L':  /* LONG */
+        case 'F':  /* FLOAT */
+            if (op_text_number(m, code) < 0)
+                goto error;
+            break;
+        case 'G':  /* BINFLOAT */
+        {
+            if ((q = take(m, 0, 8, "BINFLOAT")) == NULL)
+                goto error;
+            double value = PyFloat_Unpack8((const char *)q, 0);
+            if ((value == -1.0 && PyErr_Occurred()) || push(m, PyFloat_FromDouble(value)) < 0 ||
+                charge(m, 48) < 0)
+                goto error;
+            break;
+        }
+        case 'N':  /* NONE */
+            if (push(m, Py_NewRef(Py_None)) < 0 || charge(m, 16) < 0)
+                goto error;
+            break;
+        case 0x88:  /* NEWTRUE */
+        case 0x89:  /* NEWFALSE */
+            if (push(m, Py_NewRef(code == 0x88 ? Py_True : Py_False)) < 0 || charge(m, 16) < 0)
+                goto error;
+            break;
+
+        /* -- strings and bytes -- */
+        case 'X':  /* BINUNICODE */
+        {
+            if (n - m->pos < 4) {
+                fail(m, "BINUNICODE without its length");
+                goto error;
+            }
+            uint32_t length = le32(p + m->pos);
+            m->pos += 4;
+            if ((q = take(m, 0, length, "BINUNICODE")) == NULL ||
+                push_text(m, q, (Py_ssize_t)length, "surrogatepass") < 0)
+                goto error;
+            break;
+        }
+        case 0x8c:  /* SHORT_BINUNICODE */
+            if ((q = take(m, 0, 1, "SHORT_BINUNICODE")) == NULL ||
+                (q = take(m, 0, q[0], "SHORT_BINUNICODE")) == NULL ||
+                push_text(m, q, m->p + m->pos - q, "surrogatepass") < 0)
+                goto error;
+            break;
+        case 0x8d:  /* BINUNICODE8 */
+            if ((q = take(m, 0, 8, "BINUNICODE8")) == NULL ||
+                (q = take(m, 0, le64(q), "BINUNICODE8")) == NULL ||
+                push_text(m, q, m->p + m->pos - q, "surrogatepass") < 0)
+                goto error;
+            break;
+        case 'U':  /* SHORT_BINSTRING */
+        case 'T':  /* BINSTRING (Python 2 str) */
+            if (code == 'U') {
+                if ((q = take(m, 0, 1, "SHORT_BINSTRING")) == NULL ||
+                    (q = take(m, 0, q[0], "BINSTRING")) == NULL)
+                    goto error;
+            } else if ((q = take(m, 0, 4, "BINSTRING")) == NULL ||
+                       (q = take_i32(m, (int32_t)le32(q), "BINSTRING")) == NULL) {
+                goto error;
+            }
+            if (push_text(m, q, m->p + m->pos - q, "surrogateescape") < 0)
+                goto error;
+            break;
+        case 'S':  /* STRING (protocol 0, quoted) */
+            if (op_string(m) < 0)
+                goto error;
+            break;
+        case 'V':  /* UNICODE (protocol 0) */
+        {
+            Py_ssize_t start = 0, length = 0;
+            if (line_span(m, "UNICODE", &start, &length) < 0 ||
+                push(m, PyUnicode_DecodeRawUnicodeEscape((const char *)p + start, length,
+                                                         NULL)) < 0 ||
+                charge(m, 96 + 4 * (unsigned long long)length) < 0)
+                goto error;
+            break;
+        }
+        case 'C':  /* SHORT_BINBYTES */
+        case 'B':  /* BINBYTES */
+        case 0x8e:  /* BINBYTES8 */
+        case 0x96:  /* BYTEARRAY8 */
+        {
+            if (code == 'C')
+                q = take(m, 0, 1, "SHORT_BINBYTES");
+            else if (code == 'B')
+                q = take(m, 0, 4, "BINBYTES");
+            else
+                q = take(m, 0, 8, "BINBYTES8");
+            if (q == NULL)
+                goto error;
+            unsigned long long length = code == 'C' ? q[0] : code == 'B' ? le32(q) : le64(q);
+            if ((q = take(m, 0, length, "bytes payload")) == NULL)
+                goto error;
+            obj = code == 0x96 ? PyByteArray_FromStringAndSize((const char *)q, (Py_ssize_t)length)
+                               : PyBytes_FromStringAndSize((const char *)q, (Py_ssize_t)length);
+            if (push(m, obj) < 0 || charge(m, 80 + length) < 0)
+                goto error;
+            break;
+        }
+
+        /* -- containers -- */
+        case ')':  /* EMPTY_TUPLE */
+            if (push(m, PyTuple_New(0)) < 0 || charge(m, 16) < 0)
+                goto error;
+            break;
+        case ']':  /* EMPTY_LIST */
+            if (push(m, PyList_New(0)) < 0 || charge(m, 88) < 0)
+                goto error;
+            break;
+        case '}':  /* EMPTY_DICT */
+            if (push(m, PyDict_New()) < 0 || charge(m, 96) < 0)
+                goto error;
+            break;
+        case 0x8f:  /* EMPTY_SET */
+            if (push(m, PySet_New(NULL)) < 0 || charge(m, 256) < 0)
+                goto error;
+            break;
+        case '(':  /* MARK */
+            if (grow((void **)&m->marks, &m->mcap, m->nmarks + 1, sizeof(Py_ssize_t)) < 0)
+                goto error;
+            m->marks[m->nmarks++] = m->size;
+            if (charge(m, 88) < 0)
+                goto error;
+            break;
+        case 't':  /* TUPLE */
+            if (m->nmarks == 0) {
+                fail(m, "TUPLE without a MARK");
+                goto error;
+            }
+            base = m->marks[--m->nmarks];
+            obj = tuple_of(m->stack + base, m->size - base);
+            truncate_to(m, base);
+            if (push(m, obj) < 0 || charge(m, 72 + 8 * (unsigned long long)PyTuple_GET_SIZE(obj)) < 0)
+                goto error;
+            break;
+        case 0x85:  /* TUPLE1 */
+        case 0x86:  /* TUPLE2 */
+        case 0x87:  /* TUPLE3 */
+        {
+            Py_ssize_t k = code - 0x84;
+            if (stack_len(m) < k) {
+                fail(m, "TUPLE%zd with %zd items on the stack", k, stack_len(m));
+                goto error;
+            }
+            obj = tuple_of(m->stack + m->size - k, k);
+            truncate_to(m, m->size - k);
+            if (push(m, obj) < 0 || charge(m, 72 + 8 * (unsigned long long)k) < 0)
+                goto error;
+            break;
+        }
+        case 'l':  /* LIST */
+            if (pop_mark(m, code, &base) < 0)
+                goto error;
+            obj = list_of(m->stack + base, m->size - base);
+            truncate_to(m, base);
+            if (push(m, obj) < 0)
+                goto error;
+            break;
+        case 'd':  /* DICT */
+            if (pop_mark(m, code, &base) < 0 || charge(m, 96) < 0)
+                goto error;
+            if ((obj = PyDict_New()) == NULL)
+                goto error;
+            if (setitems(m, obj, m->stack + base, m->size - base) < 0) {
+                Py_DECREF(obj);
+                goto error;
+            }
+            truncate_to(m, base);
+            if (push(m, obj) < 0)
+                goto error;
+            break;
+        case 0x91:  /* FROZENSET */
+            if (pop_mark(m, code, &base) < 0 ||
+                (a = make_set(m, m->stack + base, m->size - base)) == NULL)
+                goto error;
+            obj = PyFrozenSet_New(a);
+            Py_DECREF(a);
+            truncate_to(m, base);
+            if (push(m, obj) < 0)
+                goto error;
+            break;
+        case 0x90:  /* ADDITEMS */
+        {
+            if (pop_mark(m, code, &base) < 0 || need_below(m, base, 1, code) < 0)
+                goto error;
+            obj = m->stack[base - 1];
+            if (!Py_IS_TYPE(obj, &PySet_Type)) {
+                PyObject *what = type_name(obj);
+                if (what != NULL)
+                    fail(m, "ADDITEMS on a %U", what);
+                Py_XDECREF(what);
+                goto error;
+            }
+            if ((a = make_set(m, m->stack + base, m->size - base)) == NULL)
+                goto error;
+            int rc = 0;
+            for (Py_ssize_t i = 0; i < PyList_GET_SIZE(a) && rc == 0; i++)
+                rc = PySet_Add(obj, PyList_GET_ITEM(a, i));
+            Py_DECREF(a);
+            truncate_to(m, base);
+            if (rc < 0)
+                goto error;
+            break;
+        }
+        case 'a':  /* APPEND */
+            if (need(m, 2, code) < 0 ||
+                appends(m, m->stack[m->size - 2], m->stack + m->size - 1, 1) < 0)
+                goto error;
+            truncate_to(m, m->size - 1);
+            break;
+        case 'e':  /* APPENDS */
+            if (pop_mark(m, code, &base) < 0 || need_below(m, base, 1, code) < 0 ||
+                appends(m, m->stack[base - 1], m->stack + base, m->size - base) < 0)
+                goto error;
+            truncate_to(m, base);
+            break;
+        case 's':  /* SETITEM */
+            if (need(m, 3, code) < 0 ||
+                setitems(m, m->stack[m->size - 3], m->stack + m->size - 2, 2) < 0)
+                goto error;
+            truncate_to(m, m->size - 2);
+            break;
+        case 'u':  /* SETITEMS */
+            if (m->nmarks == 0) {
+                fail(m, "SETITEMS without a MARK");
+                goto error;
+            }
+            base = m->marks[--m->nmarks];
+            if (base == frame_base(m)) {
+                fail(m, "SETITEMS with nothing to set items on");
+                goto error;
+            }
+            if (setitems(m, m->stack[base - 1], m->stack + base, m->size - base) < 0)
+                goto error;
+            truncate_to(m, base);
+            break;
+
+        /* -- the stack and the memo -- */
+        case '0':  /* POP */
+            if (stack_len(m) > 0)
+                truncate_to(m, m->size - 1);
+            else if (pop_mark(m, code, &base) < 0)
+                goto error;
+            break;
+        case '1':  /* POP_MARK */
+            if (pop_mark(m, code, &base) < 0)
+                goto error;
+            truncate_to(m, base);
+            break;
+        case '2':  /* DUP */
+            if (need(m, 1, code) < 0 || push(m, Py_NewRef(m->stack[m->size - 1])) < 0 ||
+                charge(m, 16) < 0)
+                goto error;
+            break;
+        case 'q':  /* BINPUT */
+        case 'r':  /* LONG_BINPUT */
+        {
+            Py_ssize_t index;
+            if (code == 'q') {
+                if (m->pos >= n) {
+                    fail(m, "BINPUT without its index");
+                    goto error;
+                }
+                index = p[m->pos++];
+            } else {
+                if (n - m->pos < 4) {
+                    fail(m, "LONG_BINPUT without its index");
+                    goto error;
+                }
+                index = (Py_ssize_t)le32(p + m->pos);
+                m->pos += 4;
+            }
+            if (stack_len(m) == 0) {
+                fail(m, code == 'q' ? "BINPUT with an empty stack"
+                                    : "LONG_BINPUT with an empty stack");
+                goto error;
+            }
+            if (memo_put(m, index, m->stack[m->size - 1]) < 0)
+                goto error;
+            break;
+        }
+        case 0x94:  /* MEMOIZE */
+            if (stack_len(m) == 0) {
+                fail(m, "MEMOIZE with an empty stack");
+                goto error;
+            }
+            if (memo_append(m, m->stack[m->size - 1]) < 0)
+                goto error;
+            break;
+        case 'h':  /* BINGET */
+        case 'j':  /* LONG_BINGET */
+        {
+            Py_ssize_t index;
+            if (code == 'h') {
+                if (m->pos >= n) {
+                    fail(m, "BINGET without its index");
+                    goto error;
+                }
+                index = p[m->pos++];
+            } else {
+                if (n - m->pos < 4) {
+                    fail(m, "LONG_BINGET without its index");
+                    goto error;
+                }
+                index = (Py_ssize_t)le32(p + m->pos);
+                m->pos += 4;
+            }
+            if (push(m, memo_get(m, index, NULL)) < 0 || charge(m, 16) < 0)
+                goto error;
+            break;
+        }
+        case 'g':  /* GET (protocol 0) */
+        case 'p':  /* PUT (protocol 0) */
+        {
+            if ((a = line(m, code == 'g' ? "GET" : "PUT")) == NULL)
+                goto error;
+            b = text_int(m, a);
+            Py_DECREF(a);
+            if (b == NULL)
+                goto error;
+            int overflow = 0;
+            long long index = PyLong_AsLongLongAndOverflow(b, &overflow);
+            int rc;
+            if (code == 'g') {  /* a negative index was never stored (PUT refuses them) */
+                rc = push(m, memo_get(m, overflow || index < 0 ? -1 : (Py_ssize_t)index, b));
+                if (rc == 0)
+                    rc = charge(m, 16);
+            } else if ((rc = need(m, 1, code)) < 0) {
+            } else if (overflow < 0 || (!overflow && index < 0)) {
+                rc = fail(m, "negative PUT index");
+            } else if (!overflow && index <= PY_SSIZE_T_MAX) {
+                rc = memo_put(m, (Py_ssize_t)index, m->stack[m->size - 1]);
+            } else {
+                rc = sparse_put(m, b, m->stack[m->size - 1]);
+            }
+            Py_DECREF(b);
+            if (rc < 0)
+                goto error;
+            break;
+        }
+
+        /* -- globals, calls, persistent ids -- */
+        case 'c':  /* GLOBAL */
+        {
+            if ((a = line(m, "GLOBAL module")) == NULL)
+                goto error;
+            if ((b = line(m, "GLOBAL name")) == NULL) {
+                Py_DECREF(a);
+                goto error;
+            }
+            obj = global_(m, a, b);
+            Py_DECREF(a);
+            Py_DECREF(b);
+            if (push(m, obj) < 0 || charge(m, 16) < 0)
+                goto error;
+            break;
+        }
+        case 0x93:  /* STACK_GLOBAL */
+            if (need(m, 2, code) < 0)
+                goto error;
+            obj = global_(m, m->stack[m->size - 2], m->stack[m->size - 1]);
+            truncate_to(m, m->size - 2);
+            if (push(m, obj) < 0)
+                goto error;
+            break;
+        case 'R':  /* REDUCE */
+        case 0x81:  /* NEWOBJ */
+            if (code == 'R' && stack_len(m) < 2) {
+                fail(m, "REDUCE with fewer than two items on the stack");
+                goto error;
+            }
+            if (need(m, 2, code) < 0)
+                goto error;
+            obj = call(m, m->stack[m->size - 2], m->stack[m->size - 1], Py_None);
+            truncate_to(m, m->size - 1);
+            if (replace_top(m, obj) < 0)
+                goto error;
+            break;
+        case 0x92:  /* NEWOBJ_EX */
+            if (need(m, 3, code) < 0)
+                goto error;
+            obj = call(m, m->stack[m->size - 3], m->stack[m->size - 2], m->stack[m->size - 1]);
+            truncate_to(m, m->size - 2);
+            if (replace_top(m, obj) < 0)
+                goto error;
+            break;
+        case 'o':  /* OBJ: MARK cls args... OBJ */
+            if (pop_mark(m, code, &base) < 0)
+                goto error;
+            if (m->size == base) {
+                fail(m, "OBJ without a class");
+                goto error;
+            }
+            if ((a = tuple_of(m->stack + base + 1, m->size - base - 1)) == NULL)
+                goto error;
+            obj = call(m, m->stack[base], a, Py_None);
+            Py_DECREF(a);
+            truncate_to(m, base);
+            if (push(m, obj) < 0)
+                goto error;
+            break;
+        case 'i':  /* INST: MARK args... INST module\nname\n */
+        {
+            if ((a = line(m, "INST module")) == NULL)
+                goto error;
+            if ((b = line(m, "INST name")) == NULL) {
+                Py_DECREF(a);
+                goto error;
+            }
+            PyObject *func = pop_mark(m, code, &base) < 0 ? NULL : global_(m, a, b);
+            Py_DECREF(a);
+            Py_DECREF(b);
+            if (func == NULL)
+                goto error;
+            a = tuple_of(m->stack + base, m->size - base);
+            obj = a ? call(m, func, a, Py_None) : NULL;
+            Py_DECREF(func);
+            Py_XDECREF(a);
+            truncate_to(m, base);
+            if (push(m, obj) < 0)
+                goto error;
+            break;
+        }
+        case 'b':  /* BUILD */
+            if (need(m, 2, code) < 0 ||
+                build(m, m->stack[m->size - 2], m->stack[m->size - 1]) < 0)
+                goto error;
+            truncate_to(m, m->size - 1);
+            break;
+        case 'Q':  /* BINPERSID */
+            if (stack_len(m) == 0) {
+                fail(m, "BINPERSID with an empty stack");
+                goto error;
+            }
+            if (replace_top(m, persistent_load(m, m->stack[m->size - 1])) < 0 ||
+                charge(m, 160) < 0)
+                goto error;
+            break;
+        case 'P':  /* PERSID (protocol 0) */
+            if ((a = line(m, "PERSID")) == NULL)
+                goto error;
+            obj = persistent_load(m, a);
+            Py_DECREF(a);
+            if (push(m, obj) < 0 || charge(m, 160) < 0)
+                goto error;
+            break;
+
+        /* -- framing and the end -- */
+        case 0x80:  /* PROTO */
+            if ((q = take(m, 0, 1, "PROTO")) == NULL)
+                goto error;
+            m->proto = q[0];
+            if (m->proto > 5) {
+                fail(m, "unsupported pickle protocol %ld", m->proto);
+                goto error;
+            }
+            break;
+        case 0x95:  /* FRAME: a buffering hint; check the length and read straight on */
+        {
+            if ((q = take(m, 0, 8, "FRAME")) == NULL)
+                goto error;
+            uint64_t length = le64(q);
+            if (length > (uint64_t)(n - m->pos)) {
+                PyObject *x = commas_ull(st, length), *y = commas_ll(st, n - m->pos);
+                if (x != NULL && y != NULL)
+                    fail(m, "FRAME of %U bytes with %U bytes left", x, y);
+                Py_XDECREF(x);
+                Py_XDECREF(y);
+                goto error;
+            }
+            break;
+        }
+        case '.':  /* STOP */
+        {
+            if (stack_len(m) != 1 || m->nmarks) {
+                fail(m, "STOP with %zd objects on the stack and %zd open MARKs", stack_len(m),
+                     m->nmarks);
+                goto error;
+            }
+            PyObject *protocol = PyLong_FromLong(m->proto);
+            PyObject *end = protocol ? PyLong_FromSsize_t(m->pos) : NULL;
+            PyObject *result = end ? PyObject_CallFunctionObjArgs(
+                st->Interpretation, m->stack[0], protocol, m->seen, end, NULL) : NULL;
+            Py_XDECREF(protocol);
+            Py_XDECREF(end);
+            if (result == NULL)
+                goto error;
+            return result;
+        }
+
+        /* -- refused -- */
+        case 0x82:  /* EXT1 */
+        case 0x83:  /* EXT2 */
+        case 0x84:  /* EXT4 */
+            fail(m, "EXT opcode: extension codes name globals through Python's process-wide "
+                    "copyreg registry; ckptlab never consults it");
+            goto error;
+        case 0x97:  /* NEXT_BUFFER */
+        case 0x98:  /* READONLY_BUFFER */
+            fail(m, "out-of-band buffers (protocol 5) are not used by checkpoints");
+            goto error;
+        default:
+        {
+            char text[8];
+            opcode_text(text, code);
+            fail(m, "unknown opcode %s", text);
+            goto error;
+        }
+        }
+    }
+error:
+    return positioned(m, op);
+}
+
+static void
+machine_clear(Machine *m)
+{
+    truncate_to(m, 0);
+    PyMem_Free(m->stack);
+    PyMem_Free(m->marks);
+    for (Py_ssize_t i = 0; i < m->memo_len; i++)
+        Py_DECREF(m->memo[i]);
+    PyMem_Free(m->memo);
+    Py_XDECREF(m->sparse);
+    Py_XDECREF(m->globals);
+    Py_XDECREF(m->seen);
+    Py_XDECREF(m->keycache);
+    Py_XDECREF(m->buildable);
+}
+
+/* max(MEMORY_FLOOR, memory_per_byte * n), as a C long long (clamped: no pickle can charge
+ * anywhere near 2**63 bytes). */
+static int
+initial_budget(State *st, PyObject *memory_per_byte, Py_ssize_t n, long long *out)
+{
+    PyObject *floor = PyObject_GetAttrString(st->unpickle, "MEMORY_FLOOR");
+    PyObject *count = floor ? PyLong_FromSsize_t(n) : NULL;
+    PyObject *product = count ? PyNumber_Multiply(memory_per_byte, count) : NULL;
+    PyObject *budget = NULL;
+    if (product != NULL) {
+        int larger = PyObject_RichCompareBool(product, floor, Py_GT);
+        if (larger >= 0)
+            budget = Py_NewRef(larger ? product : floor);
+    }
+    Py_XDECREF(floor);
+    Py_XDECREF(count);
+    Py_XDECREF(product);
+    if (budget == NULL)
+        return -1;
+    int rc = 0;
+    if (PyFloat_Check(budget)) {
+        double value = PyFloat_AS_DOUBLE(budget);
+        *out = value >= 9.2e18 ? LLONG_MAX : value < 0 ? 0 : (long long)value;
+    } else {
+        PyObject *whole = PyNumber_Index(budget);
+        int overflow = 0;
+        long long value = whole ? PyLong_AsLongLongAndOverflow(whole, &overflow) : -1;
+        Py_XDECREF(whole);
+        if (whole == NULL || (value == -1 && PyErr_Occurred()))
+            rc = -1;
+        else
+            *out = overflow > 0 ? LLONG_MAX : overflow < 0 || value < 0 ? 0 : value;
+    }
+    Py_DECREF(budget);
+    return rc;
+}
+
+static PyObject *
+interpret(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"data", "handlers", "persistent_load", "buildable",
+                               "memory_per_byte", NULL};
+    PyObject *data, *handlers = Py_None, *persistent = Py_None, *buildable = NULL;
+    PyObject *memory_per_byte = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|$OOOO:interpret", keywords, &data,
+                                     &handlers, &persistent, &buildable, &memory_per_byte))
+        return NULL;
+    State *st = PyModule_GetState(module);
+    if (st == NULL || (!st->bound && bind(st) < 0))
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    Machine m;
+    memset(&m, 0, sizeof(m));
+    m.st = st;
+    m.p = view.buf;
+    m.n = view.len;
+    PyObject *result = NULL;
+    int truthy = handlers == Py_None ? 0 : PyObject_IsTrue(handlers);
+    if (truthy < 0)
+        goto done;
+    m.handlers = truthy ? handlers : NULL;  /* handlers or {} */
+    m.persistent = persistent == Py_None ? NULL : persistent;
+    if (buildable == NULL) {
+        m.buildable = PyTuple_Pack(1, st->Reduced);
+    } else {
+        PyObject *extra = PySequence_Tuple(buildable);
+        PyObject *first = extra ? PyTuple_Pack(1, st->Reduced) : NULL;
+        m.buildable = first ? PySequence_Concat(first, extra) : NULL;
+        Py_XDECREF(extra);
+        Py_XDECREF(first);
+    }
+    if (m.buildable == NULL ||
+        initial_budget(st, memory_per_byte ? memory_per_byte : st->memory_per_byte, m.n,
+                       &m.budget) < 0 ||
+        (m.globals = PyDict_New()) == NULL || (m.seen = PyList_New(0)) == NULL)
+        goto done;
+    result = run(&m);
+done:
+    machine_clear(&m);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+/* -- the module ------------------------------------------------------------------------- */
+static int
+module_traverse(PyObject *module, visitproc visit, void *arg)
+{
+    State *st = PyModule_GetState(module);
+    if (st == NULL)
+        return 0;
+#define VISIT(f) Py_VISIT(st->f);
+    STATE_OBJECTS(VISIT)
+#undef VISIT
+    return 0;
+}
+
+static int
+module_clear(PyObject *module)
+{
+    State *st = PyModule_GetState(module);
+    if (st != NULL)
+        unbind(st);
+    return 0;
+}
+
+static void
+module_free(void *module)
+{
+    module_clear((PyObject *)module);
+}
+
+PyDoc_STRVAR(interpret_doc,
+"interpret(data, *, handlers=None, persistent_load=None, buildable=(), memory_per_byte=64)\n"
+"--\n\n"
+"ckptlab.format._unpickle.interpret(data, ..., fast_paths=False), compiled: the same\n"
+"Interpretation, handler calls, memo, budget and errors (PickleDataError with .offset).");
+
+static PyMethodDef methods[] = {
+    {"interpret", (PyCFunction)(void (*)(void))interpret, METH_VARARGS | METH_KEYWORDS,
+     interpret_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_interp",
+    .m_doc = "ckptlab's pickle interpreter (ckptlab.format._unpickle's loop), compiled.",
+    .m_size = sizeof(State),
+    .m_methods = methods,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+PyMODINIT_FUNC
+PyInit__interp(void)
+{
+    PyObject *module = PyModule_Create(&module_def);
+    if (module != NULL)
+        memset(PyModule_GetState(module), 0, sizeof(State));
+    return module;
+}
