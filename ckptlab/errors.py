@@ -16,6 +16,7 @@ __all__ = [
     "CkptlabError",
     "CorruptArchiveError",
     "InvalidArgumentError",
+    "LibraryInternalsError",
     "PlanError",
     "StorageIOError",
     "TorchInternalsError",
@@ -164,6 +165,23 @@ class TorchInternalsError(CkptlabError, RuntimeError):
     def __init__(self, message: str, *, symbol: str, torch_version: str,
                  checked_on: tuple[str, ...] = ()) -> None:
         self.symbol, self.torch_version, self.checked_on = symbol, torch_version, checked_on
+        super().__init__(message)
+
+
+class LibraryInternalsError(CkptlabError, RuntimeError):
+    """A private API of bokeh, panel, plotly, anywidget or ipywidgets that ckptlab's views
+    rely on is missing or has changed.
+
+    ckptlab reaches every such API through :mod:`ckptlab.widgets._compat`, which names the
+    versions each was checked on. ``symbol`` is the private name (``bokeh.server.server.
+    Server._tornado``), ``library`` the distribution that holds it, ``version`` the installed
+    version of it and ``checked_on`` the versions the use was verified against.
+    """
+
+    def __init__(self, message: str, *, symbol: str, library: str, version: str,
+                 checked_on: tuple[str, ...] = ()) -> None:
+        self.symbol, self.library, self.version = symbol, library, version
+        self.checked_on = checked_on
         super().__init__(message)
 
 

@@ -39,12 +39,14 @@ import plotly
 import plotly.graph_objects as go
 import traitlets
 
+from ckptlab.widgets import _compat
+
 __all__ = ["FigureWidget"]
 
 # The _py2js_* traits plotly's front-end model acts on (basewidget.BaseFigureWidget).
-_PY2JS = ("_py2js_addTraces", "_py2js_deleteTraces", "_py2js_moveTraces", "_py2js_restyle",
-          "_py2js_relayout", "_py2js_update", "_py2js_animate", "_py2js_removeLayoutProps",
-          "_py2js_removeTraceProps")
+_PY2JS = _compat.plotly_py2js_traits()
+# ipywidgets' front-end comm message handler, which anywidget's model overrides (see below)
+_COMM_HANDLER = _compat.ipywidgets_js_comm_handler()
 
 # the first figure of a page imports plotly's bundle once the kernel is idle, or after _WAIT_MS,
 # and _QUIET_MS later (see settled() below)
@@ -60,6 +62,7 @@ const WAIT_MS = %(wait_ms)d;
 const BUNDLE = %(bundle_msg)s;
 const QUIET_MS = %(quiet_ms)d;
 const BUNDLE_TIMEOUT_MS = %(bundle_timeout_ms)d;
+const COMM_HANDLER = %(comm_handler)s;
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
@@ -134,10 +137,10 @@ async function takeMessages(model) {
   const real = await manager.get_model(id);
   const own = real && Object.getPrototypeOf(real);
   const base = own && Object.getPrototypeOf(own);
-  if (!own || !Object.prototype.hasOwnProperty.call(own, "_handle_comm_msg") || !base
-      || typeof base._handle_comm_msg !== "function" || !real.comm
+  if (!own || !Object.prototype.hasOwnProperty.call(own, COMM_HANDLER) || !base
+      || typeof base[COMM_HANDLER] !== "function" || !real.comm
       || typeof real.comm.on_msg !== "function") return;
-  real.comm.on_msg((msg) => base._handle_comm_msg.call(real, msg));
+  real.comm.on_msg((msg) => base[COMM_HANDLER].call(real, msg));
 }
 
 export default () => {
@@ -214,8 +217,9 @@ export default () => {
 
 @functools.cache
 def _plotly_bundle() -> str:
-    """plotly's anywidget bundle (``go.FigureWidget._esm``), read once."""
-    return str(go.FigureWidget._esm)
+    """plotly's anywidget bundle (:func:`~ckptlab.widgets._compat.plotly_widget_bundle`),
+    read once."""
+    return _compat.plotly_widget_bundle()
 
 
 @functools.cache
@@ -230,7 +234,8 @@ def _loader() -> str:
     return _LOADER % {"key": json.dumps(_loader_key()), "py2js": json.dumps(list(_PY2JS)),
                       "wait_ms": _WAIT_MS, "quiet_ms": _QUIET_MS,
                       "bundle_timeout_ms": _BUNDLE_TIMEOUT_MS,
-                      "bundle_msg": json.dumps(_BUNDLE_MSG)}
+                      "bundle_msg": json.dumps(_BUNDLE_MSG),
+                      "comm_handler": json.dumps(_COMM_HANDLER)}
 
 
 class FigureWidget(go.FigureWidget):
@@ -246,7 +251,7 @@ class FigureWidget(go.FigureWidget):
     _ckptlab_model_id = traitlets.Unicode().tag(sync=True)  # the comm's id, for the loader
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._esm = _loader()  # before AnyWidget.__init__ makes it a synced trait
+        _compat.anywidget_set_esm(self, _loader())  # before AnyWidget.__init__
         self._defer_open = True
         try:
             super().__init__(*args, **kwargs)
@@ -254,7 +259,8 @@ class FigureWidget(go.FigureWidget):
             self._defer_open = False
         self.on_msg(self._send_bundle)
         if self.comm is None:
-            self._model_id = self._ckptlab_model_id = uuid.uuid4().hex
+            self._ckptlab_model_id = uuid.uuid4().hex
+            _compat.ipywidgets_set_model_id(self, self._ckptlab_model_id)
         self.open()
 
     def _send_bundle(self, widget: Any, content: Any, buffers: Any) -> None:

@@ -24,6 +24,7 @@ import panel as pn
 
 from ckptlab.checkpoint._cache import CheckpointIndex
 from ckptlab.viz._style import html_table, human_nbytes
+from ckptlab.widgets._compat import TabulatorHooks
 from ckptlab.widgets._table_rows import COLUMNS, NameSearch, name_mask, tensor_frame
 
 __all__ = ["COLUMNS", "COLUMN_WIDTHS", "TABLE_CSS", "NameSearch", "TensorTable", "column_widths",
@@ -82,15 +83,13 @@ class _RowLabels(Mapping):
         return iter(range(len(self._index)))
 
 
-class LazyRowsTabulator(pn.widgets.Tabulator):
+class LazyRowsTabulator(TabulatorHooks, pn.widgets.Tabulator):
     """panel's Tabulator with its position -> label mapping read lazily (:class:`_RowLabels`)."""
 
-    def _update_index_mapping(self) -> None:
-        processed = getattr(self, "_processed", None)
-        if isinstance(processed, pd.DataFrame):
-            self._index_mapping = _RowLabels(processed.index)
-        else:  # panel's own way for anything else (None, a list)
-            super()._update_index_mapping()
+    def row_mapping(self, rows: Any) -> Mapping[int, Any] | None:
+        """Lazily, over the shown rows' index (:class:`_RowLabels`); panel's own dict for
+        anything else (a list)."""
+        return _RowLabels(rows.index) if isinstance(rows, pd.DataFrame) else None
 
 
 class TensorTable:

@@ -76,6 +76,7 @@ from ckptlab.viz import (
     storage_figure,
 )
 from ckptlab.viz._style import html_table, human_nbytes, plain_text
+from ckptlab.widgets import _compat
 from ckptlab.widgets._common import (
     HEX_NBYTES,
     LayoutSource,
@@ -177,9 +178,7 @@ def _warm_plotly() -> None:
 
 def _plotly_src() -> str:
     """The URL (relative to the page) of the plotly.js that panel serves."""
-    from panel.models.plotly import PlotlyPlot
-
-    return str(PlotlyPlot.__javascript__[0])
+    return _compat.panel_plotly_js_url()
 
 
 def _page_without_plotly(doc: Any) -> bool:
@@ -191,7 +190,7 @@ def _page_without_plotly(doc: Any) -> bool:
     panel's private ``state._extensions_`` (panel 1.x); where that is missing the page simply
     carries plotly.js, as before.
     """
-    table = getattr(pn.state, "_extensions_", None)
+    table = _compat.panel_document_extensions()
     if doc is None or table is None:
         return False
     try:
@@ -206,7 +205,7 @@ def _sent_without_plotly(doc: Any) -> bool:
     """Whether session ``doc``'s page went out without plotly.js and has not loaded it since
     (a page that showed the index's progress first: its byte map, even one ready now, waits
     for :class:`PlotlyLoader`). Panel's own per-document extension list says so."""
-    table = getattr(pn.state, "_extensions_", None)
+    table = _compat.panel_document_extensions()
     try:
         return table is not None and doc in table and "plotly" not in table[doc]
     except TypeError:
@@ -216,7 +215,7 @@ def _sent_without_plotly(doc: Any) -> bool:
 def _plotly_now_loaded(doc: Any) -> None:
     """Tell panel that ``doc``'s page has plotly.js now (so a new Plotly pane does not warn
     that its extension is missing)."""
-    table = getattr(pn.state, "_extensions_", None)
+    table = _compat.panel_document_extensions()
     if doc is not None and table is not None and doc in table and "plotly" not in table[doc]:
         table[doc].append("plotly")
 
@@ -1316,7 +1315,7 @@ def workbench_server(served: ServedCheckpoint, *, port: int, address: str) -> An
     server = get_server({"/": sessions.open}, port=0, address="127.0.0.1",
                         websocket_origin=_origins(address, port), title="ckptlab",
                         start=False, warm=True, **_SESSION_OPTIONS)
-    server.unlisten()  # bokeh bound a port of its own: requests come through the front
+    _compat.bokeh_unlisten(server)  # the port bokeh bound: requests come through the front
     server.start()  # bokeh's periodic work (unused sessions), not the IOLoop
     return server
 

@@ -43,6 +43,7 @@ from tornado.ioloop import IOLoop
 from ckptlab.checkpoint._cache import CheckpointIndex, InspectionCache
 from ckptlab.errors import InvalidArgumentError
 from ckptlab.viz._style import human_nbytes, plain_text
+from ckptlab.widgets import _compat
 
 if TYPE_CHECKING:  # pandas and numpy come with the index, on its thread
     import numpy as np
@@ -391,11 +392,12 @@ class QuickServer(httputil.HTTPServerConnectionDelegate):
                              address: str) -> None:
         try:
             self.server = build(served, port=port, address=address)
+            workbench = _compat.bokeh_tornado_app(self.server)  # a tornado Application
         except Exception as exc:
             self.workbench_error = f"{type(exc).__name__}: {exc}"
             self.changed["workbench"].set()
             return
-        self.switch(self.server._tornado)  # bokeh's BokehTornado (a tornado Application)
+        self.switch(workbench)
 
     # -- what the page reads -----------------------------------------------------------------
     def state(self) -> dict[str, Any]:

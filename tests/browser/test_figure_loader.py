@@ -30,7 +30,8 @@ def _loader(timeout_ms: int) -> str:
     return _figure._LOADER % {
         "key": json.dumps(_figure._loader_key()), "py2js": json.dumps(list(_figure._PY2JS)),
         "wait_ms": _figure._WAIT_MS, "quiet_ms": 0, "bundle_timeout_ms": timeout_ms,
-        "bundle_msg": json.dumps(_figure._BUNDLE_MSG)}
+        "bundle_msg": json.dumps(_figure._BUNDLE_MSG),
+        "comm_handler": json.dumps(_figure._COMM_HANDLER)}
 
 
 def test_without_a_kernel_the_figure_says_why_it_is_empty(page) -> None:
