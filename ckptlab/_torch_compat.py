@@ -37,6 +37,7 @@ __all__ = [
     "PrivateSymbol",
     "async_stager_sync_attribute",
     "checkpoint_offset",
+    "chunk_sharding_spec",
     "dtype_to_storage_type_map",
     "empty_affine_quantized",
     "empty_per_channel_affine_quantized",
@@ -44,6 +45,7 @@ __all__ = [
     "flatten_state_dict",
     "gds_file_release_fd",
     "gds_register_handle",
+    "local_shape_and_global_offset",
     "memory_format_encoding",
     "metadata_file_name",
     "nested_tensor_class",
@@ -51,6 +53,8 @@ __all__ = [
     "pytorch_file_reader",
     "pytorch_file_writer",
     "resolve",
+    "shard_tensor",
+    "sharded_zeros",
     "skip_data_inflates_storages",
     "storage_identity",
     "storage_info_class",
@@ -155,6 +159,20 @@ SYMBOLS: dict[str, PrivateSymbol] = dict([
            "the file offset torch.load records on a storage it did not read: tests and "
            "benchmarks compare ckptlab's offsets with it. Set by torch.load(map_location="
            "'meta') on 2.13.0; on 2.7.0 only under FakeTensorMode (instance attribute)"),
+    _entry("torch.distributed._shard.api._shard_tensor", "torch.distributed._shard.api",
+           "a ShardedTensor from a full tensor and a sharding spec: testing/dcp_workers.py "
+           "and testing/plan_workers.py save ShardedTensors as DCP's legacy sharding"),
+    _entry("torch.distributed._shard.sharded_tensor.zeros",
+           "torch.distributed._shard.sharded_tensor",
+           "an all-zero ShardedTensor to dcp.load into: testing/dcp_workers.py"),
+    _entry("torch.distributed._shard.sharding_spec.ChunkShardingSpec",
+           "torch.distributed._shard.sharding_spec",
+           "the ShardedTensor chunking spec (dim, placements): testing/dcp_workers.py, "
+           "testing/plan_workers.py"),
+    _entry("torch.distributed.tensor._utils.compute_local_shape_and_global_offset",
+           "torch.distributed.tensor._utils",
+           "a DTensor rank's local shape and global offset as torch computes them: "
+           "testing/dcp_workers.py checks the saved chunks against it"),
     _entry("torch.cuda.gds.GdsFile.fd", "torch.cuda.gds",
            "GdsFile's file descriptor (instance attribute): gds/_backends.py closes it itself "
            "and swaps in /dev/null because GdsFile.__del__ closes it again"),
@@ -254,6 +272,27 @@ def flatten_state_dict() -> Any:
 def storage_info_class() -> Any:
     """``torch.distributed.checkpoint.filesystem._StorageInfo``: DCP's per-item record."""
     return resolve("torch.distributed.checkpoint.filesystem._StorageInfo")
+
+
+def shard_tensor() -> Any:
+    """``torch.distributed._shard.api._shard_tensor(tensor, spec)``: a ShardedTensor."""
+    return resolve("torch.distributed._shard.api._shard_tensor")
+
+
+def sharded_zeros() -> Any:
+    """``torch.distributed._shard.sharded_tensor.zeros(spec, *shape)``."""
+    return resolve("torch.distributed._shard.sharded_tensor.zeros")
+
+
+def chunk_sharding_spec() -> Any:
+    """``torch.distributed._shard.sharding_spec.ChunkShardingSpec``."""
+    return resolve("torch.distributed._shard.sharding_spec.ChunkShardingSpec")
+
+
+def local_shape_and_global_offset() -> Any:
+    """``torch.distributed.tensor._utils.compute_local_shape_and_global_offset(shape, mesh,
+    placements)``."""
+    return resolve("torch.distributed.tensor._utils.compute_local_shape_and_global_offset")
 
 
 def memory_format_encoding() -> Any:

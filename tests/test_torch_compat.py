@@ -28,6 +28,11 @@ ACCESSORS = {
     "torch._nested_view_from_buffer": tc.nested_view_from_buffer,
     "torch.nested._internal.nested_tensor.NestedTensor": tc.nested_tensor_class,
     "torch._C._gds_register_handle": tc.gds_register_handle,
+    "torch.distributed._shard.api._shard_tensor": tc.shard_tensor,
+    "torch.distributed._shard.sharded_tensor.zeros": tc.sharded_zeros,
+    "torch.distributed._shard.sharding_spec.ChunkShardingSpec": tc.chunk_sharding_spec,
+    "torch.distributed.tensor._utils.compute_local_shape_and_global_offset":
+        tc.local_shape_and_global_offset,
     "torch.storage._dtype_to_storage_type_map": lambda: (
         tc.dtype_to_storage_type_map() and tc.resolve("torch.storage._dtype_to_storage_type_map")),
     "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING": tc.memory_format_encoding,

@@ -68,9 +68,9 @@ def _placements(spec: tuple[str, ...]) -> list[Any]:
 
 def _chunk_of(fqn: str, t: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(global offsets, local sizes) of this rank's part of a DTensor, as torch computes them."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from ckptlab._torch_compat import local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    shape, offset = local_shape_and_global_offset()(t.shape, t.device_mesh, t.placements)
     assert tuple(t.to_local().shape) == tuple(shape), fqn
     return tuple(offset), tuple(shape)
 
@@ -170,9 +170,9 @@ def sharded_tensor_full() -> Any:
 
 
 def _st_spec(dim: int, world_size: int) -> Any:
-    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+    from ckptlab._torch_compat import chunk_sharding_spec
 
-    return ChunkShardingSpec(dim=dim, placements=[f"rank:{r}/cpu" for r in range(world_size)])
+    return chunk_sharding_spec()(dim=dim, placements=[f"rank:{r}/cpu" for r in range(world_size)])
 
 
 def _st_chunk(st: Any) -> list[tuple[tuple[int, ...], tuple[int, ...], Any]]:
@@ -187,19 +187,19 @@ def sharded_tensor_run(rank: int, world_size: int, path: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed._shard import sharded_tensor
-    from torch.distributed._shard.api import _shard_tensor
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from ckptlab._torch_compat import shard_tensor, sharded_zeros
+
     full = sharded_tensor_full()
-    st = _shard_tensor(full.clone(), _st_spec(0, world_size))
+    st = shard_tensor()(full.clone(), _st_spec(0, world_size))
     dcp.save({"st": st, "step": 5, "meta": {"kind": "st"}}, checkpoint_id=path)
     saved = _st_chunk(st)
     dist.barrier()
     out: dict[str, Any] = {"saved": saved}
     for name, dim in (("same", 0), ("dim1", 1)):
-        target = sharded_tensor.zeros(_st_spec(dim, world_size), *full.shape)
+        target = sharded_zeros()(_st_spec(dim, world_size), *full.shape)
         objs = {"st": target, "step": 0, "meta": {"kind": ""}}
         planner = _recording_planner()
         dcp.load(objs, checkpoint_id=path, planner=planner)

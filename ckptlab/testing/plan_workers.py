@@ -7,10 +7,8 @@ def write_items_vs_torch(rank: int, world_size: int) -> tuple[list, list]:
     """ckptlab's write items and torch's local save plan for DTensors on a 2-D mesh, a
     ShardedTensor, plain tensors and objects; both as plain tuples."""
     import torch
-    from torch.distributed._shard import sharded_tensor  # noqa: F401
-    from torch.distributed._shard.api import _shard_tensor
-    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
 
+    from ckptlab._torch_compat import chunk_sharding_spec, shard_tensor
     from ckptlab._torch_compat import flatten_state_dict as _flatten
     flatten_state_dict = _flatten()
     from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
@@ -23,12 +21,12 @@ def write_items_vs_torch(rank: int, world_size: int) -> tuple[list, list]:
     mesh = init_device_mesh("cpu", (2, world_size // 2))
     g = torch.Generator().manual_seed(0)
     full = torch.randn(9, 7, generator=g)
-    spec = ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(world_size)])
+    spec = chunk_sharding_spec()(dim=0, placements=[f"rank:{r}/cpu" for r in range(world_size)])
     state = {
         "a": distribute_tensor(full, mesh, [Shard(0), Shard(1)]),
         "b": distribute_tensor(full.to(torch.bfloat16), mesh, [Replicate(), Shard(0)]),
         "c": distribute_tensor(full[:3, 0].clone(), mesh, [Shard(0), Shard(0)]),
-        "st": _shard_tensor(torch.arange(21, dtype=torch.int64).reshape(7, 3), spec),
+        "st": shard_tensor()(torch.arange(21, dtype=torch.int64).reshape(7, 3), spec),
         "plain": torch.ones(2, 2),
         "nested": {"lr": 0.1, "t": torch.zeros(3, dtype=torch.int32)},
         "step": 3,
