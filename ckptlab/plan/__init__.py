@@ -38,7 +38,7 @@ from ckptlab.plan.planning import (
     GlobalPlan,
     PlanBook,
     PlanDiff,
-    TensorEntry,
+    PlannedTensor,
     compare_plans,
     global_plan,
     merge_delta,
@@ -48,9 +48,13 @@ from ckptlab.plan.reshard import Chunk, ReadItem, read_items, sweep_dimension
 from ckptlab.plan.simulate import CONFIGS, ModelConfig, TensorSpec, simulate_plans, state_shapes
 from ckptlab.plan.validate import ChunkProblem, require_valid, validate_chunks
 
+# The name a global plan's tensor had until it was renamed: ckptlab.TensorEntry (checkpoint/)
+# is a different class, a tensor of an opened checkpoint.
+TensorEntry = PlannedTensor
+
 __all__ = ["CONFIGS", "CacheEvent", "CachedSavePlanner", "Chunk", "ChunkProblem", "DcpItem", "DcpLayout",
            "GlobalPlan", "LocalPlan", "ModelConfig", "PlanBook", "PlanCache", "PlanDiff",
-           "RankError", "ReadItem", "TensorEntry", "TensorSpec", "WriteItem", "compare_plans",
+           "PlannedTensor", "RankError", "ReadItem", "TensorEntry", "TensorSpec", "WriteItem", "compare_plans",
            "global_plan", "inspect_dcp", "is_dcp_dir", "load_metadata", "local_plan",
            "merge_delta", "parse_placements", "read_items", "require_valid", "run_ranks",
            "shard_chunk", "simulate_plans", "state_shapes", "structure_fingerprint",

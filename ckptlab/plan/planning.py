@@ -32,14 +32,14 @@ from ckptlab.plan.items import LocalPlan, WriteItem
 from ckptlab.plan.reshard import Chunk, read_items
 from ckptlab.plan.validate import ChunkProblem, validate_chunks
 
-__all__ = ["GlobalPlan", "PlanBook", "PlanDiff", "TensorEntry", "compare_plans", "global_plan",
+__all__ = ["GlobalPlan", "PlanBook", "PlanDiff", "PlannedTensor", "compare_plans", "global_plan",
            "merge_delta"]
 
 Key = tuple[str, "tuple[int, ...] | None"]
 
 
 @dataclass(frozen=True, slots=True)
-class TensorEntry:
+class PlannedTensor:
     """One tensor of the checkpoint: its shape, dtype and the chunks saved, each with the rank
     that writes it (in rank order, as the metadata lists them)."""
 
@@ -68,13 +68,13 @@ class GlobalPlan:
     _objects: Mapping[str, int]
 
     @cached_property
-    def tensors(self) -> dict[str, TensorEntry]:
-        """fqn -> :class:`TensorEntry`, in first-appearance order."""
+    def tensors(self) -> dict[str, PlannedTensor]:
+        """fqn -> :class:`PlannedTensor`, in first-appearance order."""
         out = {}
         for fqn, chunks in self._chunks.items():
             pairs = sorted(chunks.values(), key=lambda p: p[1])
             size, dtype = self._info[fqn]
-            out[fqn] = TensorEntry(fqn, size, dtype, tuple(it.chunk for it, _ in pairs),
+            out[fqn] = PlannedTensor(fqn, size, dtype, tuple(it.chunk for it, _ in pairs),
                                    tuple(r for _, r in pairs))
         return out
 

@@ -24,7 +24,7 @@ from ckptlab.dcp import DcpLayout
 from ckptlab.errors import InvalidArgumentError
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.plan.cache import CacheEvent
-from ckptlab.plan.planning import GlobalPlan, TensorEntry
+from ckptlab.plan.planning import GlobalPlan, PlannedTensor
 from ckptlab.plan.reshard import Chunk, ReadItem, read_items
 from ckptlab.viz._style import ACCENT, PALETTE, human_nbytes, plain_text, style_figure
 
@@ -128,8 +128,8 @@ def chunk_boxes(size: Sequence[int], chunk: Chunk) -> tuple[list[Box], bool]:
     return boxes, True
 
 
-def tensor_chunks(source: GlobalPlan | DcpLayout | TensorEntry, fqn: str | None = None
-                  ) -> tuple[TensorEntry, list[str]]:
+def tensor_chunks(source: GlobalPlan | DcpLayout | PlannedTensor, fqn: str | None = None
+                  ) -> tuple[PlannedTensor, list[str]]:
     """One tensor's shape, dtype, chunks and writer ranks, from a plan or a checkpoint.
 
     Parameters
@@ -137,16 +137,16 @@ def tensor_chunks(source: GlobalPlan | DcpLayout | TensorEntry, fqn: str | None 
     source
         A :class:`~ckptlab.plan.GlobalPlan` (chunks and writers after dedup), a
         :class:`~ckptlab.plan.DcpLayout` (chunks as saved; the rank is read from the data
-        file's name, ``__{rank}_0.distcp``), or a :class:`~ckptlab.plan.TensorEntry`.
+        file's name, ``__{rank}_0.distcp``), or a :class:`~ckptlab.plan.PlannedTensor`.
     fqn
-        The tensor (not needed for a TensorEntry).
+        The tensor (not needed for a PlannedTensor).
 
     Returns
     -------
-    (TensorEntry, where)
+    (PlannedTensor, where)
         The entry, and per chunk where it lives (``"rank 3"``, or the data file and offset).
     """
-    if isinstance(source, TensorEntry):
+    if isinstance(source, PlannedTensor):
         return source, [f"rank {r}" for r in source.writers]
     if not isinstance(fqn, str):
         raise InvalidArgumentError(f"fqn must be a tensor name, got {fqn!r}")
@@ -166,12 +166,12 @@ def tensor_chunks(source: GlobalPlan | DcpLayout | TensorEntry, fqn: str | None 
             m = _DISTCP.search(i.file)
             ranks.append(int(m.group(1)) if m else files.index(i.file))
         order = sorted(range(len(items)), key=lambda k: (ranks[k], items[k].chunk_offsets))
-        entry = TensorEntry(fqn, tuple(md.size), str(md.properties.dtype).removeprefix("torch."),
+        entry = PlannedTensor(fqn, tuple(md.size), str(md.properties.dtype).removeprefix("torch."),
                             tuple(Chunk(items[k].chunk_offsets, items[k].chunk_sizes)
                                   for k in order), tuple(ranks[k] for k in order))
         return entry, [f"rank {ranks[k]} · {items[k].file} @ {items[k].offset:,}"
                        for k in order]
-    raise InvalidArgumentError("expected a GlobalPlan, a DcpLayout or a TensorEntry, got "
+    raise InvalidArgumentError("expected a GlobalPlan, a DcpLayout or a PlannedTensor, got "
                                f"{type(source).__name__}")
 
 
@@ -255,7 +255,7 @@ def _axis_titles(size: Sequence[int]) -> tuple[str, str]:
     return f"dims 1..{len(size) - 1} flattened", "dim 0 (rows)"
 
 
-def shard_map_figure(source: GlobalPlan | DcpLayout | TensorEntry,
+def shard_map_figure(source: GlobalPlan | DcpLayout | PlannedTensor,
                      fqn: str | None = None) -> go.Figure:
     """Which rank owns which chunk of one tensor, drawn on the tensor's 2-D grid.
 
@@ -265,7 +265,7 @@ def shard_map_figure(source: GlobalPlan | DcpLayout | TensorEntry,
         A :class:`~ckptlab.plan.GlobalPlan` (the writer of each chunk after dedup), a
         :class:`~ckptlab.plan.DcpLayout` from :func:`ckptlab.inspect` of a DCP directory (the
         rank whose ``__{rank}_0.distcp`` file holds the chunk), or a
-        :class:`~ckptlab.plan.TensorEntry`.
+        :class:`~ckptlab.plan.PlannedTensor`.
     fqn
         The tensor's name in the state dict.
 

@@ -22,7 +22,7 @@ from ckptlab.plan import (
     DcpItem,
     DcpLayout,
     PlanCache,
-    TensorEntry,
+    PlannedTensor,
     WriteItem,
     global_plan,
     local_plan,
@@ -196,7 +196,7 @@ def test_chunk_boxes_of_higher_dims_cover_exactly_the_chunk(size, placements, me
         for r0, r1, c0, c1 in boxes:
             drawn[r0:r1, c0:c1] = r
     assert _same(drawn, painted)
-    entry = TensorEntry("t", size, "float32", tuple(chunks), tuple(ranks))
+    entry = PlannedTensor("t", size, "float32", tuple(chunks), tuple(ranks))
     ys, xs, z = _cells(shard_map_figure(entry))
     assert _same(_expanded(ys, xs, z), painted)
 
@@ -206,7 +206,7 @@ def test_chunk_boxes_fall_back_to_the_bounding_box_beyond_the_run_limit() -> Non
     chunk = shard_chunk(size, (2,), (0,), ["S2"])  # 600 runs of 2 columns
     boxes, exact = chunk_boxes(size, chunk)
     assert not exact and boxes == [(0, 2, 0, 599 * 4 + 2)]
-    fig = shard_map_figure(TensorEntry("t", size, "float32", (chunk,), (0,)))
+    fig = shard_map_figure(PlannedTensor("t", size, "float32", (chunk,), (0,)))
     assert fig.layout.meta["exact"] is False
     assert chunk_boxes(size, Chunk((0, 0, 0), (2, 0, 4))) == ([], True)
 
