@@ -76,7 +76,7 @@ def timed(fn: Any, repeat: int) -> tuple[float, Any]:
     return statistics.median(times), out
 
 
-def per_segment_bars(layout: ckptlab.ArchiveLayout) -> go.Figure:
+def per_segment_bars(layout: ckptlab.format.ArchiveLayout) -> go.Figure:
     """The obvious alternative: one horizontal bar per segment, coloured by kind."""
     segs = layout.segments
     return go.Figure(go.Bar(

@@ -15,7 +15,7 @@ __all__ = ["inspect"]
 def inspect(source: str | os.PathLike[str] | BinaryIO | bytes) -> ArchiveLayout | DcpLayout:
     """The layout of a checkpoint: a torch.save file, a ``.safetensors`` file or a DCP directory.
 
-    Files give an :class:`~ckptlab.ArchiveLayout` (see :func:`ckptlab.format.inspect`); a
+    Files give an :class:`~ckptlab.format.ArchiveLayout` (see :func:`ckptlab.format.inspect`); a
     directory written by ``torch.distributed.checkpoint.save`` gives a
     :class:`~ckptlab.plan.DcpLayout` (see :func:`ckptlab.plan.inspect_dcp`). Nothing in the
     checkpoint is executed.

@@ -132,7 +132,7 @@ class ArchiveLayout:
 
     ``tensors`` are the tensors as the pickle rebuilds them (storage views, one
     :class:`TensorInfo` each, in pickle order); the tensor-first view, name -> entry, is
-    :attr:`ckptlab.Checkpoint.tensors`.
+    :attr:`ckptlab.checkpoint.Checkpoint.tensors`.
     """
 
     format: str  # "torch-zip" or "safetensors"

@@ -204,7 +204,7 @@ def realign(layout: ArchiveLayout, alignment: int) -> ArchiveLayout:
     --------
     >>> import ckptlab as cl
     >>> layout = cl.inspect(cl.samples.sample_path())
-    >>> cl.realign(layout, 4096).alignment
+    >>> cl.format.realign(layout, 4096).alignment
     4096
     """
     _check_alignment(alignment)

@@ -15,12 +15,12 @@ __all__ = ["alignment_figure"]
 
 
 def alignment_figure(costs: Sequence[AlignmentCost], *, current: int | None = None) -> go.Figure:
-    """Padding bytes and overhead share for each alignment, from :func:`ckptlab.alignment_costs`.
+    """Padding bytes and overhead share for each alignment, from :func:`ckptlab.format.alignment_costs`.
 
     Parameters
     ----------
     costs
-        Rows from :func:`ckptlab.alignment_costs` (one checkpoint at several alignments).
+        Rows from :func:`ckptlab.format.alignment_costs` (one checkpoint at several alignments).
     current
         An alignment to highlight (the file's own, or the one a control selects).
 
@@ -35,7 +35,7 @@ def alignment_figure(costs: Sequence[AlignmentCost], *, current: int | None = No
     rows = list(costs)
     if not rows or not all(isinstance(r, AlignmentCost) for r in rows):
         raise InvalidArgumentError(
-            "alignment_figure needs the rows of ckptlab.alignment_costs(...)")
+            "alignment_figure needs the rows of ckptlab.format.alignment_costs(...)")
     labels = [str(r.alignment) for r in rows]
     ready = [r.storages > 0 and r.storages_4k_aligned == r.storages for r in rows]
     colors = [KIND_COLORS[SegmentKind.DATA] if ok else KIND_COLORS[SegmentKind.PADDING]

@@ -13,7 +13,7 @@ and its small records, a safetensors JSON header, DCP's ``.metadata``) have thei
 ``metadata`` lane: the data lane holds tensor bytes only. Hover text is in plain words and
 names the tensors whose bytes a cell holds.
 
-A map is built from an :class:`~ckptlab.ArchiveLayout` (one torch.save or safetensors file,
+A map is built from an :class:`~ckptlab.format.ArchiveLayout` (one torch.save or safetensors file,
 or a predicted layout) or from one file of a :class:`~ckptlab.checkpoint.Checkpoint` of any
 format (its segments and its tensors' parts). :class:`ByteMap` holds the numeric arrays once
 per file, so re-binning for a zoom is a few ``searchsorted`` calls.
@@ -447,7 +447,7 @@ def bytemap_trace(source: Any, *, x_range: tuple[float, float] | None = None,
     Parameters
     ----------
     source
-        An :class:`~ckptlab.ArchiveLayout`, a :class:`ByteMap`, a checkpoint ``FileEntry``
+        An :class:`~ckptlab.format.ArchiveLayout`, a :class:`ByteMap`, a checkpoint ``FileEntry``
         or a :class:`~ckptlab.checkpoint.Checkpoint` (then ``file`` picks its file).
     x_range, bins, exact_threshold
         As for :func:`bytemap_figure`.
@@ -636,7 +636,7 @@ def bytemap_figure(source: Any, *, x_range: tuple[float, float] | None = None,
     Parameters
     ----------
     source
-        An :class:`~ckptlab.ArchiveLayout`, a prepared :class:`ByteMap` (reuse one to re-bin
+        An :class:`~ckptlab.format.ArchiveLayout`, a prepared :class:`ByteMap` (reuse one to re-bin
         quickly), a checkpoint ``FileEntry``, or a :class:`~ckptlab.checkpoint.Checkpoint`
         (``ckptlab.open``; ``file`` picks the file).
     x_range

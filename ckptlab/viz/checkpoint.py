@@ -2,7 +2,7 @@
 
 Users arrive with a model, not a zip record: these views start from the tensors of a
 :class:`~ckptlab.checkpoint.Checkpoint` (``ckptlab.open``; any format) or of an
-:class:`~ckptlab.ArchiveLayout` (a predicted layout has tensors too). The data functions
+:class:`~ckptlab.format.ArchiveLayout` (a predicted layout has tensors too). The data functions
 (:func:`tensor_table`, :func:`query_tensors`, :func:`module_tree`, :func:`dtype_totals`,
 :func:`checkpoint_summary`) are pure and plotly-free, for the notebook widgets, the served
 app, the report and the CLI alike; the ``*_figure`` functions draw them.
@@ -117,7 +117,7 @@ def _is_checkpoint(source: Any) -> bool:
 
 def tensor_table(source: Any) -> TensorTable:
     """The tensor table of a :class:`~ckptlab.checkpoint.Checkpoint` or an
-    :class:`~ckptlab.ArchiveLayout` (one pass over the tensors).
+    :class:`~ckptlab.format.ArchiveLayout` (one pass over the tensors).
 
     Raises
     ------
@@ -443,7 +443,7 @@ def treemap_figure(source: Any, *, max_nodes: int = 1500, theme: str | None = No
     Parameters
     ----------
     source
-        A :class:`~ckptlab.checkpoint.Checkpoint`, an :class:`~ckptlab.ArchiveLayout` or a
+        A :class:`~ckptlab.checkpoint.Checkpoint`, an :class:`~ckptlab.format.ArchiveLayout` or a
         :class:`TensorTable`.
     max_nodes
         At most this many boxes: the largest prefixes are opened first, and where a prefix

@@ -89,7 +89,7 @@ def report_html(source: Any, *, hex_bytes: bytes | None = None, hex_file: str | 
     Parameters
     ----------
     source
-        The :class:`~ckptlab.ArchiveLayout` of one file (``ckptlab.inspect``), or a
+        The :class:`~ckptlab.format.ArchiveLayout` of one file (``ckptlab.inspect``), or a
         :class:`~ckptlab.checkpoint.Checkpoint` (``ckptlab.open``) of any format.
     hex_bytes
         The first bytes of a file (at most 1024 are shown), for a coloured hex view.

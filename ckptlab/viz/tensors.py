@@ -39,7 +39,7 @@ def storage_figure(layout: ArchiveLayout, *, max_rows: int = 60,
     Parameters
     ----------
     layout
-        An :class:`~ckptlab.ArchiveLayout` with tensors (torch.save zip or safetensors).
+        An :class:`~ckptlab.format.ArchiveLayout` with tensors (torch.save zip or safetensors).
     max_rows
         At most this many tensor rows; storages viewed by several tensors come first when
         ``shared_first``, then the largest.

@@ -273,8 +273,8 @@ class LayoutCache:
     """Per-file, per-alignment work done once and shared by every session of a server.
 
     :meth:`view` gives the :class:`LayoutView` of a layout at an alignment (the what-if layout
-    is placed by :func:`ckptlab.realign`, and its byte map arrays built, on the first request
-    only); :meth:`costs` gives :func:`ckptlab.alignment_costs` of a file once. Keys are the
+    is placed by :func:`ckptlab.format.realign`, and its byte map arrays built, on the first request
+    only); :meth:`costs` gives :func:`ckptlab.format.alignment_costs` of a file once. Keys are the
     file's identity (path, inode, size, mtime) and the alignment, so sessions that opened the
     same file share entries even when each inspected it. Entries hold frozen data only, never
     a session's objects; the least recently used go when there are more than ``max_views``
@@ -316,7 +316,7 @@ class LayoutCache:
 
     def costs(self, layout: ArchiveLayout,
               alignments: Sequence[int]) -> tuple[AlignmentCost, ...]:
-        """:func:`ckptlab.alignment_costs` of ``layout`` at ``alignments``."""
+        """:func:`ckptlab.format.alignment_costs` of ``layout`` at ``alignments``."""
         key = (_file_identity(layout), tuple(alignments))
         return self._get(self._costs, key, self.max_costs, layout,
                          lambda: alignment_costs(layout, list(alignments)))
@@ -356,7 +356,7 @@ class LayoutApp:
     """The app's state and views for one checkpoint; ``.view`` is the panel layout.
 
     The alignment control shows the layout torch.save would write at another alignment (the
-    same records re-placed, :func:`ckptlab.realign`); the file's own alignment shows the file
+    same records re-placed, :func:`ckptlab.format.realign`); the file's own alignment shows the file
     as it is. Zooming the byte map re-bins it; clicking it, or picking an item, shows that
     item's bytes, tensors and hex.
 
@@ -1214,7 +1214,7 @@ def serve(source: LayoutSource | ServedCheckpoint, *, port: int = 5006,
     source
         A checkpoint file or directory of any format :func:`ckptlab.open` reads (each
         session gets a :class:`CheckpointApp`), a :class:`ServedCheckpoint`, or an
-        :class:`~ckptlab.ArchiveLayout` or bytes (a :class:`LayoutApp`: records and the
+        :class:`~ckptlab.format.ArchiveLayout` or bytes (a :class:`LayoutApp`: records and the
         alignment what-if only).
     port, address
         Where to listen (``127.0.0.1``: this machine only).

@@ -60,7 +60,7 @@ class LayoutExplorer(w.VBox):
     ----------
     source
         A :class:`~ckptlab.checkpoint.Checkpoint` (``ckptlab.open``), a path to anything
-        ``ckptlab.open`` reads (a file or a directory), an :class:`~ckptlab.ArchiveLayout`
+        ``ckptlab.open`` reads (a file or a directory), an :class:`~ckptlab.format.ArchiveLayout`
         (a predicted one too) or the bytes of a checkpoint file. Nothing is unpickled.
     data
         Where the hex view reads bytes from; by default the file on disk (``None`` for a
@@ -439,7 +439,7 @@ class AlignmentExplorer(w.VBox):
     ----------
     source
         A state dict (or anything torch.save accepts: pickled once by torch under
-        ``skip_data``), an :class:`~ckptlab.ArchiveLayout`, or a path to a checkpoint.
+        ``skip_data``), an :class:`~ckptlab.format.ArchiveLayout`, or a path to a checkpoint.
     alignments
         The choices, 1..65504 each.
     value

@@ -34,13 +34,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptlab
-from ckptlab import SegmentKind
 from ckptlab.errors import (
     ArchiveError,
     CorruptArchiveError,
     TruncatedArchiveError,
     UnsupportedFormatError,
 )
+from ckptlab.format import SegmentKind
 from ckptlab.format._pickle import scan_pickle
 from ckptlab.testing.archives import rewrite_archive
 
@@ -48,7 +48,7 @@ HANG_GUARD_S = 2.0  # one call on a ~3 KiB file takes ~1 ms; this only catches h
 MiB = 1 << 20
 
 
-def storage_offsets_scanned(source: Any) -> ckptlab.StorageOffsets:
+def storage_offsets_scanned(source: Any) -> ckptlab.format.StorageOffsets:
     """``storage_offsets`` in torch's pickle order (parses data.pkl with the scanner)."""
     return ckptlab.storage_offsets(source, scan=True)
 
@@ -204,7 +204,7 @@ def watched(fn: Callable[[Any], Any], source: Any, file_nbytes: int, what: str
     return result, error
 
 
-def check_layout(layout: ckptlab.ArchiveLayout, file_nbytes: int, what: str) -> None:
+def check_layout(layout: ckptlab.format.ArchiveLayout, file_nbytes: int, what: str) -> None:
     """A returned layout must describe the file it came from."""
     assert layout.file_nbytes == file_nbytes, what
     cursor = 0
@@ -221,7 +221,7 @@ def check_layout(layout: ckptlab.ArchiveLayout, file_nbytes: int, what: str) -> 
         assert t.storage_key in keys or t.storage_key == "", (what, t)
 
 
-def check_offsets(offsets: ckptlab.StorageOffsets, file_nbytes: int, what: str) -> None:
+def check_offsets(offsets: ckptlab.format.StorageOffsets, file_nbytes: int, what: str) -> None:
     assert offsets.method in ("cursor", "central_directory"), what
     for key, off in offsets.offsets.items():
         assert isinstance(off, int) and 0 <= off <= file_nbytes, (what, key, off)

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import ckptlab
-from ckptlab import SegmentKind
 from ckptlab.errors import UnsupportedFormatError
+from ckptlab.format import SegmentKind
 from ckptlab.testing.archives import (
     local_data_offset,
     mixed_state_dict,
@@ -29,7 +29,7 @@ from ckptlab.testing.archives import (
 from ckptlab.testing.damage import assert_tiles
 
 
-def check_tiles(layout: ckptlab.ArchiveLayout, nbytes: int) -> None:
+def check_tiles(layout: ckptlab.format.ArchiveLayout, nbytes: int) -> None:
     assert layout.file_nbytes == nbytes
     assert_tiles(layout.segments, nbytes, layout.path)
 

@@ -132,7 +132,7 @@ def tensor_paths(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ..
             yield from tensor_paths(v, (*path, k))
 
 
-def check_against_torch(data: bytes, *, expect_tensors: int | None = None) -> ckptlab.ArchiveLayout:
+def check_against_torch(data: bytes, *, expect_tensors: int | None = None) -> ckptlab.format.ArchiveLayout:
     """inspect(data) agrees with what torch.load rebuilds from the same bytes."""
     layout = ckptlab.inspect(data)
     loaded = load(data)

@@ -64,10 +64,10 @@ def test_predict_layout_rejects_alignments_torch_cannot_write(alignment):
 
 
 def test_archive_name_for():
-    assert cl.archive_name_for("/a/b/model.pt") == "model"
-    assert cl.archive_name_for("a.b.c") == "a.b"
-    assert cl.archive_name_for("weights") == "weights"
-    assert cl.archive_name_for("modèle.pt") == "archive"
+    assert cl.format.archive_name_for("/a/b/model.pt") == "model"
+    assert cl.format.archive_name_for("a.b.c") == "a.b"
+    assert cl.format.archive_name_for("weights") == "weights"
+    assert cl.format.archive_name_for("modèle.pt") == "archive"
 
 
 
@@ -116,7 +116,7 @@ def test_layout_records_place_back_to_back():
 
 def test_alignment_costs_agree_with_predictions():
     obj = mixed_state_dict()
-    rows = cl.alignment_costs(obj, (1, 64, 4096))
+    rows = cl.format.alignment_costs(obj, (1, 64, 4096))
     assert [r.alignment for r in rows] == [1, 64, 4096]
     for row in rows:
         predicted = cl.predict_layout(obj, alignment=row.alignment)
@@ -129,7 +129,7 @@ def test_alignment_costs_agree_with_predictions():
         assert row.overhead_fraction == row.overhead_nbytes / row.file_nbytes
     assert rows[-1].storages_4k_aligned == rows[-1].storages == 4  # the empty one has none
     # a layout of the file gives the same rows as the object
-    layout_rows = cl.alignment_costs(cl.predict_layout(obj), (1, 64, 4096))
+    layout_rows = cl.format.alignment_costs(cl.predict_layout(obj), (1, 64, 4096))
     assert layout_rows == rows
 
 
@@ -137,7 +137,7 @@ def test_alignment_costs_refuse_other_formats():
     safetensors = pytest.importorskip("safetensors.torch")
     layout = cl.inspect(safetensors.save({"a": torch.ones(2)}))
     with pytest.raises(InvalidArgumentError, match="torch-zip"):
-        cl.alignment_costs(layout, (64,))
+        cl.format.alignment_costs(layout, (64,))
 
 
 def test_objects_torch_cannot_save_without_data():

@@ -18,8 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import ckptlab as cl
-from ckptlab import SegmentKind
 from ckptlab.errors import InvalidArgumentError
+from ckptlab.format import SegmentKind
 from ckptlab.format.predict import DEFAULT_ALIGNMENTS, AlignmentCost
 from ckptlab.testing import strategies as cst
 
@@ -36,12 +36,12 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("realign")
 
 
-def saved(config: cst.SaveConfig, obj: Any, base: Path) -> cl.ArchiveLayout:
+def saved(config: cst.SaveConfig, obj: Any, base: Path) -> cl.format.ArchiveLayout:
     with tempfile.TemporaryDirectory(dir=base) as d:
         return cl.inspect(config.save(obj, d))
 
 
-def assert_same_placement(got: cl.ArchiveLayout, want: cl.ArchiveLayout, *,
+def assert_same_placement(got: cl.format.ArchiveLayout, want: cl.format.ArchiveLayout, *,
                           crc: bool = True) -> None:
     """Every offset and size of two layouts; CRCs too (but of the records that change)."""
     assert got.format == want.format == "torch-zip"
@@ -73,7 +73,7 @@ def assert_same_placement(got: cl.ArchiveLayout, want: cl.ArchiveLayout, *,
 def test_realign_is_the_file_torch_writes(workdir, obj, config, target):
     source = saved(config, obj, workdir)
     want = saved(dataclasses.replace(config, alignment=target), obj, workdir)
-    got = cl.realign(source, target)
+    got = cl.format.realign(source, target)
     assert_same_placement(got, want)
     assert got.path == f"<realigned from {source.path}>"
     assert got.record(".storage_alignment").crc32 == 0  # its text changed; CRC unknown
@@ -88,12 +88,12 @@ def test_realign_is_the_file_torch_writes(workdir, obj, config, target):
 def test_realign_of_a_prediction_and_composition(obj, a, b):
     at_a = cl.predict_layout(obj, alignment=a)
     at_b = cl.predict_layout(obj, alignment=b)
-    assert_same_placement(cl.realign(at_a, b), at_b, crc=False)
-    assert_same_placement(cl.realign(cl.realign(at_b, a), b), at_b, crc=False)
+    assert_same_placement(cl.format.realign(at_a, b), at_b, crc=False)
+    assert_same_placement(cl.format.realign(cl.format.realign(at_b, a), b), at_b, crc=False)
 
 
 def test_realign_to_its_own_alignment_is_the_file(sample_layout):
-    same = cl.realign(sample_layout, sample_layout.storage_alignment)
+    same = cl.format.realign(sample_layout, sample_layout.storage_alignment)
     assert same.segments == sample_layout.segments
     assert same.storages == sample_layout.storages
     assert [dataclasses.replace(r, crc32=0) for r in same.records] == [
@@ -105,7 +105,7 @@ def test_realign_to_its_own_alignment_is_the_file(sample_layout):
 
 
 def test_realign_moves_storages_and_nothing_else(sample_layout):
-    moved = cl.realign(sample_layout, 4096)
+    moved = cl.format.realign(sample_layout, 4096)
     assert moved.storage_alignment == moved.alignment == 4096
     assert [(s.key, s.record, s.dtype, s.nbytes, s.device) for s in moved.storages] == [
         (s.key, s.record, s.dtype, s.nbytes, s.device) for s in sample_layout.storages]
@@ -121,15 +121,15 @@ def test_realign_moves_storages_and_nothing_else(sample_layout):
 @pytest.mark.parametrize("alignment", [0, -64, 65505, 1 << 20, 64.0, "64", None, True])
 def test_realign_rejects_bad_alignments(sample_layout, alignment):
     with pytest.raises(InvalidArgumentError, match=r"1\.\.65504"):
-        cl.realign(sample_layout, alignment)
+        cl.format.realign(sample_layout, alignment)
 
 
 def test_realign_needs_a_torch_zip(safetensors_file):
     layout = cl.inspect(safetensors_file)
     with pytest.raises(InvalidArgumentError, match="torch-zip"):
-        cl.realign(layout, 64)
+        cl.format.realign(layout, 64)
     with pytest.raises(InvalidArgumentError, match="torch-zip"):
-        cl.alignment_costs(layout)
+        cl.format.alignment_costs(layout)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,7 +143,7 @@ def big(nbytes: int) -> torch.Tensor:
         pytest.skip(f"cannot reserve {nbytes} bytes of virtual memory: {exc}")
 
 
-def save_sparse(obj: Any, path: Path, alignment: int) -> cl.ArchiveLayout:
+def save_sparse(obj: Any, path: Path, alignment: int) -> cl.format.ArchiveLayout:
     from torch.utils.serialization import config
 
     with config.patch({"save.storage_alignment": alignment}), torch.serialization.skip_data():
@@ -161,11 +161,11 @@ def test_realign_zip64_archive(tmp_path, source, target):
     at_source = save_sparse(obj, tmp_path / "z.pt", source)
     at_target = save_sparse(obj, tmp_path / "z.pt", target)
     assert at_source.zip64 and at_target.zip64
-    got = cl.realign(at_source, target)
+    got = cl.format.realign(at_source, target)
     assert_same_placement(got, at_target, crc=False)  # skip_data: CRCs are not the data's
     assert sum(s.nbytes for s in got.segments if s.kind is SegmentKind.ZIP64_EXTRA) == sum(
         r.zip64_extra_nbytes for r in at_target.records)
-    costs = cl.alignment_costs(at_source, (source, target))
+    costs = cl.format.alignment_costs(at_source, (source, target))
     assert [c.file_nbytes for c in costs] == [at_source.file_nbytes, at_target.file_nbytes]
 
 
@@ -173,7 +173,7 @@ def test_realign_zip64_archive(tmp_path, source, target):
 # alignment costs
 
 
-def direct_cost(layout: cl.ArchiveLayout) -> AlignmentCost:
+def direct_cost(layout: cl.format.ArchiveLayout) -> AlignmentCost:
     """One cost row counted directly from a real file's layout."""
     data = sum(r.data_nbytes for r in layout.records)
     starts = [s.data_offset for s in layout.storages if s.nbytes]
@@ -188,18 +188,18 @@ def test_alignment_costs_are_the_files_torch_writes(workdir, obj, alignments, fi
     chosen = [1, 65504, *alignments]
     config = cst.SaveConfig(filename=filename)
     files = [saved(dataclasses.replace(config, alignment=a), obj, workdir) for a in chosen]
-    from_layout = cl.alignment_costs(files[0], chosen)
-    from_object = cl.alignment_costs(obj, chosen, archive_name=files[0].archive_name)
+    from_layout = cl.format.alignment_costs(files[0], chosen)
+    from_object = cl.format.alignment_costs(obj, chosen, archive_name=files[0].archive_name)
     assert from_layout == from_object
     assert list(from_layout) == [direct_cost(f) for f in files]
     for cost in from_layout:
         assert cost.overhead_fraction == cost.overhead_nbytes / cost.file_nbytes
     # every other file gives the same rows
-    assert cl.alignment_costs(files[-1], chosen) == from_layout
+    assert cl.format.alignment_costs(files[-1], chosen) == from_layout
 
 
 def test_alignment_costs_default_sweep(sample_layout):
-    costs = cl.alignment_costs(sample_layout)
+    costs = cl.format.alignment_costs(sample_layout)
     assert [c.alignment for c in costs] == list(DEFAULT_ALIGNMENTS)
     # the payload is the same at every alignment but for the text of .storage_alignment
     assert len({c.data_nbytes - len(str(c.alignment)) for c in costs}) == 1
@@ -209,22 +209,22 @@ def test_alignment_costs_default_sweep(sample_layout):
     sizes = [c.file_nbytes for c in costs]
     assert sizes[:-1] == sorted(sizes[:-1])  # powers of two: each doubling pads more
     for c in costs:
-        moved = cl.realign(sample_layout, c.alignment)
+        moved = cl.format.realign(sample_layout, c.alignment)
         assert c == direct_cost(moved)
     # the order given is the order returned, duplicates included
-    assert [c.alignment for c in cl.alignment_costs(sample_layout, (4096, 1, 4096))] == [
+    assert [c.alignment for c in cl.format.alignment_costs(sample_layout, (4096, 1, 4096))] == [
         4096, 1, 4096]
-    assert cl.alignment_costs(sample_layout, ()) == ()
+    assert cl.format.alignment_costs(sample_layout, ()) == ()
 
 
 @pytest.mark.parametrize("bad", [(0,), (64, 65505), (64.0,), ("64",)])
 def test_alignment_costs_reject_bad_alignments(sample_layout, bad):
     with pytest.raises(InvalidArgumentError):
-        cl.alignment_costs(sample_layout, bad)
+        cl.format.alignment_costs(sample_layout, bad)
 
 
 def test_alignment_costs_of_an_object_with_nothing_to_align():
-    (cost,) = cl.alignment_costs({"step": 1, "name": "x"}, (4096,))
+    (cost,) = cl.format.alignment_costs({"step": 1, "name": "x"}, (4096,))
     assert (cost.storages, cost.storages_4k_aligned) == (0, 0)
     assert cost.file_nbytes == cl.predict_layout({"step": 1, "name": "x"},
                                                  alignment=4096).file_nbytes

@@ -20,15 +20,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptlab
-from ckptlab import SegmentKind
 from ckptlab.errors import ArchiveError, CorruptArchiveError
+from ckptlab.format import SegmentKind
 from ckptlab.testing.archives import storage_bytes
 from ckptlab.testing.damage import assert_tiles, truncations
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 
-def check_tiles(layout: ckptlab.ArchiveLayout, nbytes: int) -> None:
+def check_tiles(layout: ckptlab.format.ArchiveLayout, nbytes: int) -> None:
     assert layout.file_nbytes == nbytes
     assert_tiles(layout.segments, nbytes, layout.path)
 

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import ckptlab
-from ckptlab import SegmentKind
 from ckptlab import _torch_compat as tc
+from ckptlab.format import SegmentKind
 
 U32 = 0xFFFFFFFF
 GiB = 1 << 30
@@ -66,12 +66,12 @@ def expected_zip64_extra(header_offset: int, nbytes: int) -> int:
     return (4 + 16 * big_size + 8 * big_offset) if (big_size or big_offset) else 0
 
 
-def check_archive(path: Path, obj: Any, alignment: int = 64) -> ckptlab.ArchiveLayout:
+def check_archive(path: Path, obj: Any, alignment: int = 64) -> ckptlab.format.ArchiveLayout:
     """Everything ckptlab says about ``path`` against torch, zipfile and the zip64 rules."""
     layout = ckptlab.inspect(path)
     size = path.stat().st_size
     assert layout.file_nbytes == size
-    assert layout.archive_name == ckptlab.archive_name_for(path)
+    assert layout.archive_name == ckptlab.format.archive_name_for(path)
 
     # torch's reader: every record's data offset
     reader = tc.pytorch_file_reader()(str(path))
@@ -144,7 +144,7 @@ def check_archive(path: Path, obj: Any, alignment: int = 64) -> ckptlab.ArchiveL
 
     # the prediction is the file
     predicted = ckptlab.predict_layout(obj, alignment=alignment,
-                                       archive_name=ckptlab.archive_name_for(path))
+                                       archive_name=ckptlab.format.archive_name_for(path))
     assert predicted.file_nbytes == size
     assert len(predicted.records) == len(layout.records)
     real_by_name = {r.name: r for r in layout.records}
@@ -209,7 +209,7 @@ def test_headers_past_4gib_after_a_large_record(bigdir: Path, alignment: int) ->
 
 def _first_tensor_size_for_header_at(target: int, alignment: int) -> int:
     """Size of data/0 that puts data/1's local header exactly at ``target`` (via predict)."""
-    def layout_for(n: int) -> ckptlab.ArchiveLayout:
+    def layout_for(n: int) -> ckptlab.format.ArchiveLayout:
         return ckptlab.predict_layout({"a": big(n), "b": torch.ones(3)}, alignment=alignment,
                                       archive_name="at")
     n = target - 1024

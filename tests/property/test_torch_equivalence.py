@@ -29,8 +29,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import ckptlab
-from ckptlab import SegmentKind
 from ckptlab import _torch_compat as tc
+from ckptlab.format import SegmentKind
 from ckptlab.testing import strategies as cst
 
 # tests/conftest.py registers and loads the profiles; keep this module usable without it
@@ -283,8 +283,8 @@ def test_offsets_match_fake_tensor_mode_load(workdir: Path, obj: Any,
 # predicted layouts
 
 
-def assert_same_layout(predicted: ckptlab.ArchiveLayout,
-                       actual: ckptlab.ArchiveLayout) -> None:
+def assert_same_layout(predicted: ckptlab.format.ArchiveLayout,
+                       actual: ckptlab.format.ArchiveLayout) -> None:
     """Field by field, segments included."""
     assert predicted.file_nbytes == actual.file_nbytes
     assert predicted.archive_name == actual.archive_name
@@ -327,7 +327,7 @@ def test_predict_layout_equals_saved_file(workdir: Path, obj: Any, config: cst.S
         with fresh_dir(workdir) as d:
             path = config.save(obj, d)
             actual = ckptlab.inspect(path)
-        archive_name = ckptlab.archive_name_for(path)
+        archive_name = ckptlab.format.archive_name_for(path)
     predicted = ckptlab.predict_layout(obj, alignment=config.alignment,
                                        archive_name=archive_name,
                                        pickle_protocol=config.pickle_protocol,
@@ -388,9 +388,9 @@ def test_archive_name(workdir: Path, obj: Any, config: cst.SaveConfig) -> None:
         with zipfile.ZipFile(path) as zf:
             prefixes = {n.split("/", 1)[0] for n in zf.namelist()}
         offsets = ckptlab.storage_offsets(path)
-    assert layout.archive_name == ckptlab.archive_name_for(path) == offsets.archive_name
+    assert layout.archive_name == ckptlab.format.archive_name_for(path) == offsets.archive_name
     assert prefixes == {layout.archive_name}
-    assert ckptlab.archive_name_for(str(path)) == ckptlab.archive_name_for(path.name)
+    assert ckptlab.format.archive_name_for(str(path)) == ckptlab.format.archive_name_for(path.name)
     assert all(r.name.startswith(layout.archive_name + "/") for r in layout.records)
 
 
@@ -402,7 +402,7 @@ def test_archive_name(workdir: Path, obj: Any, config: cst.SaveConfig) -> None:
 def test_archive_name_examples(tmp_path: Path, filename: str, archive: str) -> None:
     path = tmp_path / filename
     torch.save({"w": torch.ones(2)}, path)
-    assert ckptlab.archive_name_for(path) == archive
+    assert ckptlab.format.archive_name_for(path) == archive
     assert ckptlab.inspect(path).archive_name == archive
 
 
@@ -439,7 +439,7 @@ def test_all_dtypes_offsets_and_predictions(workdir: Path, obj: Any,
         assert tc.checkpoint_offset(real.untyped_storage()) == layout.storage(
             t.storage_key).data_offset
     predicted = ckptlab.predict_layout(obj, alignment=config.alignment,
-                                       archive_name=ckptlab.archive_name_for(path),
+                                       archive_name=ckptlab.format.archive_name_for(path),
                                        pickle_protocol=config.pickle_protocol,
                                        disable_byteorder_record=config.disable_byteorder_record)
     assert_same_layout(predicted, layout)

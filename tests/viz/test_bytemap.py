@@ -17,8 +17,8 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 import ckptlab as cl
-from ckptlab import SegmentKind
 from ckptlab.errors import CkptlabError, InvalidArgumentError
+from ckptlab.format import SegmentKind
 from ckptlab.viz import ByteMap, bytemap_figure, bytemap_trace, overhead_figure
 from ckptlab.viz._style import (
     KIND_ORDER,
@@ -70,7 +70,7 @@ def zip64_obj() -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def zip64_layout(tmp_path_factory: pytest.TempPathFactory, zip64_obj) -> cl.ArchiveLayout:
+def zip64_layout(tmp_path_factory: pytest.TempPathFactory, zip64_obj) -> cl.format.ArchiveLayout:
     path = save_sparse(zip64_obj, tmp_path_factory.mktemp("z64") / "z64.pt")
     yield cl.inspect(path)
     path.unlink()
@@ -78,7 +78,7 @@ def zip64_layout(tmp_path_factory: pytest.TempPathFactory, zip64_obj) -> cl.Arch
 
 @pytest.fixture(scope="module")
 def layouts(sample_layout, small_file, safetensors_file, small_obj, zip64_layout,
-            zip64_obj) -> dict[str, cl.ArchiveLayout]:
+            zip64_obj) -> dict[str, cl.format.ArchiveLayout]:
     """Every kind of layout the byte map is drawn for."""
     return {
         "sample": sample_layout,
@@ -95,7 +95,7 @@ def maps(layouts) -> dict[str, ByteMap]:
     return {name: ByteMap.from_layout(layout) for name, layout in layouts.items()}
 
 
-def seg_lane(layout: cl.ArchiveLayout, seg: cl.Segment) -> str:
+def seg_lane(layout: cl.format.ArchiveLayout, seg: cl.format.Segment) -> str:
     """The lane of a segment, the slow way: storage bytes are tensor data; the other data
     (data.pkl and small records) and a JSON header are metadata."""
     if seg.kind is SegmentKind.DATA:
@@ -106,13 +106,13 @@ def seg_lane(layout: cl.ArchiveLayout, seg: cl.Segment) -> str:
     return seg.kind
 
 
-def seg_arrays(layout: cl.ArchiveLayout) -> tuple[np.ndarray, np.ndarray, list[SegmentKind]]:
+def seg_arrays(layout: cl.format.ArchiveLayout) -> tuple[np.ndarray, np.ndarray, list[SegmentKind]]:
     starts = np.array([s.offset for s in layout.segments], dtype=np.int64)
     ends = np.array([s.end_offset for s in layout.segments], dtype=np.int64)
     return starts, ends, [s.kind for s in layout.segments]
 
 
-def overlap(layout: cl.ArchiveLayout, edges: np.ndarray) -> np.ndarray:
+def overlap(layout: cl.format.ArchiveLayout, edges: np.ndarray) -> np.ndarray:
     """Bytes of segment i inside bin j: shape (segments, bins)."""
     starts, ends, _ = seg_arrays(layout)
     lo, hi = np.asarray(edges[:-1]), np.asarray(edges[1:])
@@ -120,21 +120,21 @@ def overlap(layout: cl.ArchiveLayout, edges: np.ndarray) -> np.ndarray:
                    - np.maximum(starts[:, None], lo[None, :]), 0, None)
 
 
-def brute_coverage(layout: cl.ArchiveLayout, lanes: tuple[str, ...],
+def brute_coverage(layout: cl.format.ArchiveLayout, lanes: tuple[str, ...],
                    edges: np.ndarray) -> np.ndarray:
     ov = overlap(layout, edges)
     seg_lanes = np.array([str(seg_lane(layout, s)) for s in layout.segments])
     return np.stack([ov[seg_lanes == str(k)].sum(axis=0) for k in lanes])
 
 
-def kind_totals(layout: cl.ArchiveLayout) -> dict[SegmentKind, int]:
+def kind_totals(layout: cl.format.ArchiveLayout) -> dict[SegmentKind, int]:
     out: dict[SegmentKind, int] = {}
     for s in layout.segments:
         out[s.kind] = out.get(s.kind, 0) + s.nbytes
     return out
 
 
-def lane_totals(layout: cl.ArchiveLayout) -> dict[str, int]:
+def lane_totals(layout: cl.format.ArchiveLayout) -> dict[str, int]:
     out: dict[str, int] = {}
     for s in layout.segments:
         lane = seg_lane(layout, s)
@@ -142,11 +142,11 @@ def lane_totals(layout: cl.ArchiveLayout) -> dict[str, int]:
     return out
 
 
-def item_name(seg: cl.Segment) -> str:
+def item_name(seg: cl.format.Segment) -> str:
     return seg.record if seg.record is not None else TRAILER_ITEM_NAMES[seg.kind]
 
 
-def visible_segments(layout: cl.ArchiveLayout, lo: int, hi: int) -> list[int]:
+def visible_segments(layout: cl.format.ArchiveLayout, lo: int, hi: int) -> list[int]:
     return [i for i, s in enumerate(layout.segments) if s.offset < hi and s.end_offset > lo]
 
 
@@ -273,7 +273,7 @@ def test_coverage_of_the_whole_file_is_the_lane_totals(layouts, maps, name):
 # the trace: exact and binned modes
 
 
-def check_trace(layout: cl.ArchiveLayout, bm: ByteMap, lo: int, hi: int, bins: int,
+def check_trace(layout: cl.format.ArchiveLayout, bm: ByteMap, lo: int, hi: int, bins: int,
                 threshold: int, trace: dict[str, Any]) -> None:
     """Every array of a bytemap_trace for window [lo, hi) against the segments."""
     meta = trace["meta"]

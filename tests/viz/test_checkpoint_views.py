@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import ckptlab as cl
-from ckptlab import SegmentKind
 from ckptlab.errors import InvalidArgumentError
+from ckptlab.format import SegmentKind
 from ckptlab.viz import (
     ByteMap,
     bytemap_figure,
@@ -78,7 +78,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def cks(files) -> dict[str, cl.Checkpoint]:
+def cks(files) -> dict[str, cl.checkpoint.Checkpoint]:
     return {k: cl.open(p) for k, p in files.items()}
 
 

@@ -19,9 +19,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import ckptlab as cl
-from ckptlab import SegmentKind
 from ckptlab.errors import InvalidArgumentError
-from ckptlab.format import read_range
+from ckptlab.format import SegmentKind, read_range
 from ckptlab.format.predict import DEFAULT_ALIGNMENTS
 from ckptlab.testing import strategies as cst
 from ckptlab.viz import (
@@ -57,7 +56,7 @@ def get_path(obj: Any, path: tuple[Any, ...]) -> Any:
 
 
 def test_alignment_figure_data(sample_layout):
-    costs = cl.alignment_costs(sample_layout)
+    costs = cl.format.alignment_costs(sample_layout)
     fig = alignment_figure(costs, current=4096)
     bars, line = fig.data
     assert list(bars.x) == list(line.x) == [str(a) for a in DEFAULT_ALIGNMENTS]
@@ -82,7 +81,7 @@ def test_alignment_figure_data(sample_layout):
 
 
 def test_alignment_figure_of_an_object_without_storages():
-    costs = cl.alignment_costs({"step": 1}, (1, 4096))
+    costs = cl.format.alignment_costs({"step": 1}, (1, 4096))
     fig = alignment_figure(costs)
     assert [c.storages for c in costs] == [0, 0]
     assert fig.layout.meta["ready_4k"] == [False, False]  # nothing to read is not "ready"
@@ -232,14 +231,14 @@ def parse_hex(doc: str, width: int = 16) -> list[tuple[str, list[tuple[int, str,
     return out
 
 
-def segment_at(layout: cl.ArchiveLayout, offset: int) -> cl.Segment | None:
+def segment_at(layout: cl.format.ArchiveLayout, offset: int) -> cl.format.Segment | None:
     for s in layout.segments:
         if s.offset <= offset < s.end_offset:
             return s
     return None
 
 
-def check_hex(doc: str, data: bytes, offset: int, layout: cl.ArchiveLayout | None,
+def check_hex(doc: str, data: bytes, offset: int, layout: cl.format.ArchiveLayout | None,
               width: int = 16) -> None:
     lines = parse_hex(doc, width)
     assert len(lines) == -(-len(data) // width)

@@ -11,7 +11,7 @@ from ckptlab.viz import block_classes, blockmap_figure, transfer_figure
 
 
 @pytest.fixture(scope="module")
-def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[int, cl.ArchiveLayout]:
+def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[int, cl.format.ArchiveLayout]:
     d = tmp_path_factory.mktemp("blocks")
     for a in (64, 4096):
         (d / f"a{a}").mkdir()
@@ -19,7 +19,7 @@ def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[int, cl.ArchiveLay
             for a in (64, 4096)}
 
 
-def _slow_classes(layout: cl.ArchiveLayout, block: int) -> list[int]:
+def _slow_classes(layout: cl.format.ArchiveLayout, block: int) -> list[int]:
     owner = np.zeros(layout.file_nbytes, dtype=bool)
     for s in layout.storages:
         owner[s.data_offset : s.data_offset + s.nbytes] = True

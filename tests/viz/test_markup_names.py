@@ -140,7 +140,7 @@ def test_bytemap_of_a_predicted_layout_with_a_markup_archive_name(state) -> None
 
 def test_overhead_alignment_blockmap(torch_layout) -> None:
     for fig in (overhead_figure(torch_layout), overhead_figure(torch_layout, by="bytes"),
-                alignment_figure(cl.alignment_costs(torch_layout)),
+                alignment_figure(cl.format.alignment_costs(torch_layout)),
                 blockmap_figure(torch_layout)):
         check_figure(fig, shown=())
 

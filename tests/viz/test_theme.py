@@ -59,7 +59,7 @@ def test_figures_take_the_themes_colours(sample_layout, theme):
 
 def test_every_figure_is_responsive_and_its_title_clears_the_toolbar(sample_layout):
     figs = [bytemap_figure(sample_layout), overhead_figure(sample_layout),
-            alignment_figure(cl.alignment_costs(sample_layout), current=64),
+            alignment_figure(cl.format.alignment_costs(sample_layout), current=64),
             storage_figure(sample_layout), treemap_figure(sample_layout),
             transfer_figure({"a": 1.0, "b": 2.0}, limit=("disk", 2.5))]
     for fig in figs:

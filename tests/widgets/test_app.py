@@ -138,7 +138,7 @@ def test_picking_an_item_selects_it(app, sample_file):
 def test_alignment_control_shows_the_what_if_layout(app, sample_layout):
     app.select(5)
     app.alignment.value = 4096
-    want = cl.realign(sample_layout, 4096)
+    want = cl.format.realign(sample_layout, 4096)
     assert app.current.segments == want.segments and app.current.path == want.path
     fig = app.map_pane.object
     assert fig.layout.meta == bytemap_figure(want).layout.meta

@@ -50,7 +50,7 @@ def test_sessions_share_one_view_per_file_and_alignment(sample_file, counted):
     b.alignment.value = 4096
     assert counted["realign"] == 1
     assert a.current is b.current and a.bytemap is b.bytemap
-    assert a.current.segments == cl.realign(a.original, 4096).segments
+    assert a.current.segments == cl.format.realign(a.original, 4096).segments
     assert a.map_pane.object is not b.map_pane.object  # figures are each session's own
     assert a.map_pane.object.layout.title.text == b.map_pane.object.layout.title.text
     assert a.summary.object == b.summary.object

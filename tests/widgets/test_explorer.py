@@ -255,7 +255,7 @@ def test_alignment_explorer_starts_at_the_files_alignment(aligner, tiny_file):
     assert aligner.base == layout
     assert aligner.control.value == 64 and list(aligner.control.options) == list(
         DEFAULT_ALIGNMENTS)
-    assert aligner.costs == cl.alignment_costs(layout)
+    assert aligner.costs == cl.format.alignment_costs(layout)
     assert aligner.predicted.file_nbytes == layout.file_nbytes
     assert aligner.predicted.segments == layout.segments
     assert aligner.figure.layout.meta == bytemap_figure(layout).layout.meta
@@ -267,7 +267,7 @@ def test_alignment_explorer_starts_at_the_files_alignment(aligner, tiny_file):
 def test_moving_the_control_updates_every_view(aligner, tiny_file, alignment):
     layout = cl.inspect(tiny_file)
     aligner.control.value = alignment
-    want = cl.realign(layout, alignment)
+    want = cl.format.realign(layout, alignment)
     assert aligner.predicted.segments == want.segments
     assert aligner.predicted.file_nbytes == want.file_nbytes
     ref = bytemap_figure(want)
@@ -318,8 +318,8 @@ def test_state_dict_layout_and_path_give_the_same_costs(tiny_obj, tiny_file):
     from_obj = AlignmentExplorer(tiny_obj, archive_name="tiny")
     from_layout = AlignmentExplorer(layout, alignments=(64, 4096))
     from_path = AlignmentExplorer(str(tiny_file), alignments=(64, 4096))
-    assert from_obj.costs == cl.alignment_costs(layout)
-    assert from_layout.costs == from_path.costs == cl.alignment_costs(layout, (64, 4096))
+    assert from_obj.costs == cl.format.alignment_costs(layout)
+    assert from_layout.costs == from_path.costs == cl.format.alignment_costs(layout, (64, 4096))
     assert from_obj.predicted.segments == from_layout.predicted.segments == layout.segments
     assert from_obj.figure.layout.meta == from_path.figure.layout.meta
 
@@ -337,7 +337,7 @@ def test_alignment_explorer_options_and_start(tiny_file):
 
 def test_alignment_explorer_from_a_bytearray(tiny_file):
     ex = AlignmentExplorer(bytearray(tiny_file.read_bytes()), alignments=(64, 4096))
-    assert ex.costs == cl.alignment_costs(cl.inspect(tiny_file), (64, 4096))
+    assert ex.costs == cl.format.alignment_costs(cl.inspect(tiny_file), (64, 4096))
 
 
 def test_alignment_explorer_start_value_must_be_a_choice(tiny_file):
