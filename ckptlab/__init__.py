@@ -10,73 +10,45 @@ format and planning code, and no verb loads numpy or torch before it needs them.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
-from typing import TYPE_CHECKING
+import warnings
+from typing import TYPE_CHECKING, Any
 
 from ckptlab import errors
 from ckptlab._lazy import lazy_attributes
-from ckptlab.errors import (
-    ArchiveError,
-    CkptlabError,
-    CorruptArchiveError,
-    InvalidArgumentError,
-    TruncatedArchiveError,
-    UnsupportedFormatError,
-)
+
+# the root error in __all__; the common ones beside it, so `except ckptlab.ArchiveError` works
+from ckptlab.errors import ArchiveError as ArchiveError
+from ckptlab.errors import CkptlabError
+from ckptlab.errors import CorruptArchiveError as CorruptArchiveError
+from ckptlab.errors import InvalidArgumentError as InvalidArgumentError
+from ckptlab.errors import TruncatedArchiveError as TruncatedArchiveError
+from ckptlab.errors import UnsupportedFormatError as UnsupportedFormatError
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
-    from ckptlab import gds, plan, samples, viz, widgets, write
+    from ckptlab import checkpoint, format, gds, plan, samples, viz, widgets, write
+    from ckptlab import dcp as dcp
     from ckptlab._inspect import inspect
-    from ckptlab.checkpoint import Checkpoint, FileEntry, Part, TensorEntry
     from ckptlab.checkpoint import open_checkpoint as open
-    from ckptlab.format import (
-        AlignmentCost,
-        ArchiveLayout,
-        Record,
-        Segment,
-        SegmentKind,
-        StorageInfo,
-        StorageOffsets,
-        TensorInfo,
-        alignment_costs,
-        archive_name_for,
-        predict_layout,
-        realign,
-        storage_offsets,
-    )
+    from ckptlab.format import predict_layout, storage_offsets
 
 __version__ = "0.1.0"
 
+# The whole public surface: four verbs, the root error, the subpackages. Everything else is a
+# name of its subpackage (ckptlab.format.ArchiveLayout, ckptlab.checkpoint.Checkpoint, ...).
 __all__ = [
-    "AlignmentCost",
-    "ArchiveError",
-    "ArchiveLayout",
-    "Checkpoint",
     "CkptlabError",
-    "CorruptArchiveError",
-    "FileEntry",
-    "InvalidArgumentError",
-    "Part",
-    "Record",
-    "Segment",
-    "SegmentKind",
-    "StorageInfo",
-    "StorageOffsets",
-    "TensorEntry",
-    "TensorInfo",
-    "TruncatedArchiveError",
-    "UnsupportedFormatError",
     "__version__",
-    "alignment_costs",
-    "archive_name_for",
+    "checkpoint",
     "errors",
+    "format",
     "gds",
     "inspect",
     "open",
     "plan",
     "predict_layout",
-    "realign",
     "samples",
     "storage_offsets",
     "viz",
@@ -85,22 +57,37 @@ __all__ = [
 ]
 
 # imported on first use: viz and widgets need the [widgets] extra, gds imports torch (and
-# when the command starts, all of them, format and checkpoint too)
-_LAZY_MODULES = ("checkpoint", "format", "gds", "plan", "samples", "viz", "widgets", "write")
+# when the command starts, all of them, format and checkpoint too). dcp is a
+# subpackage too, reached through ckptlab.open more often than by name.
+_LAZY_MODULES = ("checkpoint", "dcp", "format", "gds", "plan", "samples", "viz", "widgets",
+                 "write")
 # name -> "module:attribute", imported on first use
 _LAZY_NAMES = {
     "inspect": "ckptlab._inspect:inspect",
     "open": "ckptlab.checkpoint:open_checkpoint",
-    **{name: f"ckptlab.checkpoint:{name}" for name in ("Checkpoint", "FileEntry", "Part",
-                                                       "TensorEntry")},
-    **{name: f"ckptlab.format:{name}" for name in (
+    "predict_layout": "ckptlab.format:predict_layout",
+    "storage_offsets": "ckptlab.format:storage_offsets",
+}
+# names that were top-level before the public surface was cut to __all__: still there, with a
+# DeprecationWarning naming where they live now
+_MOVED = {
+    **{name: "ckptlab.checkpoint" for name in ("Checkpoint", "FileEntry", "Part", "TensorEntry")},
+    **{name: "ckptlab.format" for name in (
         "AlignmentCost", "ArchiveLayout", "Record", "Segment", "SegmentKind", "StorageInfo",
-        "StorageOffsets", "TensorInfo", "alignment_costs", "archive_name_for",
-        "predict_layout", "realign", "storage_offsets")},
+        "StorageOffsets", "TensorInfo", "alignment_costs", "archive_name_for", "realign")},
 }
 
-__getattr__, __dir__ = lazy_attributes(
+_lazy_getattr, __dir__ = lazy_attributes(
     __name__, globals(), {**{m: f"ckptlab.{m}" for m in _LAZY_MODULES}, **_LAZY_NAMES})
+
+
+def __getattr__(name: str) -> Any:
+    home = _MOVED.get(name)
+    if home is None:
+        return _lazy_getattr(name)
+    warnings.warn(f"ckptlab.{name} moved to {home}.{name}; the top level keeps ckptlab.__all__",
+                  DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(home), name)
 
 
 def _starting_the_command() -> bool:
