@@ -10,7 +10,7 @@ BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.ckptlab-installed
 
-.PHONY: setup gcc chromium nginx lab test test-fast test-oldest-torch lint bench clean
+.PHONY: setup gcc chromium nginx lab test test-fast test-oldest-torch test-newest-python lint bench clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py ckptlab/format/_entries.c ckptlab/format/_handlers.c \
@@ -98,6 +98,26 @@ test-oldest-torch: nginx
 	  -c $(OLDEST_VENV)/constraints.txt -e ".[dev]"
 	$(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not gpu" $(CORE_TESTS)
 
+# The pickle interpreter (both implementations) and the compiled parts on the newest CPython
+# pyproject.toml claims, in a venv of its own, without torch: PyPI has no CPU-only torch wheel
+# for it (its cp313 wheel needs ~4 GB of CUDA packages, which this project never installs), so
+# this runs the suites that need no torch. CI runs it after `make test`.
+NEWEST_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13) $(shell command -v python3.13))
+NEWEST_VENV   ?= .venv-newest
+NEWEST_TESTS  := tests/format/test_interp.py tests/format/test_handlers.py tests/test_io.py \
+	tests/test_lazy.py tests/write/test_state.py tests/write/test_commit.py \
+	tests/write/test_files.py tests/write/test_worker.py
+test-newest-python:
+	@if [ -z "$(NEWEST_PYTHON)" ]; then echo "make: no CPython 3.13 found: set NEWEST_PYTHON=/path/to/python3.13"; \
+	  if [ -n "$$CI" ]; then exit 1; fi; exit 0; fi
+	@test -x $(NEWEST_VENV)/bin/python || $(NEWEST_PYTHON) -m venv $(NEWEST_VENV)
+	$(NEWEST_VENV)/bin/python -m pip --disable-pip-version-check install --quiet \
+	  "numpy>=1.24" setuptools wheel "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "psutil>=5.9"
+	$(NEWEST_VENV)/bin/python -m pip --disable-pip-version-check install --quiet --no-deps \
+	  --no-build-isolation -e .
+	$(NEWEST_VENV)/bin/python -c 'import sys, ckptlab.format._interp; print("ckptlab: compiled interpreter built for", sys.version.split()[0])'
+	CI=1 $(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not gpu" $(NEWEST_TESTS)
+
 lint: setup
 	$(BIN)/ruff check ckptlab tests benchmarks
 
@@ -108,4 +128,4 @@ bench: setup chromium nginx
 	$(BIN)/python benchmarks/gds.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(NEWEST_VENV) .pytest_cache .ruff_cache .hypothesis
