@@ -144,6 +144,34 @@ fail:
     return -1;
 }
 
+/* -- errors ----------------------------------------------------------------------------- */
+static PyObject *
+raised(void)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    return PyErr_GetRaisedException();
+#else
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (value != NULL && tb != NULL)
+        PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+#endif
+}
+
+static void
+reraise(PyObject *exc)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(exc);
+#else
+    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
+#endif
+}
+
 /* -- the machine ------------------------------------------------------------------------ */
 typedef struct {
     State *st;
@@ -731,13 +759,31 @@ handler_of(Machine *m, PyObject *func)
     return handler;
 }
 
+/* "{func.qualname}{rest}" as a PickleDataError (``rest`` a format for the arguments after) */
+static int
+fail_call(Machine *m, PyObject *func, const char *rest, ...)
+{
+    PyObject *qualname = PyObject_GetAttr(func, m->st->s_qualname);
+    if (qualname == NULL)
+        return -1;
+    va_list va;
+    va_start(va, rest);
+    PyObject *tail = PyUnicode_FromFormatV(rest, va);
+    va_end(va);
+    if (tail != NULL)
+        fail(m, "%U%U", qualname, tail);
+    Py_DECREF(qualname);
+    Py_XDECREF(tail);
+    return -1;
+}
+
 /* _Machine.call: ``func(*args, **kwargs)`` by its handler, else a Reduced (``kwargs``
  * Py_None where the opcode has none). */
 static PyObject *
 call(Machine *m, PyObject *func, PyObject *args, PyObject *kwargs)
 {
     State *st = m->st;
-    PyObject *made = NULL, *qualname = NULL, *handler = NULL, *what;
+    PyObject *made = NULL, *handler = NULL, *what;
     int is_global = PyObject_IsInstance(func, st->Global);
     if (is_global < 0)
         return NULL;
@@ -747,16 +793,17 @@ call(Machine *m, PyObject *func, PyObject *args, PyObject *kwargs)
         Py_XDECREF(what);
         return NULL;
     }
-    if ((qualname = PyObject_GetAttr(func, st->s_qualname)) == NULL)
-        return NULL;
     if (!PyTuple_Check(args)) {
-        if ((what = type_name(args)) != NULL)
+        PyObject *qualname = PyObject_GetAttr(func, st->s_qualname);
+        what = qualname ? type_name(args) : NULL;
+        if (what != NULL)
             fail(m, "call of %U with %U args", qualname, what);
+        Py_XDECREF(qualname);
         Py_XDECREF(what);
-        goto done;
+        return NULL;
     }
     if (charge(m, 320) < 0)
-        goto done;
+        return NULL;
     handler = handler_of(m, func);
     if (handler != NULL) {
         if (kwargs != Py_None) {
@@ -764,7 +811,7 @@ call(Machine *m, PyObject *func, PyObject *args, PyObject *kwargs)
             if (truth < 0)
                 goto done;
             if (truth) {
-                fail(m, "%U called with keyword arguments", qualname);
+                fail_call(m, func, " called with keyword arguments");
                 goto done;
             }
         }
@@ -776,21 +823,13 @@ call(Machine *m, PyObject *func, PyObject *args, PyObject *kwargs)
         Py_DECREF(positional);
         if (made == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
             /* arguments the function does not take: bad data */
-#if PY_VERSION_HEX >= 0x030C0000
-            PyObject *exc = PyErr_GetRaisedException();
-#else
-            PyObject *type, *exc, *tb;
-            PyErr_Fetch(&type, &exc, &tb);
-            PyErr_NormalizeException(&type, &exc, &tb);
-            Py_XDECREF(type);
-            Py_XDECREF(tb);
-#endif
+            PyObject *exc = raised();
             PyObject *text = exc ? PyObject_Str(exc) : NULL;
             PyObject *head = text ? PyUnicode_Substring(text, 0, 120) : NULL;
             Py_ssize_t count = head ? PyObject_Length(args) : -1;
             if (count >= 0)
-                fail(m, "%U called with %zd arguments it does not take (%U)", qualname, count,
-                     head);
+                fail_call(m, func, " called with %zd arguments it does not take (%U)", count,
+                          head);
             Py_XDECREF(exc);
             Py_XDECREF(text);
             Py_XDECREF(head);
@@ -800,12 +839,11 @@ call(Machine *m, PyObject *func, PyObject *args, PyObject *kwargs)
     if (PyErr_Occurred())
         goto done;
     if (kwargs != Py_None && !PyDict_Check(kwargs)) {
-        fail(m, "%U called with non-dict kwargs", qualname);
+        fail_call(m, func, " called with non-dict kwargs");
         goto done;
     }
     made = PyObject_CallFunctionObjArgs(st->Reduced, func, args, kwargs, NULL);
 done:
-    Py_DECREF(qualname);
     Py_XDECREF(handler);
     return made;
 }
@@ -1065,15 +1103,7 @@ op_string(Machine *m)
     if (decoded == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_ValueError))
             return -1;
-#if PY_VERSION_HEX >= 0x030C0000
-        PyObject *exc = PyErr_GetRaisedException();
-#else
-        PyObject *type, *exc, *tb;
-        PyErr_Fetch(&type, &exc, &tb);
-        PyErr_NormalizeException(&type, &exc, &tb);
-        Py_XDECREF(type);
-        Py_XDECREF(tb);
-#endif
+        PyObject *exc = raised();
         fail(m, "STRING with a bad escape: %S", exc);
         Py_XDECREF(exc);
         return -1;
@@ -1128,34 +1158,6 @@ op_text_number(Machine *m, int code)
     if (push(m, value) < 0)
         return -1;
     return charge(m, (unsigned long long)charged);
-}
-
-/* -- errors ----------------------------------------------------------------------------- */
-static PyObject *
-raised(void)
-{
-#if PY_VERSION_HEX >= 0x030C0000
-    return PyErr_GetRaisedException();
-#else
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
-    if (value != NULL && tb != NULL)
-        PyException_SetTraceback(value, tb);
-    Py_XDECREF(type);
-    Py_XDECREF(tb);
-    return value;
-#endif
-}
-
-static void
-reraise(PyObject *exc)
-{
-#if PY_VERSION_HEX >= 0x030C0000
-    PyErr_SetRaisedException(exc);
-#else
-    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
-#endif
 }
 
 /* _unpickle._position, then interpret's handling of it: an error of the loop (a
