@@ -767,7 +767,7 @@ class _Machine:
             self.memo_sparse[index] = value
 
     def memo_get(self, index: int) -> Any:
-        if index < len(self.memo):
+        if 0 <= index < len(self.memo):
             return self.unshared(self.memo[index])
         try:
             return self.unshared(self.memo_sparse[index])
@@ -1933,7 +1933,10 @@ class _Machine:
             text = self.line("STRING").rstrip("\r")
             if len(text) < 2 or text[0] != text[-1] or text[0] not in "'\"":
                 raise PickleDataError("STRING is not quoted")
-            raw = codecs.escape_decode(text[1:-1].encode("latin-1"))[0]
+            try:
+                raw = codecs.escape_decode(text[1:-1].encode("latin-1"))[0]
+            except (ValueError, DeprecationWarning):  # (the warning: when warnings are errors)
+                raise PickleDataError("STRING with a bad escape") from None
             push(raw.decode("utf-8", "surrogateescape"))
             charge(96 + 4 * len(raw))
         elif code == 0x56:  # UNICODE (protocol 0)

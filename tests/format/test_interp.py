@@ -410,25 +410,14 @@ def test_text_refusals(interp: Any) -> None:
         assert fails(interp, data, message).offset == offset, data
 
 
-def python_fails(request: pytest.FixtureRequest, impl: str, reason: str) -> None:
-    """The Python loop gets this case wrong (strict: fixing it makes the test fail until
-    this goes)."""
-    if impl == "python":
-        request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
-
-
-def test_negative_get_index_was_never_stored(request: pytest.FixtureRequest, interp: Any,
-                                             impl: str) -> None:
-    python_fails(request, impl, "_Machine.memo_get indexes the memo list with a negative GET "
-                 "index (IndexError, or the wrong entry)")
+def test_negative_get_index_was_never_stored(interp: Any) -> None:
     fails(interp, b"NNp0\n0g-5\n.", "memo index -5 was never stored")
     fails(interp, b"NNp0\n0g-1\n.", "memo index -1 was never stored")
 
 
-def test_string_with_a_bad_escape(request: pytest.FixtureRequest, interp: Any,
-                                  impl: str) -> None:
-    python_fails(request, impl, "_Machine.rare lets codecs.escape_decode's ValueError through")
+def test_string_with_a_bad_escape(interp: Any) -> None:
     assert fails(interp, b"S'\\x'\n.", "STRING with a bad escape").offset == 0
+
 
 
 # -- hostile inputs (tests/format/test_pickle_scan.py, test_hostile_pickles.py) -------------
