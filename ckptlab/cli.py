@@ -2,9 +2,10 @@
 
 Verbs (``ckptlab VERB --help`` tells each one's arguments):
 
-- ``inspect [PATH] [--json] [--filter GLOB] [--sort size] [--records]``: the tensors of any
-  checkpoint file, directory or fsspec URL (PATH defaults to the embedded sample): a summary
-  and the tensor table; ``--records`` shows its bytes instead.
+- ``inspect [PATH] [--json] [--filter PATTERN] [--sort KEY] [--records]``: the tensors of
+  any checkpoint file, directory or fsspec URL (PATH defaults to the embedded sample): a
+  summary and the tensor table (``--filter`` and ``--sort`` are the one tensor query of
+  :mod:`ckptlab.checkpoint.query`); ``--records`` shows its bytes instead.
 - ``offsets PATH [--json] [--scan]``: where each tensor's bytes start: a torch.save file's
   storage data offsets, computed without random reads; for a safetensors file, a Hugging Face,
   DCP or plain directory, every tensor part's file, offset and bytes, from headers only.
@@ -139,18 +140,15 @@ def _count(n: int) -> str:
 
 
 def select_tensors(ck: Any, pattern: str | None, sort: str | None) -> list[Any]:
-    """The tensors ``inspect`` shows: those matching ``pattern`` (a glob), in ``sort`` order."""
-    import fnmatch
+    """The tensors ``inspect`` shows: the entries the one tensor query
+    (:func:`ckptlab.checkpoint.query.select_tensors`) finds for ``pattern`` (a name part or a
+    glob, case-insensitive; None: all), in ``sort`` order (None: the checkpoint's own)."""
+    from ckptlab.checkpoint.query import TensorCatalog, TensorQuery
 
-    tensors = [t for t in ck.tensors.values()
-               if pattern is None or fnmatch.fnmatchcase(t.name, pattern)]
-    if sort == "name":
-        tensors.sort(key=lambda t: t.name)
-    elif sort == "size":
-        tensors.sort(key=lambda t: (-t.nbytes, t.name))
-    elif sort == "offset":
-        tensors.sort(key=lambda t: (t.file, t.offset if t.offset is not None else -1))
-    return tensors
+    entries = list(ck.tensors.values())
+    catalog = TensorCatalog.of(ck)
+    found = catalog.select(TensorQuery(pattern or "", sort or "order"))
+    return [entries[i] for i in found.rows.tolist()]
 
 
 def render_checkpoint(ck: Any, tensors: list[Any], pattern: str | None = None) -> str:
@@ -604,6 +602,8 @@ def _port(text: str) -> int:
 
 
 def _parser() -> _Parser:
+    from ckptlab.checkpoint.query import SORT_KEYS
+
     p = _Parser(prog="ckptlab", description="See inside PyTorch checkpoints.")
     p.add_argument("--version", action="version", version=f"ckptlab {__version__}")
     sub = p.add_subparsers(dest="verb", metavar="VERB")
@@ -614,10 +614,13 @@ def _parser() -> _Parser:
     ins.add_argument("--json", action="store_true", help="print one JSON object")
     ins.add_argument("--records", action="store_true",
                      help="the byte-level view: zip records / DCP items instead of tensors")
-    ins.add_argument("--filter", metavar="GLOB", default=None,
-                     help="only tensors whose name matches GLOB (e.g. '*.mlp.*')")
-    ins.add_argument("--sort", choices=("name", "size", "offset"), default=None,
-                     help="order the tensors by name, by bytes (largest first) or by offset")
+    ins.add_argument("--filter", metavar="PATTERN", default=None,
+                     help="only tensors whose name contains PATTERN, or matches it whole when "
+                          "it is a glob with * ? or [ (e.g. mlp, '*.mlp.*'); case-insensitive")
+    ins.add_argument("--sort", choices=SORT_KEYS, default=None,
+                     help="order the tensors by name (natural: h.2 before h.10), size (bytes, "
+                          "largest first), parameters (largest first), offset (file order), "
+                          "dtype, kind or file; default: the checkpoint's own order")
     off = sub.add_parser("offsets", help=VERBS["offsets"], description=VERBS["offsets"])
     off.add_argument("path", metavar="PATH",
                      help="checkpoint file or directory (safetensors, Hugging Face, DCP)")

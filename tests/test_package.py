@@ -17,7 +17,7 @@ CORE = ("ckptlab", "ckptlab.format", "ckptlab.errors", "ckptlab.samples", "ckptl
         "ckptlab.plan.simulate", "ckptlab.write", "ckptlab.write.buckets",
         "ckptlab.write.timeline", "ckptlab._io", "ckptlab._io.durable", "ckptlab.gds.api",
         "ckptlab._progress", "ckptlab._lazy", "ckptlab._torch_compat",
-        "ckptlab.checkpoint._cache", "ckptlab.format._remote")
+        "ckptlab.checkpoint._cache", "ckptlab.checkpoint.query", "ckptlab.format._remote")
 # core modules that need torch at import time: still no UI library
 CORE_WITH_TORCH = ("ckptlab.plan.planner", "ckptlab.plan.torch_plans", "ckptlab.write.writer",
                    "ckptlab.write._io", "ckptlab.write._blob", "ckptlab.write._staging",

@@ -1,9 +1,13 @@
 """The checkpoint model: any checkpoint, tensor first (``ckptlab.open``).
 
-See :class:`Checkpoint` and :func:`open_checkpoint` (``ckptlab.open``).
+See :class:`Checkpoint` and :func:`open_checkpoint` (``ckptlab.open``); the one tensor query
+every view uses is :class:`TensorQuery` and :func:`select_tensors`
+(:mod:`ckptlab.checkpoint.query`).
 """
 
 from ckptlab.checkpoint.model import Checkpoint, FileEntry, Part, TensorEntry, plain_value
 from ckptlab.checkpoint.open import open_checkpoint
+from ckptlab.checkpoint.query import TensorCatalog, TensorQuery, TensorSelection, select_tensors
 
-__all__ = ["Checkpoint", "FileEntry", "Part", "TensorEntry", "open_checkpoint", "plain_value"]
+__all__ = ["Checkpoint", "FileEntry", "Part", "TensorCatalog", "TensorEntry", "TensorQuery",
+           "TensorSelection", "open_checkpoint", "plain_value", "select_tensors"]

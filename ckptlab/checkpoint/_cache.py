@@ -49,9 +49,11 @@ from ckptlab.errors import InvalidArgumentError
 __all__ = ["CACHE_VERSION", "CheckpointIndex", "InspectionCache", "cache_dir", "decode_index",
            "encode_index", "identity_of"]
 
-# 3: the SHA-256 covers the header too and sits before it, the columns are cross-checked;
-# 2: the SHA-256 covered the columns only; 1: one JSON document per entry (``.json``)
-CACHE_VERSION = 3
+# 4: a Hugging Face directory's tensors in file order (shards by name; 3 kept the index's
+# order of first mention); 3: the SHA-256 covers the header too and sits before it, the
+# columns are cross-checked; 2: the SHA-256 covered the columns only; 1: one JSON document
+# per entry (``.json``)
+CACHE_VERSION = 4
 EDGE_NBYTES = 64 * 1024  # bytes hashed at each end of a file
 DEFAULT_MAX_NBYTES = 256 * 2**20  # the whole cache directory's entries
 _SUFFIX = ".ckix"

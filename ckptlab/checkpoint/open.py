@@ -287,7 +287,7 @@ def _other_entry(root: str, rel: str) -> FileEntry:
 def _open_hf_index(root: str, index_name: str, names: list[str]) -> Checkpoint:
     entry, index = _json_entry(root, index_name)
     weight_map = _weight_map(index, entry.full_path)
-    shards = list(dict.fromkeys(weight_map.values()))
+    shards = sorted(set(weight_map.values()))  # file order: tensors by shard, then offset
     models = []
     with task("reading shards", total=len(shards)) as progress:
         for shard in shards:
@@ -505,7 +505,7 @@ def _open_remote_hf(store: Any, root: str, index_name: str) -> Checkpoint:
 
     entry, index = _remote_json(store, join_url(root, index_name), index_name)
     weight_map = _weight_map(index, entry.full_path)
-    shards = list(dict.fromkeys(weight_map.values()))
+    shards = sorted(set(weight_map.values()))  # file order: tensors by shard, then offset
     urls = {shard: join_url(root, shard) for shard in shards}  # refuses names leaving root
     models = []
     with task("reading shards", total=len(shards)) as progress:

@@ -7,23 +7,23 @@ Users arrive with a model, not a zip record: these views start from the tensors 
 :func:`checkpoint_summary`) are pure and plotly-free, for the notebook widgets, the served
 app, the report and the CLI alike; the ``*_figure`` functions draw them.
 
-A :class:`TensorTable` holds one column per field (numpy arrays for the numbers), so
-filtering and sorting 100,000 tensors is a vectorised pass, well under the 200 ms a search
-box may take, and a view shows one page of the result.
+A :class:`TensorTable` holds one column per field (numpy arrays for the numbers), and its
+:attr:`TensorTable.catalog` answers searches and sorts with the one tensor query of
+:mod:`ckptlab.checkpoint.query` (the CLI's, the served app's and the report's too): over
+100,000 tensors well under the 200 ms a search box may take; a view shows one page of it.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import html
-import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
 
+from ckptlab.checkpoint.query import SORT_KEYS, TensorCatalog, TensorQuery
 from ckptlab.errors import InvalidArgumentError
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.format.layout import ArchiveLayout
@@ -48,9 +48,6 @@ __all__ = [
     "treemap_figure",
 ]
 
-SORT_KEYS = ("name", "size", "parameters", "offset", "dtype", "file", "order")
-_DESCENDING_FIRST = {"size", "parameters"}  # the largest first by default
-_GLOB = re.compile(r"[*?\[]")
 
 
 def _shape_text(shape: Sequence[int] | None) -> str:
@@ -75,10 +72,20 @@ class TensorTable:
     files: tuple[str, ...]  # the file of the first part
     offsets: np.ndarray  # int64: file offset of the first part (-1: no bytes)
     parts: tuple[int, ...]  # number of parts
-    _lower: tuple[str, ...] = field(default=(), repr=False)
 
     def __len__(self) -> int:
         return len(self.names)
+
+    @property
+    def catalog(self) -> TensorCatalog:
+        """The table's columns for the one tensor query (made on first use, then kept)."""
+        catalog = self.__dict__.get("_catalog")
+        if catalog is None:
+            catalog = TensorCatalog(self.names, nbytes=self.nbytes, parameters=self.parameters,
+                                    files=self.files, offsets=self.offsets, dtypes=self.dtypes,
+                                    kinds=self.kinds)
+            object.__setattr__(self, "_catalog", catalog)  # a memo of frozen data
+        return catalog
 
     @property
     def total_nbytes(self) -> int:
@@ -136,8 +143,7 @@ def tensor_table(source: Any) -> TensorTable:
             np.fromiter((t.nbytes for t in ts), dtype=np.int64, count=len(ts)),
             np.fromiter((t.parameters for t in ts), dtype=np.int64, count=len(ts)),
             tuple(t.parts[0].file if t.parts else "" for t in ts),
-            np.array(offsets, dtype=np.int64), tuple(len(t.parts) for t in ts),
-            tuple(n.lower() for n in names))
+            np.array(offsets, dtype=np.int64), tuple(len(t.parts) for t in ts))
     if isinstance(source, ArchiveLayout):
         storages = {s.key: s for s in source.storages}
         names_l, nbytes, offsets = [], [], []
@@ -155,65 +161,36 @@ def tensor_table(source: Any) -> TensorTable:
             tuple(_shape_text(t.shape) for t in source.tensors), ("dense",) * n,
             np.array(nbytes, dtype=np.int64),
             np.array([t.numel for t in source.tensors], dtype=np.int64),
-            ("",) * n, np.array(offsets, dtype=np.int64), (1,) * n,
-            tuple(x.lower() for x in names_l))
+            ("",) * n, np.array(offsets, dtype=np.int64), (1,) * n)
     raise InvalidArgumentError(
         f"expected a Checkpoint (ckptlab.open) or an ArchiveLayout, got {type(source).__name__}")
 
 
 def filter_tensors(table: TensorTable, pattern: str = "") -> np.ndarray:
-    """Indices of the tensors whose name matches ``pattern``, in table order.
-
-    A pattern with ``*``, ``?`` or ``[`` is a glob over the whole name (``*.mlp.*``, case
-    sensitive, as ``ckptlab inspect --filter``); any other text matches as a case-insensitive
-    substring (``layers.3``). An empty pattern keeps every tensor.
-    """
-    if not isinstance(pattern, str):
-        raise InvalidArgumentError(f"pattern must be text, got {type(pattern).__name__}")
-    pattern = pattern.strip()
-    if not pattern:
-        return np.arange(len(table))
-    if _GLOB.search(pattern):
-        regex = re.compile(fnmatch.translate(pattern))
-        return np.array([i for i, n in enumerate(table.names) if regex.match(n)],
-                        dtype=np.int64)
-    needle = pattern.lower()
-    lower = table._lower or tuple(n.lower() for n in table.names)
-    return np.array([i for i, n in enumerate(lower) if needle in n], dtype=np.int64)
+    """Indices of the tensors whose name matches ``pattern``, in table order: a glob over the
+    whole name when it holds ``*``, ``?`` or ``[``, else a name part; case-insensitive (the
+    rules of :mod:`ckptlab.checkpoint.query`). An empty pattern keeps every tensor."""
+    return table.catalog.matches(pattern)
 
 
 def sort_tensors(table: TensorTable, indices: np.ndarray | None = None, by: str = "order",
                  descending: bool | None = None) -> np.ndarray:
-    """``indices`` (all tensors by default) ordered by ``by``.
-
-    ``by`` is one of ``name``, ``size`` (bytes), ``parameters``, ``offset`` (file, then
-    offset), ``dtype``, ``file`` or ``order`` (the checkpoint's own). ``size`` and
-    ``parameters`` put the largest first unless ``descending=False``; ties keep table order.
-    """
-    if by not in SORT_KEYS:
-        raise InvalidArgumentError(f"sort by one of {', '.join(SORT_KEYS)}, got {by!r}")
-    idx = np.arange(len(table)) if indices is None else np.asarray(indices, dtype=np.int64)
-    desc = by in _DESCENDING_FIRST if descending is None else bool(descending)
-    if by in ("size", "parameters"):  # numbers: ties keep table order either way
-        vals = (table.nbytes if by == "size" else table.parameters)[idx]
-        return idx[np.argsort(-vals if desc else vals, kind="stable")]
-    if by == "order":
-        keyed = idx
-    elif by == "offset":
-        order = sorted(range(len(idx)), key=lambda j: (table.files[idx[j]],
-                                                       int(table.offsets[idx[j]])))
-        keyed = idx[np.array(order, dtype=np.int64)] if len(idx) else idx
-    else:
-        column = {"name": table.names, "dtype": table.dtypes, "file": table.files}[by]
-        order = sorted(range(len(idx)), key=lambda j: column[idx[j]])
-        keyed = idx[np.array(order, dtype=np.int64)] if len(idx) else idx
-    return keyed[::-1].copy() if desc else keyed
+    """``indices`` (all tensors by default) ordered by key ``by``, one of :data:`SORT_KEYS`
+    (:mod:`ckptlab.checkpoint.query`: ``size`` and ``parameters`` the largest first unless
+    ``descending=False``; ties keep table order)."""
+    order = table.catalog.order(by, descending)
+    if indices is None:
+        return order
+    keep = np.zeros(len(table), dtype=bool)
+    keep[np.asarray(indices, dtype=np.int64)] = True
+    return order[keep[order]]
 
 
 def query_tensors(table: TensorTable, pattern: str = "", sort: str = "order",
                   descending: bool | None = None) -> np.ndarray:
-    """:func:`filter_tensors` then :func:`sort_tensors`: the indices a table view shows."""
-    return sort_tensors(table, filter_tensors(table, pattern), sort, descending)
+    """The indices a table view shows: the one tensor query
+    (:func:`ckptlab.checkpoint.query.select_tensors`) of ``pattern`` in ``sort`` order."""
+    return table.catalog.select(TensorQuery(pattern, sort, descending)).rows
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from typing import Any
 import plotly.graph_objects as go
 import plotly.io as pio
 
+from ckptlab.checkpoint.query import TensorQuery
 from ckptlab.format import ArchiveLayout, alignment_costs
 from ckptlab.format.archive import largest_alignment
 from ckptlab.viz._style import (
@@ -130,8 +131,65 @@ def _figures_html(figures: Sequence[tuple[str, go.Figure]], start: int = 0,
     return "".join(parts)
 
 
+# the one tensor query's pattern rules (ckptlab.checkpoint.query) in JavaScript: a glob becomes
+# the same regular expression as glob_regex() makes (tests/checkpoint/test_query.py runs both)
+_MATCH_JS = r"""
+function ckptlabGlob(p) {
+  var cs = Array.from(p), out = [], i = 0, n = cs.length;
+  var special = "\\^$.|?*+()[]{}", inSetSpecial = "\\]^-[", inSetHex = "&~|";
+  function inSet(c) {
+    if (inSetSpecial.indexOf(c) >= 0) return "\\" + c;
+    if (inSetHex.indexOf(c) >= 0) return "\\x" + c.charCodeAt(0).toString(16);
+    return c;
+  }
+  while (i < n) {
+    var c = cs[i++];
+    if (c === "*") {
+      out.push(".*");
+      while (i < n && cs[i] === "*") i++;
+    } else if (c === "?") {
+      out.push(".");
+    } else if (c === "[") {
+      var j = i;
+      if (j < n && cs[j] === "!") j++;
+      if (j < n && cs[j] === "]") j++;
+      while (j < n && cs[j] !== "]") j++;
+      if (j >= n) { out.push("\\["); continue; }
+      var body = cs.slice(i, j), negate = body[0] === "!", items = [];
+      i = j + 1;
+      if (negate) body = body.slice(1);
+      for (var k = 0; k < body.length;) {
+        if (k + 2 < body.length && body[k + 1] === "-") {
+          if (body[k].codePointAt(0) <= body[k + 2].codePointAt(0))
+            items.push(inSet(body[k]) + "-" + inSet(body[k + 2]));
+          k += 3;
+        } else {
+          items.push(inSet(body[k]));
+          k += 1;
+        }
+      }
+      out.push(items.length ? "[" + (negate ? "^" : "") + items.join("") + "]"
+               : (negate ? "." : "(?!)"));
+    } else {
+      out.push(special.indexOf(c) >= 0 ? "\\" + c : c);
+    }
+  }
+  return out.join("");
+}
+function ckptlabMatcher(q) {  // null: every name; else a test of a lower-cased name
+  q = q.replace(/^[ \t\n\r\f\v]+|[ \t\n\r\f\v]+$/g, "");
+  if (!q) return null;
+  var needle = q.toLowerCase();
+  if (!/[*?\[]/.test(needle))
+    return function (lower) { return lower.indexOf(needle) >= 0; };
+  var re = new RegExp("^(?:" + ckptlabGlob(needle) + ")$", "su");
+  return function (lower) { return re.test(lower); };
+}
+"""
+
 _FILTER_JS = r"""
 (function () {
+@MATCH@
   var rows = JSON.parse(document.getElementById("ckptlab-tensor-rows").textContent);
   var numeric = JSON.parse(document.getElementById("ckptlab-tensor-numeric").textContent);
   var box = document.getElementById("ckptlab-filter");
@@ -145,17 +203,8 @@ _FILTER_JS = r"""
       return {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[c]; });
   };
   function matcher(q) {
-    q = q.trim();
-    if (!q) return null;
-    if (/[*?\[]/.test(q)) {
-      try {
-        var re = new RegExp("^" + q.replace(/[.+^${}()|\\]/g, "\\$&")
-          .replace(/\*/g, ".*").replace(/\?/g, ".") + "$");
-        return function (i) { return re.test(rows[i][0]); };
-      } catch (e) { /* not a glob after all: a substring */ }
-    }
-    var needle = q.toLowerCase();
-    return function (i) { return lower[i].indexOf(needle) >= 0; };
+    var m = ckptlabMatcher(q);
+    return m && function (i) { return m(lower[i]); };
   }
   function cell(v, j) {
     return numeric[j] && typeof v === "number"
@@ -234,12 +283,15 @@ def _json_for_script(value: Any) -> str:
 def _tensor_section(table: TensorTable, multi: bool) -> str:
     """The tensor table with a search box: the first rows in the page, all of them (up to
     ``MAX_FILTER_ROWS``) searchable in the browser, the shown rows capped at
-    ``MAX_TENSOR_ROWS`` with a count of the hidden ones."""
+    ``MAX_TENSOR_ROWS`` with a count of the hidden ones. The rows are in the one tensor
+    query's default order and the box follows its rules (:data:`_MATCH_JS`), so a search
+    finds what ``ckptlab inspect --filter`` and the served app find."""
     header = ["name", "dtype", "shape", "kind", "bytes", "params", *(["file"] * multi),
               "offset"]
     numeric = [h in ("bytes", "params", "offset") for h in header]
     rows: list[list[Any]] = []
-    for i in range(min(len(table), MAX_FILTER_ROWS)):
+    shown = table.catalog.select(TensorQuery(limit=MAX_FILTER_ROWS)).rows
+    for i in shown.tolist():
         off = int(table.offsets[i])
         row: list[Any] = [table.names[i], table.dtypes[i], table.shapes[i], table.kinds[i],
                           int(table.nbytes[i]), int(table.parameters[i])]
@@ -267,7 +319,7 @@ def _tensor_section(table: TensorTable, multi: bool) -> str:
         f'<script type="application/json" id="ckptlab-tensor-numeric">'
         f"{_json_for_script(numeric)}</script>"
         "<script>" + _FILTER_JS.replace("@CAP@", str(MAX_TENSOR_ROWS)).replace("@TOTAL@", str(n))
-        + "</script>")
+        .replace("@MATCH@", _MATCH_JS) + "</script>")
 
 
 def _dtype_html(source: Any) -> str:

@@ -2,9 +2,10 @@
 
 The rows live on the server as one pandas DataFrame shared by every session
 (:func:`tensor_frame`); panel's ``Tabulator`` with ``pagination="remote"`` sends the browser
-one page at a time, and the name filter and the sort run on the server (a vectorised
-``str.contains`` over 100,000 names takes tens of milliseconds), so the browser never holds
-more than a page of rows.
+one page at a time, and the name filter and the sort run on the server with the one tensor
+query (:class:`~ckptlab.checkpoint.query.TensorCatalog`, shared with the quick page: tens of
+milliseconds over 100,000 names), so the browser never holds more than a page of rows and
+finds what the CLI, the quick page and the report find.
 
 At 1280 px every header shows whole (:data:`COLUMN_WIDTHS`; ``name`` takes what is left, the
 ``file`` column is sized to its longest name); a value wider than its column ends in an
@@ -19,16 +20,18 @@ import json
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import panel as pn
 
 from ckptlab.checkpoint._cache import CheckpointIndex
+from ckptlab.checkpoint.query import TensorCatalog
 from ckptlab.viz._style import html_table, human_nbytes
 from ckptlab.widgets._compat import TabulatorHooks
-from ckptlab.widgets._table_rows import COLUMNS, NameSearch, name_mask, tensor_frame
+from ckptlab.widgets._table_rows import COLUMNS, SORT_KEY_OF_COLUMN, tensor_frame
 
-__all__ = ["COLUMNS", "COLUMN_WIDTHS", "TABLE_CSS", "NameSearch", "TensorTable", "column_widths",
-           "index_summary_html", "name_mask", "objects_html", "tensor_details_html",
+__all__ = ["COLUMNS", "COLUMN_WIDTHS", "TABLE_CSS", "TensorTable", "column_widths",
+           "frame_catalog", "index_summary_html", "objects_html", "tensor_details_html",
            "tensor_frame"]
 
 PAGE_SIZE = 20
@@ -83,8 +86,36 @@ class _RowLabels(Mapping):
         return iter(range(len(self._index)))
 
 
+def frame_catalog(frame: pd.DataFrame) -> TensorCatalog:
+    """The one tensor query's catalog of :func:`tensor_frame` rows (the quick page's
+    ``CheckpointRows.catalog`` is the same, made from the index)."""
+    return TensorCatalog(frame["name"].tolist(), nbytes=frame["bytes"].to_numpy(),
+                         parameters=frame["parameters"].to_numpy(),
+                         files=frame["file"].astype(str).tolist(),
+                         offsets=frame["offset"].to_numpy(), dtypes=frame["dtype"].astype(str),
+                         kinds=frame["kind"].astype(str))
+
+
 class LazyRowsTabulator(TabulatorHooks, pn.widgets.Tabulator):
-    """panel's Tabulator with its position -> label mapping read lazily (:class:`_RowLabels`)."""
+    """panel's Tabulator with its position -> label mapping read lazily (:class:`_RowLabels`)
+    and its rows sorted by the one tensor query (:meth:`sort_rows`) instead of panel's own
+    sort (lower-cased text, ties by position as text: "10" before "2")."""
+
+    catalog: TensorCatalog | None = None  # the rows' catalog, set by TensorTable
+
+    def sort_rows(self, df: pd.DataFrame) -> pd.DataFrame:
+        """``df`` (rows of the table's frame, labelled by position) in the order of the first
+        of :attr:`sorters` on a sortable column (:data:`SORT_KEY_OF_COLUMN`), as the one
+        tensor query sorts; unsorted, the checkpoint's order."""
+        sorter = next((s for s in self.sorters or () if s.get("field") in SORT_KEY_OF_COLUMN),
+                      None)
+        if sorter is None or self.catalog is None:
+            return df
+        order = self.catalog.order(SORT_KEY_OF_COLUMN[sorter["field"]],
+                                   sorter.get("dir") == "desc")
+        keep = np.zeros(len(self.catalog), dtype=bool)
+        keep[df.index.to_numpy()] = True
+        return df.loc[order[keep[order]]]
 
     def row_mapping(self, rows: Any) -> Mapping[int, Any] | None:
         """Lazily, over the shown rows' index (:class:`_RowLabels`); panel's own dict for
@@ -100,11 +131,11 @@ class TensorTable:
     """
 
     def __init__(self, frame: pd.DataFrame, *, on_select: Callable[[int], None] | None = None,
-                 page_size: int = PAGE_SIZE, search: NameSearch | None = None) -> None:
+                 page_size: int = PAGE_SIZE, catalog: TensorCatalog | None = None) -> None:
         from bokeh.models.widgets.tables import NumberFormatter
 
         self.frame = frame
-        self.name_search = search if search is not None else NameSearch(frame["name"])
+        self.catalog = catalog if catalog is not None else frame_catalog(frame)
         self.on_select = on_select
         self.search = pn.widgets.TextInput(
             placeholder="find a tensor by name: a part of it, or a glob such as *.mlp.*",
@@ -117,8 +148,10 @@ class TensorTable:
             header_align={"bytes": "right", "parameters": "right", "offset": "right"},
             text_align={"bytes": "right", "parameters": "right", "offset": "right"},
             widths=column_widths(frame), layout="fit_columns", stylesheets=[TENSOR_TABLE_CSS],
+            sortable={c: c in SORT_KEY_OF_COLUMN for c in frame.columns},
             # a value cut to its column's width (an ellipsis) shows whole on hover
             configuration={"columnDefaults": {"tooltip": True}})
+        self.table.catalog = self.catalog
         self.count = pn.pane.HTML(self._count_text(len(frame)), css_classes=["ckptlab-count"],
                                   sizing_mode="stretch_width")
         self.table.add_filter(pn.bind(self._filter, pattern=self.search.param.value_input))
@@ -135,16 +168,19 @@ class TensorTable:
         if not pattern or not pattern.strip():
             out = df
         else:  # df's index is the rows' positions in the frame (filters come before sorts)
-            out = df[self.name_search.mask(pattern)[df.index.to_numpy()]]
+            keep = np.zeros(len(self.frame), dtype=bool)
+            keep[self.catalog.matches(pattern)] = True
+            out = df[keep[df.index.to_numpy()]]
         if self.count is not None:
             self.count.object = self._count_text(len(out))
         return out
 
     def find(self, pattern: str) -> pd.DataFrame:
-        """Filter the table as typing ``pattern`` in the search box does; the rows shown."""
+        """Filter the table as typing ``pattern`` in the search box does; the rows shown, in
+        the order shown (the table's sort, else the checkpoint's order)."""
         self.search.value_input = pattern
         self.search.value = pattern
-        return self.table.current_view
+        return self.table.sort_rows(self.table.current_view)
 
     def _on_selection(self, event: Any) -> None:
         rows = event.new or []

@@ -556,7 +556,7 @@ class ServedCheckpoint:
         self.checkpoint = rows.checkpoint
         self.from_cache = rows.from_cache
         self.frame = rows.frame
-        self.name_search = rows.name_search
+        self.catalog = rows.catalog  # the one tensor query's, shared with the quick page
         self.summary_html = index_summary_html(self.index)  # what every session shows first
         self.objects_html = objects_html(self.index.objects)
         self.index_s = rows.index_s + time.perf_counter() - start
@@ -765,7 +765,7 @@ class CheckpointApp:
                                     stylesheets=[TABLE_CSS],
                                     css_classes=["ckptlab-header"])
         self.tensors = TensorTable(served.frame, on_select=self.select_row,
-                                   search=served.name_search)
+                                   catalog=served.catalog)
         self.details = pn.pane.HTML(TENSOR_PROMPT, sizing_mode="stretch_width",
                                     stylesheets=[TABLE_CSS],
                                     css_classes=["ckptlab-tensor-details"])

@@ -6,8 +6,9 @@ the server. So :func:`serve` binds the public port first (tornado only: nothing 
 panel, bokeh, plotly or ipywidgets) and answers ``/`` with a small self-contained page
 (inline CSS and JavaScript, nothing fetched from elsewhere): the checkpoint's name, a one-line
 summary and its tensor table, searchable (a name part or a glob), sortable and paged, with
-filter, sort and paging done on the server (``GET /ckptlab/quick/rows``, at most
-:data:`MAX_ROWS` rows an answer). While the index is being made (:class:`PendingRows`; a
+filter, sort and paging done on the server by the one tensor query
+(:mod:`ckptlab.checkpoint.query`; ``GET /ckptlab/quick/rows``, at most :data:`MAX_ROWS` rows
+an answer). While the index is being made (:class:`PendingRows`; a
 cached index is read from the :class:`~ckptlab.checkpoint._cache.InspectionCache` in a
 fraction of a second) the page shows a progress line and asks ``/ckptlab/quick/state``,
 which holds its answer until the index is there (or a second has passed).
@@ -32,7 +33,6 @@ import json
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # pandas and numpy come with the index, on its thread
     import numpy as np
     import pandas as pd
 
-    from ckptlab.widgets._table_rows import NameSearch
+    from ckptlab.checkpoint.query import TensorCatalog, TensorQuery
 
 __all__ = ["MAX_ROWS", "PAGE_ROWS", "QUICK_PREFIX", "CheckpointRows", "Pending", "PendingRows",
            "QuickServer", "serve"]
@@ -58,7 +58,6 @@ QUICK_PREFIX = "/ckptlab/quick/"  # the quick page's JSON routes, kept after the
 PAGE_ROWS = 100  # rows the page asks for at a time
 MAX_ROWS = 500  # the most rows one answer holds (a larger limit is cut to it)
 MAX_PATTERN = 1000  # the longest search accepted, in characters
-MAX_FOUND = 16  # (search, sort) results kept for paging
 NUMERIC = ("bytes", "parameters", "offset")
 LONG_POLL_S = 1.0  # how long ``state?wait=...`` holds its answer for the change it waits for
 # how long the workbench's panel import waits for the quick page's first rows to have been
@@ -89,8 +88,8 @@ class CheckpointRows:
     ``inspection_cache`` when the checkpoint was seen before, else from opening it (then
     ``checkpoint`` is the opened :class:`~ckptlab.checkpoint.Checkpoint` and the index is
     stored); ``frame`` is the table's rows (:func:`~ckptlab.widgets._table_rows.tensor_frame`)
-    and ``name_search`` its name search. Shared, never changed: :meth:`page` keeps its sort
-    orders and recent results in caches of its own.
+    and ``catalog`` (a :class:`~ckptlab.checkpoint.query.TensorCatalog`) searches and sorts
+    them, keeping its sort orders and recent results. Shared by the workbench's sessions.
 
     Parameters
     ----------
@@ -102,7 +101,8 @@ class CheckpointRows:
 
     def __init__(self, path: str | os.PathLike[str], *,
                  inspection_cache: InspectionCache | None = None) -> None:
-        from ckptlab.widgets._table_rows import NameSearch, tensor_frame
+        from ckptlab.checkpoint.query import TensorCatalog
+        from ckptlab.widgets._table_rows import tensor_frame
 
         self.path = os.fspath(path)
         start = time.perf_counter()
@@ -117,12 +117,9 @@ class CheckpointRows:
             self.index = CheckpointIndex.from_checkpoint(self.checkpoint)
             self.from_cache = False
         self.frame: pd.DataFrame = tensor_frame(self.index)
-        self.name_search: NameSearch = NameSearch(self.frame["name"])
+        self.catalog: TensorCatalog = TensorCatalog.of(self.index)
         self.index_s = time.perf_counter() - start
-        self._lock = threading.Lock()
         self._columns: list[np.ndarray] | None = None
-        self._orders: dict[tuple[str, bool], np.ndarray] = {}
-        self._found: OrderedDict[tuple[str, str, bool], np.ndarray] = OrderedDict()
         self._summary: str | None = None
 
     def __len__(self) -> int:
@@ -147,54 +144,20 @@ class CheckpointRows:
                              + (f" · tensor bytes by dtype: {dtypes}" if dtypes else ""))
         return self._summary
 
-    def _order(self, column: str, desc: bool) -> np.ndarray:
-        """Row positions sorted by ``column`` (ties in checkpoint order); computed once."""
-        import numpy as np
-        import pandas as pd
+    def _query(self, pattern: str, sort: str, desc: bool, offset: int = 0,
+               limit: int | None = None) -> TensorQuery:
+        from ckptlab.checkpoint.query import TensorQuery
+        from ckptlab.widgets._table_rows import column_sort_key
 
-        key = (column, desc)
-        order = self._orders.get(key)
-        if order is None:
-            series = self.frame[column]
-            values = (series.cat.codes.to_numpy() if isinstance(series.dtype, pd.CategoricalDtype)
-                      else series.to_numpy())  # categories are sorted: codes sort as values do
-            if desc:  # a stable sort of the reversed column, reversed: ties stay in order
-                order = (len(values) - 1 - np.argsort(values[::-1], kind="stable"))[::-1]
-            else:
-                order = np.argsort(values, kind="stable")
-            self._orders[key] = order
-        return order
+        if not sort:
+            return TensorQuery(pattern, "order", False, offset, limit)
+        return TensorQuery(pattern, column_sort_key(sort), bool(desc), offset, limit)
 
     def found(self, pattern: str = "", sort: str = "", desc: bool = False) -> np.ndarray:
         """Positions of the rows whose name matches ``pattern`` (a case-insensitive name part,
         or a glob with ``*``, ``?`` or ``[``), in checkpoint order or sorted by column
-        ``sort`` (descending if ``desc``)."""
-        import numpy as np
-
-        if sort and sort not in self.columns:
-            raise InvalidArgumentError(
-                f"sort: expected one of the columns {', '.join(self.columns)}, got {sort!r}")
-        key = (pattern.strip(), sort, bool(desc) and bool(sort))
-        with self._lock:
-            found = self._found.get(key)
-            if found is not None:
-                self._found.move_to_end(key)
-                return found
-            hits = self.name_search.rows(key[0])
-            if not sort:
-                found = hits
-            else:
-                order = self._order(sort, key[2])
-                if len(hits) == len(self.frame):
-                    found = order
-                else:
-                    mask = np.zeros(len(self.frame), dtype=bool)
-                    mask[hits] = True
-                    found = order[mask[order]]
-            self._found[key] = found
-            while len(self._found) > MAX_FOUND:
-                self._found.popitem(last=False)
-            return found
+        ``sort`` (ascending, or descending if ``desc``): the one tensor query's."""
+        return self.catalog.select(self._query(pattern, sort, desc)).rows
 
     def page(self, pattern: str = "", *, sort: str = "", desc: bool = False, offset: int = 0,
              limit: int = PAGE_ROWS) -> dict[str, Any]:
@@ -206,12 +169,12 @@ class CheckpointRows:
         if type(limit) is not int or limit < 1:
             raise InvalidArgumentError(f"limit: expected an integer >= 1, got {limit!r}")
         limit = min(limit, MAX_ROWS)
-        found = self.found(pattern, sort, desc)
-        chosen = found[offset:offset + limit]
+        found = self.catalog.select(self._query(pattern, sort, desc, offset, limit))
+        chosen = found.rows
         if self._columns is None:
             self._columns = [self.frame[c].to_numpy() for c in self.columns]
         values = [column[chosen].tolist() for column in self._columns]
-        return {"total": len(self.frame), "matched": len(found), "offset": offset,
+        return {"total": len(self.frame), "matched": found.matched, "offset": offset,
                 "limit": limit, "columns": list(self.columns),
                 "rows": [list(row) for row in zip(*values)]}
 
@@ -373,7 +336,7 @@ class QuickServer(httputil.HTTPServerConnectionDelegate):
         rows = self.pending.rows
         if rows is None:  # the page shows why
             return
-        rows.name_search.starts  # noqa: B018 - builds what a search reads (80 ms at 100k)
+        rows.catalog.prepare()  # what a search reads, before panel's import takes the GIL
         self.first_rows.wait(FIRST_ROWS_WAIT_S)
         try:
             from ckptlab.widgets import app  # panel, bokeh: about 1.5 s
@@ -533,7 +496,10 @@ class _PageHandler(_QuickHandler):
 def page_html(name: str) -> str:
     """The quick page for checkpoint ``name``: self-contained HTML (inline CSS and JS)."""
     title = html.escape(f"ckptlab · {name}")
+    from ckptlab.widgets._table_rows import SORT_KEY_OF_COLUMN
+
     script = (_PAGE_JS.replace("__NUMERIC__", _json_text(list(NUMERIC)))
+              .replace("__SORTABLE__", _json_text(list(SORT_KEY_OF_COLUMN)))
               .replace("__LIMIT__", str(PAGE_ROWS)))
     return (_PAGE_HTML.replace("__TITLE__", title).replace("__CSS__", _PAGE_CSS)
             .replace("__JS__", script))
@@ -554,6 +520,7 @@ body{font-family:-apple-system,BlinkMacSystemFont,"Segoe UI",Roboto,Helvetica,Ar
   white-space:nowrap;overflow:hidden;text-overflow:ellipsis;border-bottom:1px solid #eee}
 .ckptlab-quick-table th{cursor:pointer;user-select:none;background:#f4f4f4;
   border-bottom:1px solid #ccc}
+.ckptlab-quick-table th:not([title]){cursor:default}
 .ckptlab-quick-table .num{text-align:right;font-variant-numeric:tabular-nums}
 """
 
@@ -585,7 +552,7 @@ _PAGE_HTML = """<!DOCTYPE html>
 # every text from the server goes in with textContent: nothing it sends is markup
 _PAGE_JS = r"""
 (() => {
-  const NUMERIC = new Set(__NUMERIC__), LIMIT = __LIMIT__
+  const NUMERIC = new Set(__NUMERIC__), SORTABLE = new Set(__SORTABLE__), LIMIT = __LIMIT__
   const WIDTHS = {dtype: 110, shape: 110, kind: 90, bytes: 100, parameters: 135, file: 120,
                   offset: 120}
   const $ = id => document.getElementById('ckptlab-' + id)
@@ -607,13 +574,15 @@ _PAGE_JS = r"""
       $('cols').appendChild(col)
       const th = el('th', NUMERIC.has(c) ? 'num' : '', c)
       th.dataset.col = c
-      th.title = 'sort by ' + c
-      th.addEventListener('click', () => {
-        S.desc = S.sort === c ? !S.desc : false
-        S.sort = c
-        S.offset = 0
-        load()
-      })
+      if (SORTABLE.has(c)) {
+        th.title = 'sort by ' + c
+        th.addEventListener('click', () => {
+          S.desc = S.sort === c ? !S.desc : false
+          S.sort = c
+          S.offset = 0
+          load()
+        })
+      }
       heads[c] = th
       $('head').appendChild(th)
     }

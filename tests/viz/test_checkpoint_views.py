@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import ckptlab as cl
+from ckptlab.checkpoint.query import natural_key
 from ckptlab.errors import InvalidArgumentError
 from ckptlab.format import SegmentKind
 from ckptlab.viz import (
@@ -108,8 +109,8 @@ def test_table_is_the_checkpoints_tensors(cks, fmt):
 def test_filter_matches_glob_or_substring(cks, pattern):
     table = tensor_table(cks["zip"])
     got = [table.names[i] for i in filter_tensors(table, pattern)]
-    if any(c in pattern for c in "*?["):
-        want = [n for n in table.names if fnmatch.fnmatchcase(n, pattern)]
+    if any(c in pattern for c in "*?["):  # a glob, case-insensitive (as every view's search)
+        want = [n for n in table.names if fnmatch.fnmatchcase(n.lower(), pattern.lower())]
     else:
         want = [n for n in table.names if pattern.lower() in n.lower()]
     assert got == want
@@ -124,7 +125,8 @@ def test_sort_orders(cks):
     assert np.all(np.diff(sizes) <= 0)  # largest first
     assert table.names[by_size[0]] == "model.embed.weight"
     assert np.all(np.diff(table.nbytes[sort_tensors(table, by="size", descending=False)]) >= 0)
-    assert [table.names[i] for i in sort_tensors(table, by="name")] == sorted(table.names)
+    assert [table.names[i] for i in sort_tensors(table, by="name")] == sorted(
+        table.names, key=natural_key)
     offs = [int(table.offsets[i]) for i in sort_tensors(table, by="offset")]
     assert offs == sorted(offs)
     assert sort_tensors(table, by="order").tolist() == list(range(len(table)))

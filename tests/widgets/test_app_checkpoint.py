@@ -11,18 +11,14 @@ import html
 import json
 import re
 
-import numpy as np
-import pandas as pd
 import panel as pn
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import ckptlab as cl
 from ckptlab.checkpoint._cache import CheckpointIndex, InspectionCache
 from ckptlab.testing.hexview import hex_bytes
-from ckptlab.widgets._tensor_table import NameSearch, name_mask, tensor_frame
+from ckptlab.widgets._tensor_table import tensor_frame
 from ckptlab.widgets.app import CheckpointApp, LayoutApp, ServedCheckpoint
 
 pytestmark = [
@@ -269,23 +265,6 @@ def test_close_frees_the_session(sample_file):
 def test_bad_source():
     with pytest.raises(cl.CkptlabError, match="checkpoint path"):
         CheckpointApp(42)
-
-
-@settings(max_examples=40, deadline=None)
-@given(st.lists(st.text(alphabet="ab.\n*?[]XY_0", max_size=8), min_size=0, max_size=30),
-       st.text(alphabet="ab.\nXY_0", max_size=3))
-def test_name_search_agrees_with_pandas(names, pattern):
-    series = pd.Series(names, dtype=object)
-    got = NameSearch(series).rows(pattern)
-    want = np.flatnonzero(name_mask(series, pattern).to_numpy()) if "\n" not in pattern.strip() \
-        else np.zeros(0, dtype=np.int64)
-    if "\n" in pattern.strip() or any("\n" in n for n in names):
-        # a newline inside a name is searched as a space; pandas sees the newline
-        want = np.array([i for i, n in enumerate(names)
-                         if pattern.strip().lower() in n.replace("\n", " ").lower()
-                         and "\n" not in pattern.strip()], dtype=np.int64) if pattern.strip() \
-            else np.arange(len(names))
-    np.testing.assert_array_equal(got, want)
 
 
 def test_tensor_frame_columns(sample_file):

@@ -139,13 +139,13 @@ def test_the_table_uses_the_widths_and_cuts_values_with_an_ellipsis(sample_file)
 def test_the_tables_row_mapping_follows_the_filter_lazily():
     """LazyRowsTabulator maps a position in the shown rows to its frame label as panel's dict
     did (a click's row), without building a dict over every row."""
-    from ckptlab.widgets._tensor_table import NameSearch, TensorTable
+    from ckptlab.widgets._tensor_table import TensorTable
 
     frame = pd.DataFrame({c: [0] * 6 for c in ("dtype", "shape", "kind", "bytes",
                                                 "parameters", "file", "offset")})
     frame.insert(0, "name", [f"layer.{i}.{'w' if i % 2 else 'b'}" for i in range(6)])
     frame["file"] = pd.Categorical(["m.pt"] * 6)
-    table = TensorTable(frame, search=NameSearch(frame["name"]))
+    table = TensorTable(frame)
     mapping = table.table._index_mapping
     assert not isinstance(mapping, dict) and len(mapping) == 6
     assert [mapping.get(i) for i in range(6)] == list(range(6))

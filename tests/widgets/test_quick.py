@@ -31,6 +31,7 @@ from tornado.ioloop import IOLoop
 from tornado.netutil import bind_sockets
 
 from ckptlab.checkpoint._cache import InspectionCache
+from ckptlab.checkpoint.query import natural_key
 from ckptlab.errors import InvalidArgumentError
 from ckptlab.widgets import quick
 from ckptlab.widgets.quick import MAX_ROWS, CheckpointRows, QuickServer, page_html
@@ -96,7 +97,8 @@ def test_rows_sort_by_any_column_both_ways(rows: CheckpointRows) -> None:
     assert top == ["layers.1.w1", "layers.2.w3", "layers.4.w0"]
     assert _names(rows.page(sort="bytes"))[:3] == ["layers.0.w0", "layers.1.w2", "layers.2.w4"]
     names = _names(rows.page("w2", sort="name", desc=True, limit=MAX_ROWS))
-    assert names == sorted(names, reverse=True) and len(names) == TENSORS // 5
+    assert names == sorted(names, key=natural_key, reverse=True)  # layers.119 before .99
+    assert names[0] == "layers.119.w2" and len(names) == TENSORS // 5
     with pytest.raises(InvalidArgumentError, match="sort: expected one of the columns"):
         rows.page(sort="size")
 
