@@ -11,7 +11,7 @@ import os
 import re
 import shutil
 import subprocess
-import time
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -117,10 +117,18 @@ def test_the_fast_glob_is_the_plain_one(pattern: str, name: str) -> None:
 
 
 def test_a_glob_of_many_stars_does_not_backtrack_for_ever() -> None:
-    cat = catalog(["a" * 300] * 100)
-    start = time.perf_counter()
-    assert len(cat.matches("*a*a*a*a*a*a*a*a*a*a*a*a*b")) == 0
-    assert time.perf_counter() - start < 1.0
+    """A hang guard, not a speed check: with plain ``.*`` runs this match backtracks through
+    about C(300, 12) ways per name (hours); the atomic runs answer at once. The child is
+    killed after 120 s, which only a regression reaches."""
+    code = ("from ckptlab.checkpoint.query import TensorCatalog\n"
+            "import numpy as np\n"
+            "names = ['a' * 300] * 100\n"
+            "cat = TensorCatalog(names, nbytes=np.zeros(100, dtype=np.int64))\n"
+            "print(len(cat.matches('*a*a*a*a*a*a*a*a*a*a*a*a*b')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0"
 
 
 # -- sort keys ---------------------------------------------------------------------------------
@@ -198,11 +206,11 @@ def test_100k_tensors_answer_fast() -> None:
     names = [f"model.layers.{i // 10}.{('mlp', 'attn')[i % 2]}.w{i % 5}" for i in range(100_000)]
     cat = catalog(names, nbytes=np.arange(100_000) % 977)
     cat.prepare()
-    for pattern in ("mlp", "*.MLP.w3", "layers.99?."):
-        start = time.perf_counter()
+    for pattern, matched in (("mlp", 50_000), ("*.MLP.w3", 10_000), ("*layers.99?.*", 100)):
         sel = cat.select(TensorQuery(pattern, sort="size", limit=100))
-        assert len(sel) == 100 or sel.matched < 100
-        assert time.perf_counter() - start < 1.0  # tens of ms; generous for a shared machine
+        assert sel.matched == matched and len(sel) == 100
+        sizes = cat.nbytes[sel.rows].tolist()
+        assert sizes == sorted(sizes, reverse=True)
 
 
 # -- sources and the default order ---------------------------------------------------------------
