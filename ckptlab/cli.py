@@ -337,8 +337,8 @@ def _is_torch_zip_file(path: str) -> bool:
     """A single file that is a zip (or no checkpoint at all): the torch.save offsets path, with
     its own errors for an empty or foreign file. Safetensors, legacy files and directories go
     through the checkpoint model."""
-    from ckptlab.format._source import ByteSource
     from ckptlab.format.inspect import sniff
+    from ckptlab.source._bytes import ByteSource
 
     if os.path.isdir(path):
         return False
@@ -393,10 +393,10 @@ def _dcp_header_pass(ck: Any, entry: Any, parts: list[tuple[str, Any]], count: _
     import bisect
 
     from ckptlab.cli import storage_offsets
-    from ckptlab.format._source import ByteSource
-    from ckptlab.format._window import FileWindow
     from ckptlab.format.layout import SegmentKind
     from ckptlab.format.safetensors import scan_safetensors
+    from ckptlab.source._bytes import ByteSource
+    from ckptlab.source._window import FileWindow
 
     starts = [s.offset for s in entry.segments]
     found: dict[int, Callable[[Any], int | None]] = {}
@@ -449,9 +449,9 @@ def checkpoint_offsets(ck: Any) -> dict[str, Any]:
     anything. Files of a kind it does not cover are listed in ``uncounted_files``.
     """
     from ckptlab.cli import storage_offsets
-    from ckptlab.format._source import ByteSource
     from ckptlab.format.safetensors import scan_safetensors
     from ckptlab.gds.readiness import tensor_ranges
+    from ckptlab.source._bytes import ByteSource
 
     parts = [(r.name, p) for r, p in zip(
         tensor_ranges(ck), (p for t in ck.tensors.values() for p in t.parts), strict=True)]
@@ -708,7 +708,7 @@ def _is_url(path: str | None) -> bool:
 
 def _local_url(path: str) -> str | None:
     """The local path of a ``file://`` URL, else None."""
-    from ckptlab.format._source import file_url_path
+    from ckptlab.source._bytes import file_url_path
 
     return file_url_path(path)
 
@@ -855,8 +855,8 @@ def _check_listen(address: str, port: int) -> None:
 def _check_servable(path: str) -> None:
     """``serve`` shows any checkpoint ``ckptlab.open`` reads: refuse, up front and in one line,
     a file that is no checkpoint at all and an empty directory (the server opens the rest)."""
-    from ckptlab.format._source import ByteSource
     from ckptlab.format.inspect import not_a_checkpoint, sniff
+    from ckptlab.source._bytes import ByteSource
 
     _input_path(path, "serve", directory=True)
     st = _stat(path)
@@ -961,13 +961,13 @@ def url_offsets(path: str, scan: bool = False) -> dict[str, Any]:
     import dataclasses
 
     from ckptlab.cli import storage_offsets
-    from ckptlab.format._remote import RemoteFileObject, RemoteSource, RemoteStore, url_name
+    from ckptlab.source._remote import RemoteFileObject, RemoteSource, RemoteStore, url_name
 
     if not path.endswith("/") and not url_name(path).endswith((".json", ".metadata",
                                                                ".safetensors")):
         store = RemoteStore(path)
         src = RemoteSource(store, path, first="tail")
-        from ckptlab.format._remote_zip import looks_like_zip
+        from ckptlab.format._placed import looks_like_zip
 
         if looks_like_zip(src):
             result = storage_offsets(RemoteFileObject(src), scan=scan)

@@ -12,12 +12,12 @@ CORE = ("ckptlab", "ckptlab.format", "ckptlab.errors", "ckptlab.samples", "ckptl
         "ckptlab.gds", "ckptlab.gds.handle", "ckptlab.gds.tutorial", "ckptlab.gds.readiness",
         "ckptlab.gds._backends", "ckptlab.plan", "ckptlab.plan.ranks", "ckptlab.dcp",
         "ckptlab.dcp.metadata", "ckptlab.dcp.layout", "ckptlab.dcp.items", "ckptlab.dcp.columns",
-        "ckptlab.dcp.remote",
+        "ckptlab.source", "ckptlab.source._tree",
         "ckptlab.plan.items", "ckptlab.plan.planning", "ckptlab.plan.cache",
         "ckptlab.plan.simulate", "ckptlab.write", "ckptlab.write.buckets",
         "ckptlab.write.timeline", "ckptlab._io", "ckptlab._io.durable", "ckptlab.gds.api",
         "ckptlab._progress", "ckptlab._lazy", "ckptlab._torch_compat",
-        "ckptlab.checkpoint._cache", "ckptlab.checkpoint.query", "ckptlab.format._remote")
+        "ckptlab.checkpoint._cache", "ckptlab.checkpoint.query", "ckptlab.source._remote")
 # core modules that need torch at import time: still no UI library
 CORE_WITH_TORCH = ("ckptlab.plan.planner", "ckptlab.plan.torch_plans", "ckptlab.write.writer",
                    "ckptlab.write._io", "ckptlab.write._blob", "ckptlab.write._staging",

@@ -36,6 +36,7 @@ from ckptlab.checkpoint.model import (
 from ckptlab.errors import ArchiveError, CorruptArchiveError, UnsupportedFormatError
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.format.layout import Segment, SegmentKind
+from ckptlab.source import LocalTree, Tree
 
 __all__ = ["dcp_files", "open_dcp", "open_dcp_shards"]
 
@@ -128,25 +129,50 @@ def _check_tiling(fqn: str, shape: tuple[int, ...], parts: list[Part], path: str
                                   actual=f"{len(parts)} chunks")
 
 
-def open_dcp(root: str, *, fast: bool = True) -> Checkpoint:
-    """A DCP directory (any of the variants in the module docstring) as a checkpoint.
+def open_dcp(tree: Tree | str, *, fast: bool = True) -> Checkpoint:
+    """A DCP directory (any of the variants in the module docstring; a
+    :class:`~ckptlab.source.Tree` or a local path) as a checkpoint.
 
     With ``fast`` (the default) a directory in DCP's default format opens from its
     ``.metadata`` alone and its tensors are built on first access
     (:mod:`ckptlab.checkpoint._dcp_fast`); every other one, and ``fast=False``, reads every
-    item at open, which gives an equal checkpoint.
+    item at open, which gives an equal checkpoint (behind a URL, from a temporary copy of
+    ``.metadata`` and the data files it names, each moved whole in one request; the layout
+    is kept on the ``.metadata`` file's entry, the files being gone).
     """
+    from ckptlab.checkpoint._dcp_fast import open_fast
     from ckptlab.checkpoint.open import _reader
-    from ckptlab.dcp import METADATA, inspect_dcp
+    from ckptlab.dcp import METADATA, inspect_dcp, metadata_of
 
+    tree = tree if isinstance(tree, Tree) else LocalTree(tree)
+    again = None
     if fast:
-        from ckptlab.checkpoint._dcp_fast import open_dcp_fast
-
-        quick = open_dcp_fast(root)
+        quick, again = open_fast(tree)
         if quick is not None:
             return quick
 
-    layout = inspect_dcp(root)
+    def wanted() -> tuple[dict[str, bytes], list[str]]:
+        raw = again() if again is not None else tree.read_bytes(METADATA)[1]
+        meta = metadata_of(raw, tree.name_of(METADATA))
+        return {METADATA: raw}, sorted({str(info.relative_path)
+                                        for info in meta.storage_data.values()})
+
+    with tree.on_disk(wanted) as root:
+        layout = inspect_dcp(root)
+        tensors, objects, notes = _model(layout, root)
+        files = dcp_files(layout, root)  # everything read before a copy goes
+    layout = dataclasses.replace(layout, path=tree.name)
+    files = tuple(dataclasses.replace(f, full_path=tree.name_of(f.path),
+                                      layout=layout if f.path == METADATA else f.layout)
+                  for f in files)
+    return Checkpoint("dcp", tree.name, files, tensors, objects, _reader(tree), notes)
+
+
+def _model(layout: Any, root: str) -> tuple[dict[str, TensorEntry], dict[str, Any],
+                                            tuple[str, ...]]:
+    """The tensors, values and notes of a directory's :class:`~ckptlab.dcp.DcpLayout`."""
+    from ckptlab.dcp import METADATA
+
     meta = layout.metadata
     chunks: dict[str, list[Part]] = {}
     objects: dict[str, Any] = {}
@@ -176,12 +202,11 @@ def open_dcp(root: str, *, fast: bool = True) -> Checkpoint:
         tensors[fqn] = TensorEntry(fqn, _path_of(meta, fqn), dtype, shape,
                                    contiguous_strides(shape), "dense", tuple(parts),
                                    requires_grad=bool(md.properties.requires_grad))
-    return Checkpoint("dcp", root, dcp_files(layout, root), tensors, objects, _reader(root),
-                      tuple(notes))
+    return tensors, objects, tuple(notes)
 
 
 # -- HuggingFaceStorageWriter(save_distributed=True), not consolidated -------------------------
-def open_dcp_shards(root: str) -> Checkpoint:
+def open_dcp_shards(tree: Tree | str) -> Checkpoint:
     """A directory of DCP-written safetensors shards (see :func:`ckptlab.dcp.is_dcp_shards_dir`)
     as one checkpoint of format ``"hf"``: each global tensor is made of the chunks the shards hold,
     placed by each file's ``__metadata__["DCP_SHARDING_INFO"]`` ``saved_offsets`` (all zeros
@@ -196,22 +221,20 @@ def open_dcp_shards(root: str) -> Checkpoint:
     """
     from ckptlab.checkpoint.open import _reader
     from ckptlab.dcp.items import sharding_offsets
-    from ckptlab.format._paths import resolve_inside
-    from ckptlab.format._source import ByteSource
     from ckptlab.format.safetensors import scan_safetensors
 
+    tree = tree if isinstance(tree, Tree) else LocalTree(tree)
+    root = tree.name
     files: list[FileEntry] = []
     chunks: dict[str, list[Part]] = {}
-    for rel in sorted(os.listdir(root)):
-        full = resolve_inside(root, rel)  # refuses links out of the directory
-        if not os.path.isfile(full):
-            continue
+    for rel in tree.list() or ():  # (a directory that cannot be listed has no shards found)
+        full = tree.resolve(rel)  # refuses links out of the directory
         if not rel.endswith(".safetensors"):
-            nbytes = os.path.getsize(full)
+            nbytes = tree.nbytes(rel)
             files.append(FileEntry(rel, "other", nbytes, file_segments_or_unknown(nbytes, None),
                                    None, full))
             continue
-        with ByteSource(full) as src:
+        with tree.source(rel) as src:
             layout = scan_safetensors(src)
         try:
             saved = sharding_offsets(layout)
@@ -252,4 +275,4 @@ def open_dcp_shards(root: str) -> Checkpoint:
         _check_tiling(fqn, shape, parts, root)
         tensors[fqn] = TensorEntry(fqn, (fqn,), parts[0].dtype, shape, contiguous_strides(shape),
                                    "dense", tuple(parts))
-    return Checkpoint("hf", root, tuple(files), tensors, {}, _reader(root))
+    return Checkpoint("hf", root, tuple(files), tensors, {}, _reader(tree))

@@ -21,16 +21,23 @@ default (torch.save items back to back in each data file, no transforms):
   ``ckptlab inspect DIR --json`` prints) from the same columns and item layouts, equal to
   :func:`ckptlab.dcp.inspect_dcp`'s.
 
+The directory is a :class:`~ckptlab.source.Tree`: a local one, or one behind a URL, read
+by the same code. Behind a URL each read is a request: ``.metadata`` is one, each data file's
+head one (its size and object items), and the item reads read ahead over the neighbouring
+items' heads (:class:`~ckptlab.dcp.items.ItemLayouts`): a directory opens in ``1 + files``
+requests whatever the size of its tensors.
+
 Anything else (SAFETENSORS serialization, zstd transforms, a ``.metadata`` the columnar
-decoder does not read) returns None and takes the general path, which is unchanged. The two
-give equal checkpoints (``tests/checkpoint/test_dcp_fast.py``).
+decoder does not read) returns None and takes the general path (which reads a URL's files
+from a temporary copy). The two give equal checkpoints
+(``tests/checkpoint/test_dcp_fast.py``).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,13 +51,19 @@ from ckptlab.checkpoint.model import (
     span_nbytes,
 )
 from ckptlab.dcp.columns import EntryColumns
-from ckptlab.dcp.items import MAX_HANDLES, ItemLayouts
-from ckptlab.dcp.metadata import read_columns
-from ckptlab.errors import CorruptArchiveError
+from ckptlab.dcp.items import (
+    MAX_HANDLES,
+    ItemLayouts,
+    head_nbytes,
+    item_spans,
+    raw_items,
+)
+from ckptlab.errors import ArchiveError, CorruptArchiveError
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.format.layout import ArchiveLayout, Segment, SegmentKind
+from ckptlab.source import LocalTree, NotFoundError, Tree
 
-__all__ = ["open_columns", "open_dcp_fast"]
+__all__ = ["DcpCheckpoint", "open_columns", "open_dcp_fast", "open_fast"]
 
 _SLICE = 1 << 16  # entries per slice of the open-time checks
 
@@ -121,7 +134,12 @@ class _Segments(Sequence[Segment]):
 
 class DcpCheckpoint(Checkpoint):
     """A :class:`~ckptlab.checkpoint.Checkpoint` of a DCP directory whose tensors and file
-    segments are built on first access (``tensors`` is a read-only mapping)."""
+    segments are built on first access (``tensors`` is a read-only mapping).
+
+    ``read(name)`` costs one read (behind a URL: one request) per part: a tensor whose entry
+    is not built yet has each of its items read whole (header, data, directory: one read
+    each), its entry built from those bytes and its data taken from them; a tensor built
+    already has each part's data read."""
 
     def __init__(self, dcp: _Dcp, files: tuple[FileEntry, ...], objects: dict[str, Any],
                  reader: Any) -> None:
@@ -129,11 +147,42 @@ class DcpCheckpoint(Checkpoint):
         self.tensors = _Tensors(dcp)  # type: ignore[assignment]
         self._dcp = dcp
 
+    def read(self, name: str) -> Any:
+        dcp = self._dcp
+        if name not in dcp.cols.tensors or name in self.tensors._built:  # type: ignore
+            return super().read(name)
+        # each item read whole (outside the lock: threads read at once), kept while the
+        # entry is built from those bytes, the tensor's data taken from them
+        cols, items = dcp.cols, dcp.items
+        moved: dict[str, list[tuple[int, bytes]]] = {}
+        for e in dcp.by_fqn.get(dcp.fqn_ids.get(name, -1), ()):
+            file = cols.files[cols.entry_file[e]]
+            lo = int(cols.entry_offset[e])
+            data = items.tree.fetch(self.file(file).full_path, lo,
+                                    lo + int(cols.entry_length[e]))
+            moved.setdefault(file, []).append((lo, data))
+        with items.lock:
+            for file, pieces in moved.items():
+                for lo, data in pieces:
+                    items.source(file).keep(lo, data)
+            try:
+                entry = self.tensors[name]
+            finally:
+                for file, pieces in moved.items():
+                    for lo, data in pieces:
+                        items.source(file).forget(lo, lo + len(data))
+        return self._reader(self, entry, moved)
+
     def dcp_layout(self) -> Any:
         """The :class:`~ckptlab.dcp.DcpLayout` of the directory, equal to
         :func:`ckptlab.dcp.inspect_dcp`'s, from this checkpoint's columns and the item
-        layouts its tensors already read (``ckptlab inspect DIR --json`` uses it)."""
-        return self._dcp.layout()
+        layouts its tensors already read (``ckptlab inspect DIR --json`` uses it). The item
+        layouts not read yet are read in file order (behind a URL, each read-ahead request
+        then serves the items after it)."""
+        dcp = self._dcp
+        if dcp._layout is None:
+            dcp.read_layouts()
+        return dcp.layout()
 
 
 class _Dcp:
@@ -166,6 +215,18 @@ class _Dcp:
                                           object_layouts=self.object_layouts,
                                           loader=self.metadata_loader)
         return self._layout
+
+    def read_layouts(self) -> None:
+        """Every tensor item's layout, read in file order."""
+        cols = self.cols
+        for e in self.order:
+            e = int(e)
+            fqn = cols.fqns[cols.entry_fqn[e]]
+            t = cols.tensors.get(fqn)
+            if t is not None:
+                length = cols.entry_length[e]
+                self.items.layout(cols.files[cols.entry_file[e]], fqn, cols.entry_offset[e],
+                                  length, (length, t[0], self.chunk_of(e)[1]))
 
     # -- one tensor ------------------------------------------------------------------------
     def chunk_of(self, e: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -242,9 +303,9 @@ class _Dcp:
         return tuple(out)
 
 
-def open_dcp_fast(root: str) -> Checkpoint | None:
-    """The checkpoint of a default-format DCP directory, or None for the general path (see
-    the module docstring).
+def open_dcp_fast(tree: Tree | str) -> Checkpoint | None:
+    """The checkpoint of a default-format DCP directory (a :class:`~ckptlab.source.Tree`, or
+    a local path), or None for the general path (see the module docstring).
 
     Raises
     ------
@@ -253,50 +314,83 @@ def open_dcp_fast(root: str) -> Checkpoint | None:
         outside their tensor or whose volumes do not add up to it; on access, what the general
         path raises for a damaged item.
     """
-    from ckptlab.checkpoint.open import _reader
-    from ckptlab.dcp import METADATA
-    from ckptlab.dcp.layout import data_files
+    return open_fast(tree if isinstance(tree, Tree) else LocalTree(tree))[0]
 
-    read = read_columns(root)
-    if read is None:
-        return None
-    cols, metadata_nbytes, identity = read
-    if cols.transforms or not cols.has_storage_data:
-        return None
-    files = data_files(root, [n for n in sorted(os.listdir(root)) if n != METADATA],
-                       listed=True)
-    files.update(data_files(root, sorted(set(cols.files) - set(files))))
-    items = ItemLayouts(root)
-    ck = open_columns(root, cols, files, items, metadata_nbytes=metadata_nbytes,
-                      identity=identity, reader=_reader(root),
-                      full_path=lambda name: os.path.join(root, name))
-    if ck is not None and len(files) <= MAX_HANDLES:
-        # open every data file now (a few): later reads do not depend on the directory
-        # staying where it is
-        try:
-            for name in files:
-                items.handle(name)
-        except BaseException:
+
+def open_fast(tree: Tree) -> tuple[DcpCheckpoint | None, Callable[[], bytes] | None]:
+    """:func:`open_dcp_fast`, and a way to have ``.metadata``'s bytes again for the general
+    path (None where they could not be read: the general path reads them and says why).
+
+    What is read: ``.metadata`` (behind a URL one request), the sizes of the data files, and
+    of each data file the listing does not give its head (:func:`ckptlab.dcp.items.
+    head_nbytes`: the object items and the first tensor item's magic; behind a URL one
+    request each, which gives the size too). A directory whose items are raw chunks
+    (SAFETENSORS) goes to the general path before any data file is read."""
+    from ckptlab.checkpoint.open import _reader
+    from ckptlab.dcp import METADATA, metadata_of
+    from ckptlab.dcp.columns import decode_columns
+    from ckptlab.dcp.metadata import MAX_METADATA_NBYTES
+
+    again = None
+    try:
+        with tree.mapped(METADATA, MAX_METADATA_NBYTES) as (data, identity):
+            again = tree.again(METADATA, data, identity)
+            metadata_nbytes = len(data)
+            cols = decode_columns(data)
+    except NotFoundError:  # the caller says no such directory (a probe that missed)
+        raise
+    except (OSError, ValueError, ArchiveError):  # the general path says what is wrong
+        return None, again
+    if cols is None or cols.transforms or not cols.has_storage_data:
+        return None, again
+    entries = EntryColumns(cols)
+    if raw_items(cols, entries):
+        return None, again  # decided before any data file is read
+    heads = head_nbytes(cols, entries)
+    files = tree.sizes(None, listed=True)  # every regular file listed (none behind a URL)
+    files.pop(METADATA, None)
+    items = ItemLayouts(tree, spans=lambda: item_spans(cols, entries))
+    try:
+        for fid in sorted(range(len(cols.files)), key=cols.files.__getitem__):
+            name = cols.files[fid]
+            if name not in files:
+                try:
+                    files[name] = items.source(name, head=int(heads[fid])).nbytes
+                except NotFoundError:
+                    continue  # the open says which item's file is missing
+        meta_path = tree.name_of(METADATA)
+        ck = open_columns(tree.name, cols, files, items, metadata_nbytes=metadata_nbytes,
+                          identity=identity, reader=_reader(tree), full_path=tree.name_of,
+                          metadata_loader=lambda: metadata_of(again(), meta_path),
+                          entries=entries)
+        if ck is None:
             items.close()
-            raise
-    return ck
+            return None, again
+        items.forget()  # the heads read at open did their work (object items are scanned)
+        if len(files) <= MAX_HANDLES:
+            # open every data file now (a few): later reads do not depend on the directory
+            # staying where it is
+            for name in files:
+                items.source(name)
+    except BaseException:
+        items.close()
+        raise
+    return ck, again
 
 
 def open_columns(root: str, cols: Any, files: dict[str, int], items: ItemLayouts, *,
                  metadata_nbytes: int, identity: tuple[int, ...], reader: Any,
-                 full_path: Any, checkpoint: type[DcpCheckpoint] | None = None,
-                 metadata_loader: Any = None,
+                 full_path: Any, metadata_loader: Any = None,
                  entries: EntryColumns | None = None) -> DcpCheckpoint | None:
     """The lazy checkpoint of a directory from its ``.metadata`` columns (default format, no
     transforms: the caller checked), its data files' sizes (``files``) and the reader of
     their items' bytes (``items``: local files, or URLs); None where the general path must
     decide (overlapping items, equal keys, a SAFETENSORS blob).
 
-    ``full_path(name)`` is a file's ``FileEntry.full_path``; ``checkpoint`` the class built
-    (default :class:`DcpCheckpoint`); ``metadata_loader`` decodes ``.metadata`` for
-    :meth:`DcpCheckpoint.dcp_layout` (default: from ``root``); ``entries`` the columns'
-    arrays, when the caller has them already. The object items are scanned here, through
-    ``items``.
+    ``full_path(name)`` is a file's ``FileEntry.full_path``; ``metadata_loader`` decodes
+    ``.metadata`` for :meth:`DcpCheckpoint.dcp_layout` (default: from ``root``); ``entries``
+    the columns' arrays, when the caller has them already. The object items are scanned
+    here, through ``items``.
     """
     from ckptlab.dcp import METADATA
 
@@ -363,7 +457,7 @@ def open_columns(root: str, cols: Any, files: dict[str, int], items: ItemLayouts
         entries.append(FileEntry(name, "distcp", nbytes,
                                  _Segments(dcp, name, nbytes),  # type: ignore[arg-type]
                                  None, full_path(name)))
-    return (checkpoint or DcpCheckpoint)(dcp, tuple(entries), objects, reader)
+    return DcpCheckpoint(dcp, tuple(entries), objects, reader)
 
 
 def _check_volumes(root: str, entries: EntryColumns) -> None:

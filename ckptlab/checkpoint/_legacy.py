@@ -58,7 +58,6 @@ from ckptlab.format._pickle import (  # the scan's own pieces, shared rather tha
     StorageRef,
     scan_pickle_refs,
 )
-from ckptlab.format._source import ByteSource
 from ckptlab.format._unpickle import (
     Global,
     PickleDataError,
@@ -68,6 +67,7 @@ from ckptlab.format._unpickle import (
 from ckptlab.format.archive import largest_alignment
 from ckptlab.format.inspect import not_a_checkpoint
 from ckptlab.format.layout import ArchiveLayout, Segment, SegmentKind, StorageInfo
+from ckptlab.source._bytes import ByteSource
 
 __all__ = ["MAGIC_NUMBER", "PROTOCOL_VERSION", "check_grad", "check_parts_inside", "model_legacy",
            "model_pickle", "pickle_end", "scan_torch_pickle"]

@@ -48,8 +48,6 @@ from ckptlab.checkpoint.model import FileEntry, Part, TensorEntry, span_nbytes, 
 from ckptlab.checkpoint.open import FileModel
 from ckptlab.errors import CkptlabError, CorruptArchiveError, UnsupportedFormatError
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
-from ckptlab.format._source import ByteSource
-from ckptlab.format._window import FileWindow, PositionalFile
 from ckptlab.format.archive import (
     fold_name,
     read_record_data,
@@ -64,6 +62,8 @@ from ckptlab.format.layout import (
     StorageInfo,
     TensorInfo,
 )
+from ckptlab.source._bytes import ByteSource
+from ckptlab.source._window import FileWindow, PositionalFile
 
 __all__ = ["SCALAR_TYPES", "is_legacy_pt2", "model_pt2", "model_pt2_legacy"]
 

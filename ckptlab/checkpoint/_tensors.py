@@ -8,7 +8,6 @@ rebuild functions do.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
 from operator import attrgetter, itemgetter
@@ -21,7 +20,7 @@ from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.format.layout import StorageInfo
 
 __all__ = ["LazyEntries", "build_tensor", "entries_from_logical", "part_tensor",
-           "read_part_bytes", "tensor_from_bytes", "unique_names"]
+           "tensor_from_bytes", "unique_names"]
 
 NJT = "torch.nested._internal.nested_tensor.NestedTensor"
 
@@ -288,20 +287,6 @@ def unique_names(entries: Iterable[TensorEntry]) -> dict[str, TensorEntry]:
     return out
 
 
-def read_part_bytes(path: str, part: Part) -> bytes:
-    """The bytes of one part (one ``pread``), checked for length."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    try:
-        raw = os.pread(fd, part.nbytes, part.offset) if part.nbytes else b""
-    finally:
-        os.close(fd)
-    if len(raw) != part.nbytes:
-        raise CorruptArchiveError("file ends inside a tensor's bytes", path=path,
-                                  record=part.storage_key or part.role, offset=part.offset,
-                                  expected=f"{part.nbytes} bytes", actual=f"{len(raw)} bytes")
-    return raw
-
-
 def torch_dtype(name: str) -> Any:
     import torch
 
@@ -326,28 +311,27 @@ def tensor_from_bytes(raw: bytes | bytearray, dtype: str, shape: tuple[int, ...]
     return tensor.set_(storage, 0, shape, stride)
 
 
-def part_tensor(path_of: Any, part: Part) -> Any:
-    """One part as a dense tensor (its own shape and stride); a compressed part (a DCP item
-    through ZStandard) is inflated, never past its chunk's bytes plus the torch.save framing."""
+def part_tensor(part_bytes: Any, name_of: Any, part: Part) -> Any:
+    """One part as a dense tensor (its own shape and stride), from ``part_bytes(part)``; a
+    compressed part (a DCP item through ZStandard) is inflated, never past its chunk's bytes
+    plus the torch.save framing (``name_of(file)``: the file as its errors name it)."""
     if part.compression is not None:
         from ckptlab.dcp.items import decode_compressed_chunk
 
-        path = path_of(part.file)
         raw, stride = decode_compressed_chunk(
-            read_part_bytes(path, part), part.compression, dtype=part.dtype, shape=part.shape,
-            path=path, record=part.storage_key or part.role, offset=part.offset)
+            part_bytes(part), part.compression, dtype=part.dtype, shape=part.shape,
+            path=name_of(part.file), record=part.storage_key or part.role, offset=part.offset)
         return tensor_from_bytes(raw, part.dtype, part.shape, stride)
-    return tensor_from_bytes(read_part_bytes(path_of(part.file), part), part.dtype, part.shape,
-                             part.stride)
+    return tensor_from_bytes(part_bytes(part), part.dtype, part.shape, part.stride)
 
 
-def _assemble(entry: TensorEntry, path_of: Any) -> Any:
+def _assemble(entry: TensorEntry, part_bytes: Any, name_of: Any) -> Any:
     """A DCP tensor: the global tensor, each saved chunk copied into its box."""
     import torch
 
     out = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
     for p in entry.parts:
-        chunk = part_tensor(path_of, p)
+        chunk = part_tensor(part_bytes, name_of, p)
         box = tuple(slice(o, o + n) for o, n in zip(p.chunk_offsets or (), p.shape))
         out[box] = chunk
     if entry.requires_grad and (out.dtype.is_floating_point or out.dtype.is_complex):
@@ -355,8 +339,10 @@ def _assemble(entry: TensorEntry, path_of: Any) -> Any:
     return out
 
 
-def build_tensor(entry: TensorEntry, path_of: Any, *, source: str = "") -> Any:
-    """The tensor ``entry`` describes, from its parts' bytes (``path_of(file) -> disk path``)."""
+def build_tensor(entry: TensorEntry, part_bytes: Any, name_of: Any, *,
+                 source: str = "") -> Any:
+    """The tensor ``entry`` describes, from its parts' bytes (``part_bytes(part) -> bytes``,
+    checked for length; ``name_of(file)``: the file as errors name it)."""
     import torch
 
     parts = {p.role: p for p in entry.parts}
@@ -365,11 +351,11 @@ def build_tensor(entry: TensorEntry, path_of: Any, *, source: str = "") -> Any:
         if role not in parts:
             raise CorruptArchiveError(f"tensor has no {role!r} part", path=source,
                                       record=entry.name)
-        return part_tensor(path_of, parts[role])
+        return part_tensor(part_bytes, name_of, parts[role])
 
     extra = dict(entry.extra)
     if entry.parts and all(p.chunk_offsets is not None for p in entry.parts):
-        return _assemble(entry, path_of)
+        return _assemble(entry, part_bytes, name_of)
     if entry.kind in ("dense", "subclass") and entry.layout == "strided" and \
             list(parts) == ["data"]:
         tensor = part("data")
@@ -390,7 +376,7 @@ def build_tensor(entry: TensorEntry, path_of: Any, *, source: str = "") -> Any:
                 layout=getattr(torch, entry.layout), check_invariants=False)
     elif entry.kind == "quantized":
         data = parts["data"]
-        raw = read_part_bytes(path_of(data.file), data)
+        raw = part_bytes(data)
         storage = torch.frombuffer(bytearray(raw), dtype=torch.uint8).untyped_storage() \
             if raw else torch.UntypedStorage(0)
         dtype = torch_dtype(entry.dtype)

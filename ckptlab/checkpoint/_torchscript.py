@@ -50,7 +50,6 @@ from ckptlab.checkpoint.open import FileModel
 from ckptlab.errors import CorruptArchiveError, UnsupportedFormatError
 from ckptlab.format import _zip
 from ckptlab.format._pickle import _TENSOR_REFS, PickleScan, ScannedTensor
-from ckptlab.format._source import ByteSource
 from ckptlab.format._unpickle import Global, Reduced
 from ckptlab.format.archive import (
     fold_name,
@@ -68,6 +67,7 @@ from ckptlab.format.layout import (
     StorageInfo,
     TensorInfo,
 )
+from ckptlab.source._bytes import ByteSource
 
 __all__ = ["ZipScan", "model_torchscript", "model_zip", "scan_zip"]
 

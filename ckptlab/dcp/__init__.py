@@ -16,7 +16,10 @@ How a DCP directory is read, in order:
    ItemLayouts`); zstd items inflated, bounded.
 4. :func:`inspect_dcp` puts them together as a :class:`DcpLayout` (:mod:`ckptlab.dcp.layout`):
    every :class:`DcpItem` with its chunk's place in the global tensor and in its file.
-   Behind a URL, the same reads run over ranged requests (:mod:`ckptlab.dcp.remote`).
+
+The directory is a :class:`ckptlab.source.Tree`: behind a URL the same reads run over ranged
+requests (the item reads of :class:`~ckptlab.dcp.items.ItemLayouts` reading ahead over the
+items' heads, a request being costly).
 
 What is built from them lives elsewhere: the tensor-first checkpoint
 (``ckptlab.open(DIR)``: :mod:`ckptlab.checkpoint`), and planning, resharding and simulation

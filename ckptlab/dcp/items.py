@@ -33,23 +33,24 @@ has that item's layout); zstd items inflated, bounded (:func:`inflate_item`,
 
 from __future__ import annotations
 
+import bisect
 import io
 import json
 import os
+import threading
+from collections import deque
 from typing import Any
 
 from ckptlab.errors import ArchiveError, CorruptArchiveError, UnsupportedFormatError
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
-from ckptlab.format._paths import open_inside
-from ckptlab.format._source import ByteSource
-from ckptlab.format._window import FileWindow
 from ckptlab.format.archive import scan_torch_zip
 from ckptlab.format.layout import ArchiveLayout, TensorInfo
 from ckptlab.format.safetensors import looks_like_safetensors, scan_safetensors
+from ckptlab.source import ByteSource, FileWindow, LocalTree, PositionalFile, Tree
 
 __all__ = ["ITEM_ARCHIVE_NBYTES", "MAX_HANDLES", "MAX_OBJECT_NBYTES", "ZIP_MAGIC", "ZSTD_MAGIC",
-           "ItemLayouts", "compression_of", "decode_compressed_chunk", "inflate_item",
-           "item_layout", "sharding_offsets"]
+           "ItemLayouts", "compression_of", "decode_compressed_chunk", "head_nbytes",
+           "inflate_item", "item_layout", "item_spans", "raw_items", "sharding_offsets"]
 
 # a compressed object item is inflated to show its value: never to more than this
 MAX_OBJECT_NBYTES = 64 << 20
@@ -274,16 +275,24 @@ def _inflated_object(stored: bytes, compression: str, full: str, fqn: str,
                                   path=full, record=fqn, offset=offset) from None
 
 
-MAX_HANDLES = 32  # data files kept open at once by an ItemLayouts
+MAX_HANDLES = 32  # local data files kept open at once by an ItemLayouts
+
+# reading items where every read is a request (a source with ``costly_reads``: a URL)
+_HEAD = 4096  # bytes of an item read with its head: its records' headers and its pickle
+_AHEAD_GAP = 1 << 20  # read-ahead: a gap up to this between item heads is moved through...
+_AHEAD_SPAN = 16 << 20  # ... in one request of at most this many bytes
+_KEEP = 64 << 20  # bytes of read-ahead and scans kept, over every file (oldest first out)
+_WHOLE = 1 << 20  # an item scanned in full is moved whole up to this size...
+_EDGE = 64 << 10  # ... else its first this many bytes (what a scan reads)...
+_TAIL = _EDGE + 1024  # ... and last (the end-of-directory search reads 64 KiB + 97 bytes)
 
 
 class ItemLayouts:
     """Per-item layouts, read on demand and shared through templates: a tensor item whose
     bytes up to its data equal those of an item already scanned (same length, dtype and chunk
     shape: the *template*), but for the data record's CRC-32, has the template's layout; any
-    other item is scanned in full (:func:`item_layout`). Each data file is opened once,
-    inside the directory. Used by :func:`~ckptlab.dcp.inspect_dcp` and
-    :mod:`ckptlab.checkpoint._dcp_fast`.
+    other item is scanned in full (:func:`item_layout`). Used by
+    :func:`~ckptlab.dcp.inspect_dcp` and :mod:`ckptlab.checkpoint._dcp_fast`.
 
     An item that matches a template shares the template's :class:`ArchiveLayout` object: its
     offsets are relative to the item, so every offset, size, alignment and ``zip64`` is the
@@ -291,42 +300,173 @@ class ItemLayouts:
     records (the data's, the serialization id's) are the template's. The bytes after the data
     (the last records and the zip directory) of such an item are not read.
 
-    The bytes come through :meth:`read` and :meth:`scan_item`, local files here; a subclass
-    reads them from elsewhere (:class:`ckptlab.dcp.remote.RemoteItems`: URLs).
+    The data files are the ``tree``'s (a directory path is a :class:`~ckptlab.source.
+    LocalTree`), each opened once as a :class:`~ckptlab.source.ByteSource` (at most
+    :data:`MAX_HANDLES` holding a descriptor at once). Where reads are costly (a URL: every
+    read a request), a read that misses moves the heads of the neighbouring items with it,
+    while the gaps stay under 1 MiB and the request under 16 MiB (a listing of many small
+    items costs a few requests, in whichever order it walks the file; one of large items one
+    head each); of what it moves, the range asked for and the item heads (4 KiB) are kept, up
+    to 64 MiB over every file (oldest first out), not the data between them. An item scanned
+    in full is moved whole up to 1 MiB, else its first 64 KiB and last 65 KiB. ``spans`` (file
+    -> item starts and ends, in offset order; or a function giving them) is what that
+    read-ahead walks. Thread-safe: sources and kept bytes change under :attr:`lock` only.
     """
 
-    def __init__(self, root: str) -> None:
-        self.root = root
-        self.handles: dict[str, Any] = {}
+    def __init__(self, tree: Tree | str | os.PathLike[str],
+                 spans: Any = None) -> None:
+        self.tree = tree if isinstance(tree, Tree) else LocalTree(tree)
+        self.root = self.tree.name
+        self.sources: dict[str, ByteSource] = {}  # data file -> its open source
+        self._held: dict[str, None] = {}  # files whose source holds a descriptor, oldest first
+        self._spans = spans
+        self.lock = threading.RLock()
         # (length, dtype, chunk sizes) -> [(layout, header bytes, crc position), ...]
         self.templates: dict[tuple[Any, ...], list[tuple[ArchiveLayout, bytes, int]]] = {}
         self.cache: dict[tuple[str, int], ArchiveLayout] = {}
+        self._kept: deque[tuple[str, int, int]] = deque()  # (file, lo, hi) kept, in order
+        self._kept_nbytes = 0
 
-    def handle(self, file: str) -> Any:
-        f = self.handles.get(file)
-        if f is None:
-            if len(self.handles) >= MAX_HANDLES:  # the oldest goes: never 1,024 open files
-                self.handles.pop(next(iter(self.handles))).close()
-            f = self.handles[file] = open_inside(self.root, file)
-        return f
+    @property
+    def spans(self) -> dict[str, tuple[list[int], list[int]]]:
+        if callable(self._spans):
+            self._spans = self._spans()
+        return self._spans or {}
+
+    def source(self, file: str, *, head: int | None = None) -> ByteSource:
+        """The data file's source, opened on first use (``head``: the bytes of its head the
+        first read wants); the oldest local one is closed past :data:`MAX_HANDLES` (never
+        1,024 open files)."""
+        with self.lock:
+            src = self.sources.get(file)
+            if src is None:
+                if len(self._held) >= MAX_HANDLES:
+                    oldest = next(iter(self._held))
+                    del self._held[oldest]
+                    self.sources.pop(oldest).close()
+                src = self.sources[file] = self.tree.source(file, head=head)
+                if src.holds_descriptor:
+                    self._held[file] = None
+            return src
 
     def close(self) -> None:
-        for f in self.handles.values():
-            f.close()
-        self.handles.clear()
+        """Close every source (their kept bytes go with them)."""
+        with self.lock:
+            for src in self.sources.values():
+                src.close()
+            self.sources.clear()
+            self._held.clear()
+            self._kept.clear()
+            self._kept_nbytes = 0
+
+    def forget(self) -> None:
+        """Drop every kept byte; the sources stay open."""
+        with self.lock:
+            for src in self.sources.values():
+                src.forget()
+            self._kept.clear()
+            self._kept_nbytes = 0
 
     def read(self, file: str, offset: int, nbytes: int) -> bytes:
-        """Up to ``nbytes`` of ``file`` at ``offset`` (fewer at its end), as ``pread``."""
-        return os.pread(self.handle(file).fileno(), nbytes, offset)
+        """Up to ``nbytes`` of ``file`` at ``offset`` (fewer at its end)."""
+        with self.lock:
+            src = self.source(file)
+            end = min(offset + nbytes, src.nbytes)
+            if end <= offset:
+                return b""
+            if src.costly_reads and src.kept(offset, end - offset) is None:
+                self._move(file, *self._around(file, offset, end, max(_HEAD, nbytes)))
+            return src.read(offset, end - offset)
 
     def scan_item(self, file: str, offset: int, length: int) -> ArchiveLayout:
         """The layout of the item ``[offset, offset + length)`` of ``file``, read in full."""
-        return item_layout(self.handle(file), file, offset, length)
+        with self.lock:
+            src = self.source(file)
+            if src.costly_reads:  # moved in one or two requests, not a request per record
+                head = length if length <= _WHOLE else _EDGE
+                if src.kept(offset, head) is None:  # else _around would move it again
+                    self._move(file, *self._around(file, offset, offset + head))
+                if head < length:
+                    self._move(file, max(offset + head, offset + length - _TAIL),
+                               offset + length)
+            return item_layout(PositionalFile(src), file, offset, length)
+
+    # -- moving bytes where reads are costly (under the lock) --------------------------------
+    def _move(self, file: str, lo: int, hi: int,
+              keep: list[tuple[int, int]] | None = None) -> None:
+        """Move ``[lo, hi)`` in one request, unless all of it is kept, and keep it (only the
+        ranges ``keep`` of it, when given), dropping the oldest kept ranges past
+        :data:`_KEEP`."""
+        src = self.sources[file]
+        hi = min(hi, src.nbytes)
+        if hi <= lo or src.kept(lo, hi - lo) is not None:
+            return
+        src.forget(lo, hi)  # what is missing is then one range: one request
+        src.prefetch([(lo, hi)])
+        pieces = [(lo, hi)] if keep is None else _merged(
+            [(max(a, lo), min(b, hi)) for a, b in keep if min(b, hi) > max(a, lo)])
+        cursor = lo
+        for a, b in pieces:  # drop what is not kept (the tensor data moved through)
+            if a > cursor:
+                src.forget(cursor, a)
+            cursor = b
+        if cursor < hi:
+            src.forget(cursor, hi)
+        for a, b in pieces:
+            self._kept.append((file, a, b))
+            self._kept_nbytes += b - a
+        while self._kept_nbytes > _KEEP and len(self._kept) > 1:
+            old_file, old_lo, old_hi = self._kept.popleft()
+            self._kept_nbytes -= old_hi - old_lo
+            old = self.sources.get(old_file)
+            if old is not None:
+                old.forget(old_lo, old_hi)
+
+    def _around(self, file: str, lo: int, hi: int, head: int = _HEAD
+                ) -> tuple[int, int, list[tuple[int, int]]]:
+        """What a read of ``[lo, hi)`` that missed moves, and what of it is kept.
+
+        It moves also the heads of the items next to it, before and after (a listing may
+        walk a file either way), while the gaps stay under :data:`_AHEAD_GAP` and the span
+        under :data:`_AHEAD_SPAN`, and without a kept range inside (so the miss is one
+        request, and what is kept is not moved again). It keeps ``[lo, hi)`` and the first
+        ``head`` bytes of each item it covers (what is compared with a template): not the
+        tensor data after them."""
+        starts, ends = self.spans.get(file, ([], []))
+        src = self.sources[file]
+        kept = src.kept_ranges()
+        k = bisect.bisect_right(kept, (lo, float("inf")))
+        floor = kept[k - 1][1] if k else 0  # past lo when lo is kept: nothing before
+        stop = kept[k][0] if k < len(kept) else src.nbytes
+        keep = [(lo, hi)]
+        # before: items wholly before lo, nearest first
+        j = bisect.bisect_right(starts, lo) - 1
+        if j >= 0 and starts[j] < lo < ends[j]:
+            j -= 1  # lo is inside item j: its head is moved by the read itself or was before
+        first = lo
+        while j >= 0:
+            a, b = starts[j], min(ends[j], starts[j] + head)
+            if first - b > _AHEAD_GAP or hi - a > _AHEAD_SPAN // 2 or a < floor:
+                break
+            first = a
+            keep.append((a, b))
+            j -= 1
+        # after
+        j = bisect.bisect_right(starts, lo)
+        while j < len(starts):
+            a, b = starts[j], min(ends[j], starts[j] + head)
+            if a - hi > _AHEAD_GAP or b - first > _AHEAD_SPAN or b > stop:
+                break
+            hi = max(hi, b)
+            keep.append((a, b))
+            j += 1
+        return first, hi, keep
 
     def scan(self, file: str, fqn: str, offset: int, length: int) -> ArchiveLayout:
         """The item's own layout, read in full (the general path's way)."""
         try:
-            return self.scan_item(file, offset, length)
+            with self.lock:
+                return self.scan_item(file, offset, length)
         except ArchiveError as exc:
             raise CorruptArchiveError(f"item is not a torch.save archive: {exc}",
                                       path=os.path.join(self.root, file), record=fqn,
@@ -335,6 +475,11 @@ class ItemLayouts:
     def layout(self, file: str, fqn: str, offset: int, length: int, key: Any) -> ArchiveLayout:
         """The layout of the tensor item at ``offset``: a template's when the item's bytes up
         to its data are the template's (but for the data record's CRC), else its own."""
+        with self.lock:
+            return self._layout(file, fqn, offset, length, key)
+
+    def _layout(self, file: str, fqn: str, offset: int, length: int, key: Any
+                ) -> ArchiveLayout:
         hit = self.cache.get((file, offset))
         if hit is not None:
             return hit
@@ -394,3 +539,61 @@ class ItemLayouts:
             return None
         return layout, head, record.header_offset + 14
 
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` sorted, those that overlap or touch merged."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+# -- what the columns of .metadata say about the items (no item bytes read) --------------------
+def head_nbytes(cols: Any, entries: Any) -> Any:
+    """Per data file (an array by file id): how many bytes of its head an open needs (the
+    object items before the first tensor item, and that item's 4-byte magic); at least 1
+    (behind a URL the size comes with them, in one request)."""
+    import numpy as np
+
+    file_of, offset, tensor_item = entries.file_of, entries.offset, entries.tensor_item
+    nf = len(cols.files)
+    first = np.full(nf, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(first, file_of[tensor_item], offset[tensor_item])
+    need = np.where(first < np.iinfo(np.int64).max, first + 4, 1)
+    obj = ~tensor_item
+    before = offset[obj] < first[file_of[obj]]
+    np.maximum.at(need, file_of[obj][before], (offset + entries.length)[obj][before])
+    return need
+
+
+def raw_items(cols: Any, entries: Any) -> bool:
+    """Whether some tensor item is no longer than its chunk's raw bytes: not a torch.save
+    zip (which adds its headers, pickle and directory to them) but a SAFETENSORS blob of one
+    tensor (several overlap, which ``entries.order`` finds). Decided from the columns, before
+    any data file is read."""
+    import numpy as np
+
+    volume = entries.volumes  # -1 (no chunk, or too large to say): never raw
+    itemsize = np.array([DTYPE_ITEMSIZE.get(cols.tensors[f][0], 1) if f in cols.tensors else 1
+                         for f in cols.fqns], dtype=np.int64)[entries.fqn_of]
+    return bool(((volume >= 0) & (entries.length <= volume * itemsize)).any())
+
+
+def item_spans(cols: Any, entries: Any) -> dict[str, tuple[list[int], list[int]]]:
+    """Data file -> (item starts, item ends), in offset order (what read-ahead walks)."""
+    import numpy as np
+
+    order, file_of, offset, length = entries.order, entries.file_of, entries.offset, \
+        entries.length
+    spans: dict[str, tuple[list[int], list[int]]] = {}
+    if cols.entries and order is not None:
+        bounds = np.flatnonzero(np.diff(file_of[order])) + 1
+        for group in np.split(order, bounds):
+            spans[cols.files[file_of[group[0]]]] = (offset[group].tolist(),
+                                                    (offset + length)[group].tolist())
+    return spans

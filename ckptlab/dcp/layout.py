@@ -24,7 +24,6 @@ import dataclasses
 import io
 import os
 import re
-import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,10 +40,11 @@ from ckptlab.dcp.items import (
 )
 from ckptlab.dcp.metadata import METADATA, _load_unchanged, load_metadata, read_columns
 from ckptlab.errors import ArchiveError, CorruptArchiveError
-from ckptlab.format._paths import check_regular, open_inside, resolve_inside
 from ckptlab.format.archive import largest_alignment
 from ckptlab.format.layout import ArchiveLayout
 from ckptlab.format.safetensors import looks_like_safetensors
+from ckptlab.source import LocalTree
+from ckptlab.source._paths import open_inside
 
 __all__ = ["SHARD_FILE", "DcpItem", "DcpLayout", "columns_layout", "data_files", "inspect_dcp",
            "is_dcp_shards_dir"]
@@ -149,34 +149,14 @@ class DcpLayout:
 def data_files(root: str, names: list[str], *, listed: bool = False) -> dict[str, int]:
     """Bytes of each file ``names`` gives, relative to ``root``; none may leave ``root``.
 
-    Every name is resolved (:func:`ckptlab.format._paths.resolve_inside`): ``..``, absolute
+    Every name is resolved (:func:`ckptlab.source._paths.resolve_inside`): ``..``, absolute
     names and symlinks out of the directory raise :class:`ArchiveError`, and so does a
     FIFO, device or socket. With ``listed`` (names from ``os.listdir``, not from the
     metadata) such entries and subdirectories are left out instead, and a name that cannot be
     stat'ed is too; a name the metadata gives that does not exist is left out (the caller
-    reports the missing file).
+    reports the missing file). (:meth:`ckptlab.source.LocalTree.sizes`.)
     """
-    out = {}
-    for name in names:
-        full = os.path.join(root, name)
-        try:
-            real = resolve_inside(root, name)
-            info = os.stat(real)
-        except ArchiveError:
-            if listed:
-                continue
-            raise
-        except OSError:
-            continue
-        if stat.S_ISDIR(info.st_mode) and listed:
-            continue
-        if not stat.S_ISREG(info.st_mode):
-            if listed:
-                continue
-            check_regular(info.st_mode, full)
-        out[name] = info.st_size
-    return out
-
+    return LocalTree(root).sizes(names, listed=listed)
 
 
 _PENDING = object()

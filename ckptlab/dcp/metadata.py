@@ -20,7 +20,7 @@ from typing import Any
 
 from ckptlab.dcp._decode import MetadataDecodeError, decode_metadata
 from ckptlab.errors import ArchiveError, CorruptArchiveError, UnsupportedFormatError
-from ckptlab.format._paths import open_inside
+from ckptlab.source._paths import open_inside
 
 __all__ = ["MAX_METADATA_NBYTES", "METADATA", "is_dcp_dir", "load_metadata", "metadata_of",
            "read_columns"]

@@ -16,7 +16,7 @@ from itertools import repeat
 from typing import Any, NamedTuple
 
 from ckptlab.errors import CorruptArchiveError, TruncatedArchiveError, UnsupportedFormatError
-from ckptlab.format._source import ByteSource
+from ckptlab.source._bytes import ByteSource
 
 LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # 30 bytes
 CENTRAL_ENTRY = struct.Struct("<4sHHHHHHIIIHHHHHII")  # 46 bytes

@@ -14,8 +14,8 @@ from ckptlab.errors import CorruptArchiveError, UnsupportedFormatError
 from ckptlab.format import _zip
 from ckptlab.format._bulk import LazyTuple, build, gc_paused
 from ckptlab.format._pickle import PickleScan, StorageRef, fields_of, scan_pickle
-from ckptlab.format._source import ByteSource
 from ckptlab.format.layout import ArchiveLayout, Record, Segment, SegmentKind, StorageInfo
+from ckptlab.source._bytes import ByteSource
 
 __all__ = ["largest_alignment", "scan_torch_zip"]
 

@@ -12,10 +12,10 @@ from ckptlab.errors import (
     TruncatedArchiveError,
     UnsupportedFormatError,
 )
-from ckptlab.format._source import ByteSource
 from ckptlab.format.archive import scan_torch_zip
 from ckptlab.format.layout import ArchiveLayout
 from ckptlab.format.safetensors import looks_like_safetensors, scan_safetensors
+from ckptlab.source._bytes import ByteSource
 
 __all__ = ["detect_format", "inspect", "read_range"]
 

@@ -22,13 +22,13 @@ from typing import BinaryIO
 from ckptlab.errors import ArchiveError, CorruptArchiveError, UnsupportedFormatError
 from ckptlab.format import _zip
 from ckptlab.format._pickle import scan_pickle
-from ckptlab.format._source import ByteSource
 from ckptlab.format.archive import (
     archive_prefix,
     read_central_directory_columns,
     storage_alignment_value,
 )
 from ckptlab.format.inspect import not_a_checkpoint, sniff
+from ckptlab.source._bytes import ByteSource
 
 __all__ = ["StorageOffsets", "storage_offsets"]
 

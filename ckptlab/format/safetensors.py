@@ -12,9 +12,9 @@ from ckptlab.format._dtypes import (
     SAFETENSORS_PACKED,
     SAFETENSORS_SUBBYTE_BITS,
 )
-from ckptlab.format._source import ByteSource
 from ckptlab.format.archive import largest_alignment
 from ckptlab.format.layout import ArchiveLayout, Segment, SegmentKind, StorageInfo, TensorInfo
+from ckptlab.source._bytes import ByteSource
 
 __all__ = ["looks_like_safetensors", "scan_safetensors"]
 

@@ -25,7 +25,6 @@ from typing import Any, NamedTuple
 from ckptlab._io import BLOCK
 from ckptlab._torch_compat import skip_data_inflates_storages
 from ckptlab.errors import CorruptArchiveError, UnsupportedFormatError
-from ckptlab.format._source import ByteSource
 from ckptlab.format.archive import archive_prefix, read_central_directory
 from ckptlab.format.offsets import storage_offsets
 from ckptlab.format.predict import skeleton_errors
@@ -37,6 +36,7 @@ from ckptlab.gds._buffers import (
     storage_view,
 )
 from ckptlab.gds.handle import open as gds_open
+from ckptlab.source._bytes import ByteSource
 
 __all__ = ["GDS_ALIGNMENT", "LoadResult", "TransferReport", "load", "save",
            "storages_in_save_order"]

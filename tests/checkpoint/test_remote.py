@@ -19,6 +19,7 @@ import torch
 
 import ckptlab as cl
 from ckptlab import cli
+from ckptlab.checkpoint.open import open_url
 from ckptlab.errors import ArchiveError, UnsupportedFormatError
 from ckptlab.testing.nginx import NGINX_MISSING, NginxServer, nginx_executable
 
@@ -270,7 +271,7 @@ def _data_nbytes(server: NginxServer, rel: str) -> tuple[list[str], int]:
 def test_dcp_dir_url_moves_item_heads_not_data(server, dcp_big):
     """Open: .metadata, then one head request per data file (size, object items); entries
     read item heads with read-ahead; the data moves only for ``read``."""
-    from ckptlab.checkpoint._dcp_remote import RemoteDcpCheckpoint
+    from ckptlab.checkpoint._dcp_fast import DcpCheckpoint
 
     files, data_nbytes = _data_nbytes(server, "dcpbig")
     assert len(files) == 2
@@ -278,7 +279,7 @@ def test_dcp_dir_url_moves_item_heads_not_data(server, dcp_big):
     server.mark()
     ck = cl.open(server.url("dcpbig/"))
     seen = _requests(server)
-    assert isinstance(ck, RemoteDcpCheckpoint)
+    assert isinstance(ck, DcpCheckpoint)
     assert len(seen) == 2 + len(files), seen  # index probe (404), .metadata, one per file
     heads = [r for r in seen if r.path.endswith(".distcp")]
     assert sorted(r.path.rsplit("/", 1)[1] for r in heads) == files
@@ -378,7 +379,7 @@ def test_dcp_listing_of_small_items_in_any_order_moves_the_data_about_once(serve
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from ckptlab.dcp import remote as dcp_remote
+    from ckptlab.dcp import items as dcp_items
 
     g = torch.Generator().manual_seed(1)
     sd = {f"t.{i}": torch.randn(64 * (1 + i % 4), 128, generator=g) for i in range(160)}
@@ -389,7 +390,7 @@ def test_dcp_listing_of_small_items_in_any_order_moves_the_data_about_once(serve
     _, data_nbytes = _data_nbytes(server, "dcpsmall")
     local = cl.open(os.path.join(server.root, "dcpsmall"))
     ck = cl.open(server.url("dcpsmall/"))
-    monkeypatch.setattr(dcp_remote, "_KEEP", 2 << 20)  # a keep smaller than the data
+    monkeypatch.setattr(dcp_items, "_KEEP", 2 << 20)  # a keep smaller than the data
     server.mark()
     for name in sd:
         assert ck.tensors[name] == local.tensors[name], name
@@ -452,7 +453,7 @@ def test_dcp_url_in_safetensors_format_is_mirrored(server, threads):
     import torch.distributed.checkpoint.filesystem as fs
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from ckptlab.checkpoint._dcp_remote import RemoteDcpCheckpoint
+    from ckptlab.checkpoint._dcp_fast import DcpCheckpoint
 
     if not hasattr(fs, "SerializationFormat"):
         pytest.skip(f"torch {torch.__version__} has no DCP SerializationFormat (2.8 added it)")
@@ -467,9 +468,49 @@ def test_dcp_url_in_safetensors_format_is_mirrored(server, threads):
     server.mark()
     ck = cl.open(server.url(f"dcpst{threads}/"))
     assert len(_requests(server)) <= 2 + len(files)
-    assert not isinstance(ck, RemoteDcpCheckpoint)
+    assert not isinstance(ck, DcpCheckpoint)
     for name, want in sd.items():
         assert torch.equal(ck.read(name), want)
+
+
+# -- a directory URL without its "/" -----------------------------------------------------------
+def _opened(ck) -> tuple:
+    """What a checkpoint says of itself (the same directory opened two ways must agree)."""
+    return (ck.format, ck.path, [(f.path, f.format, f.nbytes, f.full_path) for f in ck.files],
+            {n: (t.dtype, t.shape, t.parts) for n, t in ck.tensors.items()}, ck.objects,
+            ck.notes)
+
+
+@pytest.mark.parametrize("rel", ["dcp", "hf"])
+def test_a_directory_url_without_its_slash_opens_like_the_one_with_it(server, dcp_dir, hf_dir,
+                                                                       rel):
+    """nginx answers ``dir`` with a 301 to ``dir/``, which it refuses (403: no listing); the
+    redirect says it is a directory: it opens as ``dir/`` does, for those two requests
+    more, and reads the same tensors."""
+    server.mark()
+    with_slash = cl.open(server.url(rel + "/"))
+    want = _requests(server)
+    server.mark()
+    ck = cl.open(server.url(rel))
+    seen = _requests(server)
+    assert _opened(ck) == _opened(with_slash)
+    assert [(r.status, r.path) for r in seen[:2]] == [(301, f"/{rel}"), (403, f"/{rel}/")]
+    assert [(r.path, r.range, r.status) for r in seen[2:]] == \
+        [(r.path, r.range, r.status) for r in want]
+    name = next(iter(ck.tensors))
+    want_tensor = with_slash.read(name)
+    server.mark()
+    assert torch.equal(ck.read(name), want_tensor)
+    assert len(_requests(server)) == len(ck.tensors[name].parts)
+    _, store = open_url(server.url(rel))
+    assert store.stats.requests == len(seen)  # the redirect is counted too
+
+
+def test_cli_inspect_of_a_directory_url_without_its_slash(server, hf_dir, capsys):
+    assert cli.main(["inspect", server.url("hf/"), "--json"]) == 0
+    want = json.loads(capsys.readouterr().out)
+    assert cli.main(["inspect", server.url("hf"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == want
 
 
 # -- errors, CLI, local paths ----------------------------------------------------------------------
@@ -527,41 +568,6 @@ def test_file_urls_are_local_paths_and_local_paths_import_no_fsspec(tmp_path):
     assert out.split() == ["False", "False"]
 
 
-def test_kept_ranges_merge_and_serve_reads():
-    """RemoteSource's keeping of moved bytes, against a reference, without a server."""
-    from ckptlab.format._remote import RemoteSource, _missing
-
-    data = bytes(random.Random(0).randbytes(5000))
-
-    class Store:  # counts ranges like RemoteStore
-        class stats:
-            requests = 0
-            bytes_moved = 0
-
-        def tail(self, url, n):
-            Store.stats.requests += 1
-            return len(data), len(data) - n, data[-n:]
-
-        def range(self, url, a, b):
-            Store.stats.requests += 1
-            Store.stats.bytes_moved += b - a
-            return data[a:b]
-
-    rng = random.Random(1)
-    src = RemoteSource(Store(), "mem://x", window_nbytes=100)
-    for _ in range(300):
-        a = rng.randrange(0, 5000)
-        n = rng.randrange(0, 5000 - a + 1)
-        before = src.kept_ranges()
-        assert src.read(a, n) == data[a:a + n]
-        missing = _missing(before, a, a + n)
-        assert src.reads == Store.stats.requests
-        kept = src.kept_ranges()
-        assert all(kept[i][1] < kept[i + 1][0] for i in range(len(kept) - 1))  # disjoint
-        assert all(src.kept(lo, hi - lo) == data[lo:hi] for lo, hi in kept)
-        assert all(any(lo <= x and y <= hi for lo, hi in kept) for x, y in missing)
-
-
 def test_cli_inspect_json_of_a_dcp_url_has_its_items(server, dcp_dir, capsys):
     assert cli.main(["inspect", server.url("dcp/.metadata"), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -616,61 +622,6 @@ def test_read_part_goes_through_the_url_one_request_per_part(server):
         assert torch.equal(got, want) and torch.equal(local.read_part("s", role), want)
     with pytest.raises(KeyError, match="no part"):
         ck.read_part("s", "scales")
-
-
-class _BytesStore:
-    """A RemoteStore over bytes in memory: counts requests as the real one does."""
-
-    def __init__(self, data: bytes) -> None:
-        from ckptlab.format._remote import RemoteStats
-
-        self.data = data
-        self.stats = RemoteStats()
-
-    def head(self, url, n):
-        self.stats.add(url, f"bytes=0-{n - 1}", min(n, len(self.data)))
-        return len(self.data), self.data[:n]
-
-    def range(self, url, a, b):
-        self.stats.add(url, f"bytes={a}-{b - 1}", b - a)
-        return self.data[a:b]
-
-
-def test_remote_items_read_ahead_is_exact_and_one_request_per_miss():
-    """RemoteItems' reads against a counting store, without a server: random item spans,
-    random walks; every read returns the file's bytes, a miss costs one request, ``fetch``
-    one request at most, and the kept bytes stay bounded."""
-    from ckptlab.dcp import remote as dcp_remote
-    from ckptlab.dcp.remote import RemoteItems
-    from ckptlab.format._remote import RemoteSource
-
-    rng = random.Random(3)
-    for trial in range(30):
-        sizes = [rng.choice([40, 900, 5000, 70_000, 1_500_000])
-                 for _ in range(rng.randrange(1, 40))]
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        data = rng.randbytes(sum(sizes) + rng.randrange(0, 100))
-
-        store = _BytesStore(data)
-        src = RemoteSource(store, "mem://f", first="head", window_nbytes=rng.randrange(1, 5000))
-        items = RemoteItems("mem://", {"f": src}, {"f": (starts, [s + n for s, n in
-                                                                  zip(starts, sizes)])})
-        for _ in range(60):
-            i = rng.randrange(len(sizes))
-            before = store.stats.requests
-            if rng.random() < 0.2:
-                a = starts[i] + rng.randrange(sizes[i])
-                b = rng.randrange(a, starts[i] + sizes[i] + 1)
-                assert items.fetch("f", a, b) == data[a:b]
-            else:
-                n = rng.choice([4, 700, 5000])
-                off = starts[i]
-                assert items.read("f", off, n) == data[off:off + n]
-            assert store.stats.requests - before <= 1, trial
-            kept = sum(hi - lo for lo, hi in src.kept_ranges())
-            assert kept <= dcp_remote._KEEP + (1 << 21)
-        assert items.read("f", len(data) - 3, 10) == data[-3:]
-        assert items.read("f", len(data), 10) == b""
 
 
 def test_a_file_replaced_on_the_server_after_the_open_is_an_error(server, dcp_big):

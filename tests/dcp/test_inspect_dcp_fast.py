@@ -31,10 +31,10 @@ from ckptlab.checkpoint._dcp_fast import DcpCheckpoint
 from ckptlab.cli import main
 from ckptlab.dcp import DcpLayout, inspect_dcp, load_metadata
 from ckptlab.errors import CkptlabError, CorruptArchiveError
-from ckptlab.format._source import ByteSource
-from ckptlab.format._window import FileWindow
 from ckptlab.format.archive import scan_torch_zip
 from ckptlab.plan._synthetic_dcp import write_synthetic_dcp
+from ckptlab.source._bytes import ByteSource
+from ckptlab.source._window import FileWindow
 from ckptlab.testing.pickles import pickle_mutations
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -40,7 +40,7 @@ def test_dcp_imports_neither_plan_nor_checkpoint():
                  for path in sorted((ROOT / "dcp").rglob("*.py")) for module in _imported(path)
                  if module.startswith(("ckptlab.plan", "ckptlab.checkpoint"))]
     assert not offenders, offenders
-    code = ("import sys; sys.argv[0] = '-m'; import ckptlab.dcp.layout, ckptlab.dcp.remote; "
+    code = ("import sys; sys.argv[0] = '-m'; import ckptlab.dcp.layout, ckptlab.dcp.items; "
             "print(sorted(m for m in sys.modules if m.startswith(('ckptlab.plan', "
             "'ckptlab.checkpoint'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -21,14 +21,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 import ckptlab
-from ckptlab.checkpoint import _tensors
 from ckptlab.checkpoint._tensors import LazyEntries, entries_from_logical, unique_names
 from ckptlab.checkpoint.model import LazyTensors
 from ckptlab.errors import ArchiveError
 from ckptlab.format import _pickle, _zip
 from ckptlab.format._bulk import LazyTuple
 from ckptlab.format._pickle import _scanned
-from ckptlab.format._source import ByteSource
+from ckptlab.source import _tree
+from ckptlab.source._bytes import ByteSource
 from ckptlab.testing.strategies import state_dicts
 
 
@@ -293,7 +293,7 @@ def test_lazy_access_reads_and_scans_nothing(tmp_path: Any,
     monkeypatch.setattr(ByteSource, "read", refuse)
     monkeypatch.setattr(_pickle, "_scan", refuse)
     monkeypatch.setattr(_pickle, "interpret", refuse)
-    monkeypatch.setattr(_tensors.os, "pread", refuse)
+    monkeypatch.setattr(_tree.os, "pread", refuse)  # (where ck.read preads)
     assert ck.tensors["layer.7.weight"].parts[0].nbytes == 8
     assert len(list(ck.tensors.values())) == 2000
     assert len(ck.files[0].segments) == len(layout.segments) > 2000

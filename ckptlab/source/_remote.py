@@ -21,7 +21,7 @@ asked again without the condition, in case a server in front compared it with an
 own: only a different ETag of the file is the error. Bytes already kept are not asked again:
 they are of the version first read.)
 
-A :class:`RemoteSource` is a :class:`~ckptlab.format._source.ByteSource` over one URL: the
+A :class:`RemoteSource` is a :class:`~ckptlab.source.ByteSource` over one URL: the
 bytes of each request are kept, and a later read inside kept bytes costs nothing (that is all
 it caches). ``reads`` counts the requests made through it and ``bytes_read`` the bytes they
 moved; a :class:`RemoteStats` shared by every file of one checkpoint adds them up.
@@ -32,7 +32,6 @@ fsspec (and aiohttp for HTTP) is imported on first use: installing the ``remote`
 
 from __future__ import annotations
 
-import bisect
 import posixpath
 import re
 import threading
@@ -41,8 +40,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ckptlab.errors import ArchiveError, TruncatedArchiveError, UnsupportedFormatError
-from ckptlab.format._source import ByteSource
-from ckptlab.format._window import PositionalFile
+from ckptlab.source._bytes import ByteSource, IsDirectoryError, NotFoundError
+from ckptlab.source._window import PositionalFile
 
 __all__ = [
     "DEFAULT_HEAD_NBYTES",
@@ -64,8 +63,8 @@ DEFAULT_HEAD_NBYTES = 1 << 18
 _CONTENT_RANGE = re.compile(r"bytes\s+(?:(\d+)-(\d+)|\*)/(\d+|\*)")
 
 
-class RemoteNotFoundError(ArchiveError, FileNotFoundError):
-    """The URL names nothing (HTTP 404/410, or the store has no such key)."""
+#: the URL names nothing (HTTP 404/410, or the store has no such key)
+RemoteNotFoundError = NotFoundError
 
 
 @dataclass
@@ -87,6 +86,12 @@ def join_url(base: str, name: str) -> str:
     if name.startswith("/") or "://" in name or any(p == ".." for p in name.split("/")):
         raise ArchiveError(f"a file name that leaves the directory: {name!r}", path=base)
     return base.rstrip("/") + "/" + name
+
+
+def _directory_form(url: str, final: str) -> bool:
+    """Whether ``final`` (where redirects led) is ``url`` with a ``/`` added to its path."""
+    asked, got = urlsplit(url), urlsplit(final)
+    return not asked.path.endswith("/") and got.path == asked.path + "/"
 
 
 def url_name(url: str) -> str:
@@ -145,7 +150,7 @@ class RemoteStore:
 
         etag = self.etags.get(url) if if_match else None
 
-        async def get() -> tuple[int, dict[str, str], bytes]:
+        async def get() -> tuple[int, dict[str, str], bytes, int, str]:
             session = await self._fs.set_session()
             headers = {"Accept-Encoding": "identity"}
             if range_header is not None:
@@ -154,10 +159,11 @@ class RemoteStore:
                 headers["If-Match"] = etag
             async with session.get(self._fs.encode_url(url), headers=headers) as r:
                 body = await r.read()
-                return r.status, {k.lower(): v for k, v in r.headers.items()}, body
+                return (r.status, {k.lower(): v for k, v in r.headers.items()}, body,
+                        len(r.history), str(r.url))
 
         try:
-            status, headers, body = sync(self._fs.loop, get)
+            status, headers, body, hops, final = sync(self._fs.loop, get)
         except OSError as exc:
             raise ArchiveError(f"request failed: {exc}", path=url) from None
         except Exception as exc:  # aiohttp's ClientError and friends
@@ -165,7 +171,13 @@ class RemoteStore:
                 raise ArchiveError(f"request failed: {type(exc).__name__}: {exc}",
                                    path=url) from None
             raise
+        for _ in range(hops):  # each redirect the client followed was a request too
+            self.stats.add(url, "redirect", 0)
         self.stats.add(url, range_header or "whole", len(body))
+        if hops and _directory_form(url, final):
+            # "dir" answered by a redirect to "dir/" (nginx: 301, then 403 without a listing)
+            raise IsDirectoryError("a directory: the server redirects it to its URL with '/'",
+                                   path=url)
         if status in (404, 410):
             raise RemoteNotFoundError(f"no such file (HTTP {status})", path=url)
         if status == 412 and etag is not None:
@@ -211,6 +223,13 @@ class RemoteStore:
         self.stats.add(url, what, len(out) if isinstance(out, (bytes, bytearray)) else 0)
         return out
 
+    def _size(self, url: str) -> int:
+        """The file's size (one ``info`` call); a directory is an :class:`IsDirectoryError`."""
+        info = self._fs_call(url, "size", lambda: self._fs.info(self._fs_path(url)))
+        if info.get("type") == "directory":
+            raise IsDirectoryError("a directory, not a file", path=url)
+        return int(info["size"])
+
     def tail(self, url: str, nbytes: int) -> tuple[int, int, bytes]:
         """(file size, offset of the bytes, the last ``nbytes`` bytes or the whole file)."""
         if self.http:
@@ -221,7 +240,7 @@ class RemoteStore:
             if status == 416 or start is None:  # an empty file
                 return total, total, b""
             return total, start, body
-        total = self._fs_call(url, "size", lambda: self._fs.size(self._fs_path(url)))
+        total = self._size(url)
         start = max(0, total - nbytes)
         return total, start, self.range(url, start, total)
 
@@ -233,7 +252,7 @@ class RemoteStore:
                 return len(body), body
             _, total = self._content_range(url, headers)
             return total, (b"" if status == 416 else body)
-        total = self._fs_call(url, "size", lambda: self._fs.size(self._fs_path(url)))
+        total = self._size(url)
         return total, self.range(url, 0, min(nbytes, total))
 
     def range(self, url: str, start: int, end: int) -> bytes:
@@ -312,25 +331,22 @@ class RemoteSource(ByteSource):
         The file.
     first
         ``"tail"`` (a suffix request: zip archives keep their directory at the end) or
-        ``"head"`` (safetensors keep their header at the start).
+        ``"head"`` (safetensors keep their header at the start); default: ``"head"`` for a
+        ``.safetensors`` name, else ``"tail"``.
     window_nbytes
         How many bytes the first request asks for (default: :data:`DEFAULT_WINDOW_NBYTES`
         for the tail, :data:`DEFAULT_HEAD_NBYTES` for the head).
     """
 
-    remote = True
+    costly_reads = True
 
-    def __init__(self, store: RemoteStore, url: str, *, first: str = "tail",
+    def __init__(self, store: RemoteStore, url: str, *, first: str | None = None,
                  window_nbytes: int | None = None) -> None:
+        self._init(False)  # every read is kept by _transfer itself
         self._store = store
         self.url = self.name = url
-        self.reads = 0
-        self.bytes_read = 0
-        self._cache = None
-        self._fd = self._file = self._buffer = None
-        self._base = 0
-        self._starts: list[int] = []  # kept byte ranges, sorted, disjoint, not touching
-        self._chunks: list[bytes] = []
+        if first is None:
+            first = "head" if url_name(url).endswith(".safetensors") else "tail"
         before = store.stats.requests, store.stats.bytes_moved
         if first == "tail":
             self.nbytes, start, data = store.tail(url, window_nbytes or DEFAULT_WINDOW_NBYTES)
@@ -344,42 +360,6 @@ class RemoteSource(ByteSource):
         self.reads += self._store.stats.requests - before[0]
         self.bytes_read += self._store.stats.bytes_moved - before[1]
 
-    def _keep(self, start: int, data: bytes) -> None:
-        """Keep ``data`` at ``start``, merged with kept ranges it overlaps or touches."""
-        if not data:
-            return
-        end = start + len(data)
-        i = bisect.bisect_right(self._starts, start) - 1
-        if i >= 0 and self._starts[i] + len(self._chunks[i]) >= start:
-            s = self._starts[i]
-            merged = self._chunks[i][: start - s] + data
-            tail = self._chunks[i][end - s:] if s + len(self._chunks[i]) > end else b""
-            start, data = s, merged + tail
-            del self._starts[i], self._chunks[i]
-            end = start + len(data)
-        else:
-            i += 1
-        while i < len(self._starts) and self._starts[i] <= end:
-            s, c = self._starts[i], self._chunks[i]
-            if s + len(c) > end:
-                data = data + c[end - s:]
-                end = start + len(data)
-            del self._starts[i], self._chunks[i]
-        self._starts.insert(i, start)
-        self._chunks.insert(i, data)
-
-    def kept(self, offset: int, nbytes: int) -> bytes | None:
-        """The bytes ``[offset, offset + nbytes)`` if already moved, else None."""
-        i = bisect.bisect_right(self._starts, offset) - 1
-        if i >= 0 and offset + nbytes <= self._starts[i] + len(self._chunks[i]):
-            s = self._starts[i]
-            return self._chunks[i][offset - s: offset - s + nbytes]
-        return None
-
-    def kept_ranges(self) -> list[tuple[int, int]]:
-        """The byte ranges already moved, as ``(start, end)``, sorted."""
-        return [(s, s + len(c)) for s, c in zip(self._starts, self._chunks)]
-
     def prefetch(self, ranges: list[tuple[int, int]]) -> None:
         """Move the parts of ``ranges`` not kept yet, one request per missing range."""
         for lo, hi in ranges:
@@ -389,63 +369,22 @@ class RemoteSource(ByteSource):
                 self._keep(a, self._store.range(self.url, a, b))
                 self._count(before)
 
-    def read(self, offset: int, nbytes: int, *, what: str = "data",
-             record: str | None = None) -> bytes:
-        """Exactly ``nbytes`` at ``offset``: from kept bytes, else one ranged request."""
-        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
-            raise TruncatedArchiveError(
-                f"file ends before the end of the {what}", path=self.name, record=record,
-                offset=offset, expected=f"{nbytes} bytes at [{offset}, {offset + nbytes})",
-                actual=f"file of {self.nbytes} bytes")
-        if nbytes == 0:
-            return b""
-        data = self.kept(offset, nbytes)
-        if data is not None:
-            return data
+    def _transfer(self, offset: int, nbytes: int) -> bytes:
+        """The missing parts of the range moved (a request each) and kept; the range from
+        the kept bytes (empty when the server gave fewer)."""
         self.prefetch([(offset, offset + nbytes)])
-        data = self.kept(offset, nbytes)
-        if data is None or len(data) != nbytes:
-            raise TruncatedArchiveError(f"short read of the {what}", path=self.name,
-                                        record=record, offset=offset,
-                                        expected=f"{nbytes} bytes",
-                                        actual=f"{0 if data is None else len(data)} bytes")
-        return data
-
-    def keep(self, start: int, data: bytes) -> None:
-        """Keep ``data``, bytes of the file at ``start`` moved by the caller."""
-        self._keep(start, data)
+        return self.kept(offset, nbytes) or b""
 
     def fetch(self, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` in one request, counted, not kept (safe beside other
-        threads' reads: nothing of this source changes but its counts)."""
+        """Bytes ``[start, end)``: kept ones, else one request, counted, not kept (safe beside
+        other threads' reads: nothing of this source changes but its counts)."""
+        data = self.kept(start, end - start) if self._starts else None
+        if data is not None:
+            return data
         before = self._store.stats.requests, self._store.stats.bytes_moved
         data = self._store.range(self.url, start, end)
         self._count(before)
         return data
-
-    def forget(self, lo: int = 0, hi: int | None = None) -> None:
-        """Drop the kept bytes inside ``[lo, hi)`` (default: all of them); kept bytes on
-        either side stay."""
-        hi = self.nbytes if hi is None else hi
-        starts: list[int] = []
-        chunks: list[bytes] = []
-        for s, c in zip(self._starts, self._chunks):
-            e = s + len(c)
-            if e <= lo or s >= hi:
-                starts.append(s)
-                chunks.append(c)
-                continue
-            if s < lo:
-                starts.append(s)
-                chunks.append(c[:lo - s])
-            if e > hi:
-                starts.append(hi)
-                chunks.append(c[hi - s:])
-        self._starts, self._chunks = starts, chunks
-
-    def close(self) -> None:
-        """Drop the kept bytes."""
-        self._starts, self._chunks = [], []
 
 
 def _missing(kept: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:

@@ -25,7 +25,17 @@ from typing import BinaryIO
 
 from ckptlab.errors import ArchiveError, UnsupportedFormatError
 
-__all__ = ["open_inside", "open_regular", "resolve_inside"]
+__all__ = ["IsDirectoryError", "NotFoundError", "open_inside", "open_inside_fd", "open_regular",
+           "resolve_inside"]
+
+
+class NotFoundError(ArchiveError, FileNotFoundError):
+    """The name names nothing: no such file in a directory, HTTP 404/410 for a URL, no such
+    key in a store."""
+
+
+class IsDirectoryError(ArchiveError, IsADirectoryError):
+    """The name of a file is a directory's (a URL redirected to itself with ``/`` added)."""
 
 _KINDS = (
     (stat.S_ISDIR, "a directory"),
@@ -74,7 +84,8 @@ def open_regular(path: str, *, nofollow: bool = False, name: str | None = None) 
         check_regular(os.stat(path).st_mode, shown)
         fd = os.open(path, _OPEN_FLAGS | (getattr(os, "O_NOFOLLOW", 0) if nofollow else 0))
     except OSError as exc:
-        raise ArchiveError(f"cannot open: {exc.strerror or exc}", path=shown) from None
+        error = NotFoundError if isinstance(exc, FileNotFoundError) else ArchiveError
+        raise error(f"cannot open: {exc.strerror or exc}", path=shown) from None
     try:
         check_regular(os.fstat(fd).st_mode, shown)  # what was opened, not what was stat'ed
     except BaseException:
@@ -121,6 +132,11 @@ def open_inside(root: str | os.PathLike[str], relpath: str | os.PathLike[str]) -
     See :func:`resolve_inside` and :func:`open_regular`; the returned file object owns the
     descriptor (use it as a context manager).
     """
+    return os.fdopen(open_inside_fd(root, relpath), "rb")
+
+
+def open_inside_fd(root: str | os.PathLike[str], relpath: str | os.PathLike[str]) -> int:
+    """:func:`open_inside`'s descriptor (the caller closes it)."""
     real = resolve_inside(root, relpath)
     shown = os.path.join(os.fspath(root), os.fspath(relpath))
     fd = open_regular(real, nofollow=True, name=shown)
@@ -135,7 +151,7 @@ def open_inside(root: str | os.PathLike[str], relpath: str | os.PathLike[str]) -
         if moved:
             raise ArchiveError("changed while it was opened and now leaves the checkpoint "
                                "directory; refusing to read it", path=shown)
-        return os.fdopen(fd, "rb")
+        return fd
     except BaseException:
         os.close(fd)
         raise

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ckptlab.errors import TruncatedArchiveError
-from ckptlab.format._source import ByteSource
+from ckptlab.source._bytes import ByteSource
 
 DATA = bytes(range(256)) * 64  # 16 KiB
 
@@ -97,7 +97,7 @@ def test_gather_into_gives_the_spans_back_to_back(tmp_path: Path, seed: int) -> 
 
 
 def test_gather_into_a_file_takes_few_calls_and_requests_skip_long_gaps(tmp_path: Path) -> None:
-    from ckptlab.format._source import _IOV_MAX, GATHER_GAP, READ_GAP
+    from ckptlab.source._bytes import _IOV_MAX, GATHER_GAP, READ_GAP
 
     data = bytes(4_000_000)
     path = tmp_path / "g.bin"

@@ -1,7 +1,22 @@
-"""Random-access reads over a path, a bytes-like object or a binary file object, counted."""
+"""Random-access reads over a path, a bytes-like object or a binary file object, counted.
+
+:class:`ByteSource` is the one interface every reader takes. A source behind a URL
+(:class:`ckptlab.source.RemoteSource`) is the same class with another transport: what differs
+is said by the source, never asked by a reader:
+
+- :attr:`ByteSource.costly_reads`: each read is a round trip off the host (a request), so a
+  reader may derive bytes it can predict rather than read them, and plan its reads ahead;
+- :meth:`ByteSource.prefetch`: move ranges the reader will want (one request each behind a
+  URL; nothing for a local file, whose page cache does that job);
+- :meth:`ByteSource.kept`, :meth:`~ByteSource.keep`, :meth:`~ByteSource.forget`: bytes held in
+  memory (every read behind a URL, or with ``cache=True``; explicit ones otherwise), served
+  again without a read;
+- :meth:`ByteSource.fetch`: one read that is not kept.
+"""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import io
 import os
@@ -10,7 +25,12 @@ from itertools import accumulate, chain
 from typing import BinaryIO, Union
 
 from ckptlab.errors import ArchiveError, TruncatedArchiveError
-from ckptlab.format._paths import check_regular, open_regular
+from ckptlab.source._paths import (  # noqa: F401  (the errors: re-exported)
+    IsDirectoryError,
+    NotFoundError,
+    check_regular,
+    open_regular,
+)
 
 Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, BinaryIO]
 
@@ -56,30 +76,31 @@ class ByteSource:
     A path is opened once and read with ``os.pread``; a file object is read with
     ``seek`` + ``read`` (one read call per request, which is what costs on object storage),
     from the position it stands at when handed over (offsets count from there, as
-    ``torch.load`` reads a file object); a bytes-like object is sliced.
+    ``torch.load`` reads a file object); a bytes-like object is sliced. ``name`` is what
+    errors show (default: the path, the file object's name, ``<bytes>``).
     """
 
-    def __init__(self, source: Source, *, cache: bool = False) -> None:
-        self._cache: list[tuple[int, bytes]] | None = [] if cache else None
-        self.reads = 0
-        self.bytes_read = 0
-        self._fd: int | None = None
-        self._file: BinaryIO | None = None
-        self._buffer: memoryview | None = None
-        self._base = 0  # file objects: their position when handed over
+    #: each read is a round trip off the host (a request): readers derive what they can
+    #: predict instead of reading it, and plan their reads (False: a local file, a buffer)
+    costly_reads = False
+
+    def __init__(self, source: Source, *, cache: bool = False, name: str | None = None) -> None:
+        self._init(cache)
         if isinstance(source, (bytes, bytearray, memoryview)):
             self._buffer = memoryview(source).cast("B")
-            self.name = "<bytes>"
+            self.name = name or "<bytes>"
             self.nbytes = len(self._buffer)
         elif isinstance(source, (str, os.PathLike)):
-            self.name = os.fspath(source)
+            path = os.fspath(source)
+            self.name = name or path
             # regular files only: a FIFO would block the open (or the reads) forever, a device
             # like /dev/zero never ends; open_regular refuses both without blocking
-            self._fd = open_regular(self.name)
+            self._fd = open_regular(path, name=self.name)
             self.nbytes = os.fstat(self._fd).st_size
         elif hasattr(source, "read") and hasattr(source, "seek"):
             self._file = source
-            self.name = str(getattr(source, "name", None) or f"<{type(source).__name__}>")
+            self.name = name or str(getattr(source, "name", None) or
+                                    f"<{type(source).__name__}>")
             raw = getattr(source, "raw", source)
             if isinstance(raw, io.FileIO):  # over a pipe or a device: refuse it as a path is
                 try:
@@ -103,6 +124,28 @@ class ByteSource:
                 f"seek(), got {type(source).__name__}"
             )
 
+    @classmethod
+    def from_fd(cls, fd: int, name: str) -> ByteSource:
+        """A source over the open descriptor ``fd`` of a regular file (the source owns it and
+        closes it), shown as ``name``."""
+        self = cls.__new__(cls)
+        self._init(False)
+        self.name = name
+        self._fd = fd
+        self.nbytes = os.fstat(fd).st_size
+        return self
+
+    def _init(self, keep_reads: bool) -> None:
+        self.reads = 0
+        self.bytes_read = 0
+        self._fd: int | None = None
+        self._file: BinaryIO | None = None
+        self._buffer: memoryview | None = None
+        self._base = 0  # file objects: their position when handed over
+        self._keeps = keep_reads  # every read is kept (cache=True; behind a URL)
+        self._starts: list[int] = []  # kept byte ranges, sorted, disjoint, not touching
+        self._chunks: list[bytes] = []
+
     def read(self, offset: int, nbytes: int, *, what: str = "data", record: str | None = None) -> bytes:
         """Read exactly ``nbytes`` at ``offset`` or raise :class:`TruncatedArchiveError`."""
         if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
@@ -116,10 +159,20 @@ class ByteSource:
             )
         if nbytes == 0:
             return b""
-        if self._cache is not None:
-            for start, chunk in self._cache:
-                if start <= offset and offset + nbytes <= start + len(chunk):
-                    return chunk[offset - start : offset - start + nbytes]
+        if self._starts:
+            data = self.kept(offset, nbytes)
+            if data is not None:
+                return data
+        data = self._transfer(offset, nbytes)
+        if self._keeps:
+            self._keep(offset, data)
+        if len(data) != nbytes:
+            raise self._short_read(what, record, offset, nbytes, len(data))
+        return data
+
+    def _transfer(self, offset: int, nbytes: int) -> bytes:
+        """Up to ``nbytes`` at ``offset`` from the file itself (fewer where it ends early),
+        counted in :attr:`reads` and :attr:`bytes_read`."""
         if self._buffer is not None:
             self.reads += 1
             data = bytes(self._buffer[offset : offset + nbytes])
@@ -140,10 +193,6 @@ class ByteSource:
                 got += len(part)
             data = parts[0] if len(parts) == 1 else b"".join(parts)
         self.bytes_read += len(data)
-        if self._cache is not None:
-            self._cache.append((offset, data))
-        if len(data) != nbytes:
-            raise self._short_read(what, record, offset, nbytes, len(data))
         return data
 
     def read_into(self, offset: int, out: memoryview, *, what: str = "data",
@@ -152,7 +201,7 @@ class ByteSource:
         view): from a file, straight into it (``os.preadv``), with the same checks, counts and
         errors as :meth:`read`."""
         nbytes = len(out)
-        if self._fd is None or self._cache is not None or not hasattr(os, "preadv") or \
+        if self._fd is None or self._keeps or self._starts or not hasattr(os, "preadv") or \
                 offset < 0 or offset + nbytes > self.nbytes or nbytes == 0:
             out[:] = self.read(offset, nbytes, what=what, record=record)
             return
@@ -185,7 +234,8 @@ class ByteSource:
         for i in (0, last):  # sorted: the first and the last span bound all the others
             if starts[i] < 0 or starts[i] + lengths[i] > self.nbytes:
                 self.read(starts[i], lengths[i], what=what)  # raises what read() raises
-        if self._fd is not None and self._cache is None and hasattr(os, "preadv"):
+        if self._fd is not None and not self._keeps and not self._starts and \
+                hasattr(os, "preadv"):
             self._gather_fd(starts, lengths, out, what)
             return
         i, pos = 0, 0
@@ -237,7 +287,86 @@ class ByteSource:
                                      offset=offset, expected=f"{nbytes} bytes",
                                      actual=f"{got} bytes")
 
+    @property
+    def holds_descriptor(self) -> bool:
+        """Whether the source holds an open file descriptor (a path) until it is closed."""
+        return self._fd is not None
+
+    # -- what a reader may hint or ask (no-ops or cheap for a local file) ----------------------
+    def prefetch(self, ranges: list[tuple[int, int]]) -> None:
+        """Move the ``(start, end)`` ranges a reader will want, so that its reads inside them
+        cost nothing more: nothing here (a local read is as cheap as a kept one); one request
+        per missing range behind a URL."""
+
+    def fetch(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` in one read, not kept (kept ones when they are all here);
+        a short file gives fewer."""
+        data = self.kept(start, end - start) if self._starts else None
+        return data if data is not None else self._transfer(start, end - start)
+
+    def kept(self, offset: int, nbytes: int) -> bytes | None:
+        """The bytes ``[offset, offset + nbytes)`` if they are held in memory, else None."""
+        i = bisect.bisect_right(self._starts, offset) - 1
+        if i >= 0 and offset + nbytes <= self._starts[i] + len(self._chunks[i]):
+            s = self._starts[i]
+            return self._chunks[i][offset - s: offset - s + nbytes]
+        return None
+
+    def kept_ranges(self) -> list[tuple[int, int]]:
+        """The byte ranges held in memory, as ``(start, end)``, sorted."""
+        return [(s, s + len(c)) for s, c in zip(self._starts, self._chunks)]
+
+    def keep(self, start: int, data: bytes) -> None:
+        """Hold ``data``, bytes of the file at ``start`` read by the caller: reads inside
+        them are served from memory until :meth:`forget`."""
+        self._keep(start, data)
+
+    def _keep(self, start: int, data: bytes) -> None:
+        """Keep ``data`` at ``start``, merged with kept ranges it overlaps or touches."""
+        if not data:
+            return
+        end = start + len(data)
+        i = bisect.bisect_right(self._starts, start) - 1
+        if i >= 0 and self._starts[i] + len(self._chunks[i]) >= start:
+            s = self._starts[i]
+            merged = self._chunks[i][: start - s] + data
+            tail = self._chunks[i][end - s:] if s + len(self._chunks[i]) > end else b""
+            start, data = s, merged + tail
+            del self._starts[i], self._chunks[i]
+            end = start + len(data)
+        else:
+            i += 1
+        while i < len(self._starts) and self._starts[i] <= end:
+            s, c = self._starts[i], self._chunks[i]
+            if s + len(c) > end:
+                data = data + c[end - s:]
+                end = start + len(data)
+            del self._starts[i], self._chunks[i]
+        self._starts.insert(i, start)
+        self._chunks.insert(i, data)
+
+    def forget(self, lo: int = 0, hi: int | None = None) -> None:
+        """Drop the kept bytes inside ``[lo, hi)`` (default: all of them); kept bytes on
+        either side stay."""
+        hi = self.nbytes if hi is None else hi
+        starts: list[int] = []
+        chunks: list[bytes] = []
+        for s, c in zip(self._starts, self._chunks):
+            e = s + len(c)
+            if e <= lo or s >= hi:
+                starts.append(s)
+                chunks.append(c)
+                continue
+            if s < lo:
+                starts.append(s)
+                chunks.append(c[:lo - s])
+            if e > hi:
+                starts.append(hi)
+                chunks.append(c[hi - s:])
+        self._starts, self._chunks = starts, chunks
+
     def close(self) -> None:
+        self._starts, self._chunks = [], []
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

@@ -1,8 +1,9 @@
-"""A torch.save archive behind a URL, scanned in at most three requests.
+"""A torch.save archive read at the cost of its directory: in at most three requests.
 
 :func:`ckptlab.format.archive.scan_torch_zip` reads every local header (a read per cluster of
-headers: one per record when the storages are large), which over HTTP is a round trip per
-tensor. Here the local headers of the storage records are not read: torch's writer places every
+headers: one per record when the storages are large), which where each read is a request
+(a source with ``costly_reads``: behind a URL) is a round trip per tensor.
+:func:`scan_torch_zip_cheapest` scans such a source here instead. Here the local headers of the storage records are not read: torch's writer places every
 record by arithmetic (``_zip.record_placement``: 30-byte header, name, zip64 extra when sizes or
 offsets pass 4 GiB, the 'FB' field padding the data to the storage alignment, a 16/24-byte
 descriptor), so each record's layout follows from its central directory entry and the
@@ -31,7 +32,6 @@ from ckptlab.errors import CorruptArchiveError
 from ckptlab.format import _zip
 from ckptlab.format._bulk import gc_paused
 from ckptlab.format._pickle import scan_pickle
-from ckptlab.format._remote import RemoteSource
 from ckptlab.format.archive import (
     _SMALL_RECORDS,
     archive_prefix,
@@ -41,13 +41,16 @@ from ckptlab.format.archive import (
     read_record_data,
     read_small_record,
     record_segments,
+    scan_torch_zip,
     storage_alignment_value,
     storage_infos,
     torch_zip_layout,
 )
 from ckptlab.format.layout import ArchiveLayout, Record
+from ckptlab.source import ByteSource
 
-__all__ = ["NotTorchPlacementError", "looks_like_zip", "scan_torch_zip_remote"]
+__all__ = ["NotTorchPlacementError", "looks_like_zip", "scan_torch_zip_cheapest",
+           "scan_torch_zip_placed"]
 
 _MERGE_GAP = 1 << 16  # fetch across gaps up to this size rather than make another request
 _DEFAULT_ALIGNMENT = 64  # torch's before .storage_alignment existed
@@ -57,14 +60,38 @@ class NotTorchPlacementError(Exception):
     """The archive's records are not where torch's writer puts them (the reason in words)."""
 
 
-def looks_like_zip(src: RemoteSource) -> bool:
-    """Whether the bytes already moved from the end of the file hold a zip end record."""
+def looks_like_zip(src: ByteSource) -> bool:
+    """Whether the bytes already kept from the end of the file (a URL's first request moved
+    them) hold a zip end record; False when none are kept (a local file: the caller sniffs
+    its head)."""
     tail = src.kept(src.nbytes - _zip.tail_window(src.nbytes), _zip.tail_window(src.nbytes))
     return tail is not None and b"PK\x05\x06" in tail
 
 
-def scan_torch_zip_remote(src: RemoteSource) -> ArchiveLayout:
-    """The :class:`ArchiveLayout` of a torch.save zip behind ``src`` in at most 3 requests.
+def scan_torch_zip_cheapest(src: ByteSource) -> tuple[ArchiveLayout, str | None]:
+    """The layout of a torch.save zip, read the way ``src`` reads cheapest, and a note when
+    that was not the way asked: where reads are costly (``src.costly_reads``) the storage
+    records' local headers are derived (:func:`scan_torch_zip_placed`), unless the records
+    are not placed as torch places them (the note says why: every local header was read);
+    every local header is read otherwise (:func:`~ckptlab.format.archive.scan_torch_zip`).
+
+    Raises
+    ------
+    ArchiveError
+        As :func:`~ckptlab.format.archive.scan_torch_zip`.
+    """
+    if src.costly_reads:
+        try:
+            return scan_torch_zip_placed(src), None
+        except NotTorchPlacementError as exc:
+            return scan_torch_zip(src), (
+                f"records not placed as torch.save places them ({exc}); every local header "
+                "was read, a request per record or cluster")
+    return scan_torch_zip(src), None
+
+
+def scan_torch_zip_placed(src: ByteSource) -> ArchiveLayout:
+    """The :class:`ArchiveLayout` of a torch.save zip in at most 3 reads (requests).
 
     Raises
     ------
@@ -78,7 +105,7 @@ def scan_torch_zip_remote(src: RemoteSource) -> ArchiveLayout:
         return _scan(src)
 
 
-def _scan(src: RemoteSource) -> ArchiveLayout:
+def _scan(src: ByteSource) -> ArchiveLayout:
     trailer, cdir = read_central_directory_columns(src)
     archive = archive_prefix(cdir, src.name)
     prefix = f"{archive}/" if archive else ""
