@@ -15,9 +15,10 @@ Measured per session: page load (GET until the document is in; for a real page u
 byte map is drawn) and redraw (slider moved until the new map is in; for a real page until
 its title shows). Measured on the server: RSS before, at the peak and after the sessions
 closed and panel ended them, and CPU seconds per phase. Timings are reported (stdout and
-<artifacts>/app_load/app_load.json) and checked only against bounds 5x the targets (10 s
-load, 3 s redraw), far from what is measured; memory is checked against bounds well under
-what the app used before sessions shared their work (RSS 104 -> 324 -> 282 MiB).
+<artifacts>/app_load/app_load.json; the targets are 10 s load, 3 s redraw), never asserted:
+a load or redraw that has not finished after ``STEP_TIMEOUT_S`` fails as a hang. Memory is
+checked against bounds well under what the app used before sessions shared their work (RSS
+104 -> 324 -> 282 MiB).
 """
 
 from __future__ import annotations
@@ -55,9 +56,7 @@ SESSIONS = 20
 TENSORS = 5_000
 OWN_ALIGNMENT = 64  # torch.save's default, the file's own
 NEXT_ALIGNMENT = 128  # one slider step to the right
-STEP_TIMEOUT_S = 120.0  # any one load or redraw (20 chromium pages take 50 s); then it stops
-LOAD_BOUND_S = 50.0  # 5x the 10 s target
-REDRAW_BOUND_S = 15.0  # 5x the 3 s target
+STEP_TIMEOUT_S = 120.0  # any one load or redraw (20 chromium pages take 50 s): a hang guard
 MAP = ".ckptlab-bytemap .js-plotly-plot"
 
 
@@ -350,9 +349,9 @@ def test_twenty_sessions_share_the_work_and_are_freed(server: ServedProcess,
           f"{figures['server_cpu_load_s']:.1f} s loading, "
           f"{figures['server_cpu_redraw_s']:.1f} s redrawing")
 
+    # every session loaded and redrew (each within STEP_TIMEOUT_S, or it failed as a hang);
+    # how long they took is reported above, not asserted
     assert len(loads) == len(redraws) == SESSIONS
-    assert max(loads) < LOAD_BOUND_S, figures
-    assert max(redraws) < REDRAW_BOUND_S, figures
     # one what-if layout for all sessions: before they shared it, 20 sessions took 220 MiB
     assert figures["rss_peak_mib"] - rss_before < 150, figures
     # the sessions were freed: before, 180 MiB stayed after every browser had closed

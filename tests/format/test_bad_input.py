@@ -8,9 +8,11 @@ either return a sane result (segments tile the file, offsets inside it, both fun
 or raise an :class:`~ckptlab.errors.ArchiveError`: a ``struct.error``, ``IndexError``,
 ``KeyError``, ``UnicodeError``, ``zlib.error``, ``RecursionError``, ``MemoryError``... fails.
 
-Each call is also watched: more than ``HANG_GUARD_S`` seconds is a hang (a guard, not a
-performance assertion), and a ``tracemalloc`` peak above ``16 x file size + 4 MiB`` is an
-allocation sized from a corrupt field rather than from the file.
+Each call is also watched, by measures that give the same number on every run: more than
+``file size / 4 + 20,000`` Python calls (counted by :mod:`ckptlab.testing.work`, which stops
+the call there) is work sized from a corrupt field rather than from the file, as is a
+``tracemalloc`` peak above ``16 x file size + 4 MiB``. A loop that calls nothing is left to the
+tests' ``timeout`` marks (a hang guard, not a measure of speed).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import io
 import os
 import random
 import struct
-import time
 import tracemalloc
 import zipfile
 from collections import OrderedDict
@@ -43,8 +44,8 @@ from ckptlab.errors import (
 from ckptlab.format import SegmentKind
 from ckptlab.format._pickle import scan_pickle
 from ckptlab.testing.archives import rewrite_archive
+from ckptlab.testing.work import WorkLimitExceeded, counting
 
-HANG_GUARD_S = 2.0  # one call on a ~3 KiB file takes ~1 ms; this only catches hangs
 MiB = 1 << 20
 
 
@@ -59,6 +60,13 @@ FUNCTIONS: tuple[Callable[[Any], Any], ...] = (ckptlab.inspect, ckptlab.storage_
 
 def memory_limit(file_nbytes: int) -> int:
     return 16 * file_nbytes + 4 * MiB
+
+
+def work_limit(file_nbytes: int) -> int:
+    """Python calls one call may make (``ckptlab.testing.work``): the most seen is ~2,000 on
+    the ~3 KiB archive and ~19,000 on the 1.4 MB sample (its 10 KB data.pkl); a loop run as
+    many times as a corrupt count or length says passes this long before it could hang."""
+    return file_nbytes // 4 + 20_000
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,28 +188,52 @@ def watched(fn: Callable[[Any], Any], source: Any, file_nbytes: int, what: str
             ) -> tuple[Any, ArchiveError | None]:
     """Call ``fn(source)``: (result, None) or (None, ArchiveError); anything else fails.
 
-    Needs ``tracemalloc`` tracing (the ``traced`` fixture) for the memory check.
+    The call's work (Python calls, :mod:`ckptlab.testing.work`) is bounded by
+    :func:`work_limit` of the file size and stopped there; its ``tracemalloc`` peak by
+    :func:`memory_limit`, where tracing is on (the ``traced`` fixture).
     """
     tracing = tracemalloc.is_tracing()
     if tracing:
         tracemalloc.reset_peak()
         before, _ = tracemalloc.get_traced_memory()
-    start = time.perf_counter()
+    limit = work_limit(file_nbytes)
     try:
-        result, error = fn(source), None
-    except ArchiveError as exc:
-        result, error = None, exc
+        with counting(limit=limit) as work:
+            try:
+                result, error = fn(source), None
+            except ArchiveError as exc:
+                result, error = None, exc
+    except WorkLimitExceeded:
+        raise AssertionError(f"{fn.__name__} made more than {limit:,} calls on a "
+                             f"{file_nbytes}-byte file ({what})") from None
     except Exception as exc:
         raise AssertionError(f"{fn.__name__} raised {type(exc).__name__}: {exc!s:.300} "
                              f"instead of an ArchiveError ({what})") from exc
-    elapsed = time.perf_counter() - start
-    assert elapsed < HANG_GUARD_S, f"{fn.__name__} took {elapsed:.1f} s ({what})"
+    assert not work.exceeded, (
+        f"{fn.__name__} made more than {limit:,} calls on a {file_nbytes}-byte file ({what}) "
+        f"and caught the stop")
     if tracing:
         _, peak = tracemalloc.get_traced_memory()
         assert peak - before <= memory_limit(file_nbytes), (
             f"{fn.__name__} peaked at {peak - before} traced bytes on a {file_nbytes}-byte "
             f"file ({what})")
     return result, error
+
+
+def test_watched_stops_a_call_that_runs_away() -> None:
+    """The work bound itself: a loop run as many times as a corrupt u32 says is stopped (not
+    waited for), even where the code turns every Exception into an ArchiveError."""
+    def runaway(source: bytes) -> None:
+        try:
+            for _ in range(int.from_bytes(source[:4], "little")):
+                len(source)
+        except Exception as exc:
+            raise CorruptArchiveError("bad") from exc
+
+    data = b"\xff\xff\xff\xff" + bytes(3000)
+    with pytest.raises(AssertionError, match="made more than 20,751 calls on a 3004-byte"):
+        watched(runaway, data, len(data), "runaway")
+    assert watched(runaway, bytes(3004), 3004, "no loop") == (None, None)
 
 
 def check_layout(layout: ckptlab.format.ArchiveLayout, file_nbytes: int, what: str) -> None:

@@ -30,7 +30,7 @@ import uuid
 import warnings
 import zipfile
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +40,9 @@ import torch
 import ckptlab
 from ckptlab import _torch_compat as tc
 from ckptlab.errors import ArchiveError, CorruptArchiveError
-from ckptlab.format import _unpickle
+from ckptlab.format import _pickle, _unpickle
 from ckptlab.format._pickle import PickleScan, scan_pickle
+from ckptlab.testing.work import Work, WorkLimitExceeded, work_of
 
 # --------------------------------------------------------------------------------------------
 # helpers
@@ -378,48 +379,80 @@ def test_build_on_tensor_stand_in_is_rejected(field: str, value: bytes) -> None:
             assert type(t.storage_offset) is int and t.storage_offset >= 0, t
 
 
+def _all_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled opcode runner and walk off: every opcode and every container then goes
+    through Python, where :mod:`ckptlab.testing.work` counts it (tests/format/test_fast_paths.py
+    and test_walk.py hold the compiled ones to the same results)."""
+    monkeypatch.setattr(_unpickle, "_c_opcodes", None)
+    monkeypatch.setattr(_pickle, "_c_walk", None)
+
+
+def _scan_work(pkl: bytes, limit: int | None = None) -> tuple[Any, Work]:
+    """scan_pickle's result (or ArchiveError) and its work: calls + lines run."""
+    return work_of(scan_pickle, pkl, lines=True, limit=limit, catch=ArchiveError)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("body", [
-    b"N" + b"\x85" * 60_000,  # NONE, then TUPLE1 60000 times: 60 KB of nested 1-tuples
-    b"(" * 60_000 + b"l" * 60_000,  # MARK ... LIST: 120 KB of nested lists
+    b"N" + b"\x85" * 10_000,  # NONE, then TUPLE1 10000 times: 10 KB of nested 1-tuples
+    b"(" * 10_000 + b"l" * 10_000,  # MARK ... LIST: 20 KB of nested lists
 ], ids=["tuple1", "mark-list"])
 def test_deeply_nested_pickle_is_not_quadratic(body: bytes,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """Compared with a flat pickle of the same size, so the check does not depend on the host.
-    The flat one is read one opcode at a time (the compiled runner off): the runner does its
-    NONEs hundreds of times faster than the loop does the nested pickle's LISTs, which would
-    leave no baseline to compare with."""
-    def scan_time(pkl: bytes) -> float:
-        best = float("inf")
-        for _ in range(2):  # the better of two: a noisy host slows one run, not both
-            start = time.perf_counter()
-            try:
-                scan_pickle(pkl)
-            except ArchiveError:
-                pass
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    deep = scan_time(b"\x80\x02" + body + b".")
-    monkeypatch.setattr(_unpickle, "_c_opcodes", None)
-    flat = scan_time(b"\x80\x02(" + b"N" * (len(body) - 2) + b"l.")  # one list, same size
-    assert deep < 10 * flat + 0.5, (f"nested: {deep:.2f} s, flat list of the same size: "
-                                    f"{flat:.2f} s")
-
-
-@pytest.mark.parametrize("body", [
-    b"](" + b"N" * 20_000 + b"e",  # a wide list via APPENDS
-    b"}(" + b"K\x01N" * 5_000 + b"u",  # a dict via SETITEMS (one key, overwritten)
-    b"(" + b"J\x00\x00\x00\x00" * 10_000 + b"t",  # a wide tuple of ints
-], ids=["appends", "setitems", "tuple"])
-def test_large_pickles_scan_quickly(body: bytes) -> None:
-    pkl = b"\x80\x02" + body + b"."
-    start = time.perf_counter()
+    """Measured as work, not time: the Python calls and lines the scan runs
+    (:mod:`ckptlab.testing.work`, the same count on every host and every run), for the nested
+    pickle and for a flat one of the same size (one list of NONEs), with the compiled parts
+    off (:func:`_all_python`) so that all the work is counted. Both are linear: the nested one
+    does less than the flat one (x0.3 and x0.9 now). A Python step repeated per level of
+    nesting (a walk down the stack or the metastack at each MARK or LIST, a path built key by
+    key for every object) makes it about depth / 2 = 5,000 times more, stopped at the limit.
+    Not counted: work inside one C call (a slice or copy of a long list), and the compiled
+    runner's own loop. The nested pickle is refused (deeper than the walk's limit); so is it
+    as ckptlab runs it, compiled parts on."""
+    deep = b"\x80\x02" + body + b"."
+    with pytest.raises(ArchiveError):
+        scan_pickle(deep)
+    _all_python(monkeypatch)
+    flat_result, flat = _scan_work(b"\x80\x02(" + b"N" * (len(body) - 2) + b"l.")
+    assert isinstance(flat_result, PickleScan), flat_result
+    limit = 2 * flat.total
     try:
-        scan_pickle(pkl)
-    except ArchiveError:
-        pass
-    assert time.perf_counter() - start < 2.0
+        result, nested = _scan_work(deep, limit)
+    except WorkLimitExceeded:
+        pytest.fail(f"the nested pickle took more than 2x the work of the flat one "
+                    f"({flat.total:,} calls + lines)")
+    assert isinstance(result, ArchiveError), result
+    assert not nested.exceeded, (nested, flat)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("body", [
+    lambda n: b"](" + b"N" * n + b"e",  # a wide list via APPENDS
+    lambda n: b"}(" + b"K\x01N" * (n // 2) + b"u",  # a dict via SETITEMS (one key, overwritten)
+    lambda n: b"(" + b"J\x00\x00\x00\x00" * n + b"t",  # a wide tuple of ints
+], ids=["appends", "setitems", "tuple"])
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_large_pickles_scan_in_linear_work(body: Callable[[int], bytes], compiled: bool,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Wide containers (2,500 to 5,000 items) and twice as wide: twice the items must cost at
+    most 2.1x the work (calls + lines run, :mod:`ckptlab.testing.work`; exactly 2x less a
+    constant now), where a Python step per item that runs over the items already there (a
+    loop over the stack, a rescan of the keys) makes it 4x, stopped at the limit. As ckptlab
+    runs it (compiled: what is left to Python is counted, for SETITEMS a key lookup per
+    item) and all in Python (every opcode counted). Work inside one C call (a copy of a long
+    list) is not counted."""
+    if not compiled:
+        _all_python(monkeypatch)
+    result, small = _scan_work(b"\x80\x02" + body(5_000) + b".")
+    assert isinstance(result, PickleScan), result
+    limit = int(2.1 * small.total)
+    try:
+        result, large = _scan_work(b"\x80\x02" + body(10_000) + b".", limit)
+    except WorkLimitExceeded:
+        pytest.fail(f"twice the items took more than 2.1x the work ({small.total:,} calls + "
+                    f"lines for the first)")
+    assert isinstance(result, PickleScan), result
+    assert not large.exceeded, (small, large)
 
 
 @pytest.mark.parametrize("pkl", [

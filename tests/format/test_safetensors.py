@@ -10,7 +10,6 @@ import io
 import json
 import random
 import struct
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +23,14 @@ from ckptlab.errors import ArchiveError, CorruptArchiveError
 from ckptlab.format import SegmentKind
 from ckptlab.testing.archives import storage_bytes
 from ckptlab.testing.damage import assert_tiles, truncations
+from ckptlab.testing.work import WorkLimitExceeded, counting
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+# Python calls + lines one inspect of a ~1 KB mutant may run (ckptlab.testing.work): the most
+# seen is ~1,600; a loop over a declared size or shape runs far past this
+ST_WORK_LIMIT = 50_000
 
 
 def check_tiles(layout: ckptlab.format.ArchiveLayout, nbytes: int) -> None:
@@ -147,15 +152,24 @@ def test_safetensors_every_prefix() -> None:
 
 
 def check_st_mutant(data: bytes, what: str) -> bool:
-    """inspect(data) returns a sane layout (True) or raises ArchiveError (False)."""
-    start = time.perf_counter()
+    """inspect(data) returns a sane layout (True) or raises ArchiveError (False).
+
+    Its work is bounded too: at most :data:`ST_WORK_LIMIT` Python calls + lines, counted (and
+    stopped there) by :mod:`ckptlab.testing.work`, whatever sizes, offsets or shapes the
+    header declares: a loop run as many times as a corrupt number says fails here, by name.
+    """
     try:
-        layout = ckptlab.inspect(data)
-    except ArchiveError:
-        layout = None
+        with counting(lines=True, limit=ST_WORK_LIMIT) as work:
+            try:
+                layout = ckptlab.inspect(data)
+            except ArchiveError:
+                layout = None
+    except WorkLimitExceeded:
+        raise AssertionError(f"inspect ran more than {ST_WORK_LIMIT:,} calls + lines ({what})"
+                             ) from None
     except Exception as exc:
         raise AssertionError(f"{type(exc).__name__} ({what}): {exc!s:.300}") from exc
-    assert time.perf_counter() - start < 2.0, what
+    assert not work.exceeded, f"inspect caught the stop at {ST_WORK_LIMIT:,} ({what})"
     if layout is not None:
         check_tiles(layout, len(data))
         for s in layout.storages:
