@@ -2,9 +2,9 @@
 
 A save into a directory that holds a checkpoint writes the next generation's file names,
 renames ``.metadata`` over the old one, and only then removes the old files. Killed with
-SIGKILL at random moments, failing on a full disk, or meeting a symbolic link where it would
-write, the directory always holds the old checkpoint or the new one, loadable by stock
-``dcp.load``, bit for bit.
+SIGKILL in every phase of the save, failing on a full disk, or meeting a symbolic link where
+it would write, the directory always holds the old checkpoint or the new one, loadable by
+stock ``dcp.load``, bit for bit.
 """
 
 from __future__ import annotations
@@ -13,11 +13,9 @@ import collections
 import errno
 import hashlib
 import os
-import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +27,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptlab.errors import StorageIOError, WriterError
 from ckptlab.plan import write_metadata
+from ckptlab.testing.kill_server import kill_state
 from ckptlab.write import AsyncWriter
 from ckptlab.write.writer import DATA_NAME
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-KILLS = 60
-MAX_HOOK_SLEEP_S = 0.01  # each I/O hook sleeps up to this: spreads a save over its phases
 
 
 def _digest(path: Path) -> dict[str, str]:
@@ -83,15 +79,15 @@ def _generations(path: Path) -> set[int]:
 
 
 class _ForkServer:
-    """A Python with torch imported once, forking one child per save (tests/write/
-    async_workers.serve_saves): 60 kills cost 60 forks, not 60 torch imports."""
+    """``python -m ckptlab.testing.kill_server``: a Python with torch imported once, forking
+    one child per save, which kills itself at the step it is told: every kill costs a fork,
+    not a torch import."""
 
     def __init__(self, path: Path, log: Path) -> None:
         self._log = open(log, "w")  # closed in close()
-        code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-                f"import async_workers; async_workers.serve_saves({str(path)!r})")
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ckptlab.testing.kill_server", str(path)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
         assert self._ask(None) == "READY"
 
     def _ask(self, line: str | None) -> str:
@@ -102,11 +98,10 @@ class _ForkServer:
         assert answer, f"the fork server died; see {self._log.name}"
         return answer
 
-    def start(self, seed: int, hook_seed: int, phases: Path,
-              max_sleep_s: float = MAX_HOOK_SLEEP_S) -> int:
-        return int(self._ask(f"save {seed} {hook_seed} {phases} {max_sleep_s}"))
-
-    def reap(self, pid: int) -> int:
+    def save(self, seed: int, phases: Path, die_at: str = "-") -> int:
+        """Save kill_state(seed) in a child that SIGKILLs itself on entering step ``die_at``
+        (``-``: none; ``plan``; ``PHASE:J``); its wait status."""
+        pid = int(self._ask(f"save {seed} {phases} {die_at}"))
         return int(self._ask(f"reap {pid}"))
 
     def close(self) -> None:
@@ -130,75 +125,82 @@ def fork_server(tmp_path: Path):
         server.close()
 
 
-def _run_to_end(server: _ForkServer, seed: int, phases: Path) -> float:
-    t0 = time.monotonic()
-    status = server.reap(server.start(seed, seed, phases))
+def _run_to_end(server: _ForkServer, seed: int, phases: Path) -> list[str]:
+    """A whole save in a child; the steps it went through (``plan``, the phases, ``done``)."""
+    status = server.save(seed, phases)
     assert os.waitstatus_to_exitcode(status) == 0, (phases.read_text(), status)
-    return time.monotonic() - t0
+    return phases.read_text().split()
 
 
-@pytest.mark.slow  # about 15-25 s on 2 cores, fork server start included
-def test_sigkill_at_random_moments_never_loses_the_old_checkpoint(
+def _kill_points(steps: list[str]) -> list[str]:
+    """Where to stop saves: before the save, and at every step of each phase ``steps`` went
+    through (a save here has ten: two opens, writes and fsyncs, a commit, a rename, two
+    removes), or its first, its last and six spread ones where a phase has more than eight."""
+    counts = collections.Counter(steps[1:-1])
+    points = ["plan"]
+    for phase, n in counts.items():
+        picks = sorted({1, n, *(1 + (n - 1) * i // 7 for i in range(1, 7))})
+        points += [f"{phase}:{j}" for j in picks]
+    return points
+
+
+# a kill at the step before the rename leaves the old checkpoint, one after it the new one
+_OUTCOME = {"plan": "old", "open": "old", "write": "old", "fsync": "old", "commit": "old",
+            "rename": "old", "remove": "new"}
+
+
+def test_sigkill_at_every_phase_never_loses_the_old_checkpoint(
         tmp_path: Path, fork_server: _ForkServer) -> None:
-    """KILLS saves of a different state dict over a committed checkpoint, each killed with
-    SIGKILL after a random delay: stock dcp.load must give exactly the old state dict or
-    exactly the new one every time. Kills land in every phase: before any file is opened,
-    while data files are written and fsynced, while .metadata.tmp is written, between its
-    fsync and the rename, while old files are removed, or after the save ended. Each save
-    starts over what the killed ones left (stale data files, a stale .metadata.tmp)."""
+    """Saves of a different state dict over a committed checkpoint, each stopped with SIGKILL
+    by the saving process itself on entering a chosen I/O step (ckptlab.testing.kill_server):
+    before the save, at each open, write and fsync of the data files (the other worker thread
+    wherever it is then), before .metadata.tmp is written, between its fsync and the rename,
+    and before each removal of an old file.
+    Chosen steps, not moments: every phase is hit on every run, and each kill's outcome is
+    known: stock dcp.load gives exactly the old state dict for a kill before the rename and
+    exactly the new one after it. Each save starts over what the killed ones left (stale data
+    files, a stale .metadata.tmp)."""
     path = tmp_path / "ckpt"
     phases = tmp_path / "phases"
-    _save(path, async_workers.kill_state(0))
-    # the time a whole save takes here, from fork to exit (the median of four)
-    span_s = sorted(_run_to_end(fork_server, seed, phases) for seed in (1, 2, 3, 4))[2]
-    assert _which(path, async_workers.kill_state(3), async_workers.kill_state(4)) == "new"
-    current = 4
-    rng = random.Random(15)
-    outcomes: collections.Counter[str] = collections.Counter()
-    landed: collections.Counter[str] = collections.Counter()  # phase -> kills
+    _save(path, kill_state(0))
+    steps = _run_to_end(fork_server, 1, phases)  # the steps of a save here
+    assert _which(path, kill_state(0), kill_state(1)) == "new"
+    assert set(steps) == {*_OUTCOME, "done"}, steps
+    current = 1
     by_phase: collections.Counter[tuple[str, str]] = collections.Counter()
-    for i in range(KILLS):
+    points = _kill_points(steps)
+    for i, die_at in enumerate(points):
         seed = 100 + i
-        old, new = async_workers.kill_state(current), async_workers.kill_state(seed)
-        phases.write_text("")  # a child killed before it opens the file notes nothing
-        pid = fork_server.start(seed, rng.randrange(1 << 30), phases)
-        time.sleep(rng.uniform(0.0, span_s))
-        os.kill(pid, signal.SIGKILL)  # a child that already ended is a zombie until reaped
-        status = fork_server.reap(pid)
-        killed = os.WIFSIGNALED(status)
-        assert killed or os.waitstatus_to_exitcode(status) == 0, \
-            f"save {i} failed on its own (stale files blocked it?): {phases.read_text()}"
+        old, new = kill_state(current), kill_state(seed)
+        status = fork_server.save(seed, phases, die_at)
         noted = phases.read_text().split()
-        phase = (noted[-1] if noted else "fork") if killed else "finished"
-        landed[phase] += 1
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (
+            f"the save to be killed at {die_at} was not (status {status}): {noted}")
+        phase = die_at.split(":")[0]
+        assert noted and noted[-1] == phase, (die_at, noted)
         outcome = _which(path, old, new)
-        outcomes[outcome] += 1
         by_phase[phase, outcome] += 1
-        assert outcome in ("old", "new"), (i, outcome, noted, sorted(os.listdir(path)))
+        assert outcome == _OUTCOME[phase], (die_at, outcome, noted, sorted(os.listdir(path)))
         if outcome == "new":
             current = seed
-    print(f"\n{KILLS} kills over {span_s * 1000:.0f} ms: outcomes {dict(outcomes)}; "
-          f"last phase entered when killed {dict(sorted(landed.items()))}; "
-          f"(phase, outcome) {dict(sorted(by_phase.items()))}")
-    assert outcomes["lost"] == 0 and outcomes["torn"] == 0
-    assert outcomes["old"] > 0 and outcomes["new"] > 0  # kills landed before and after
-    assert len(landed) >= 4  # and in several phases
+    print(f"\n{len(points)} kills over the {len(steps) - 2} steps of a save: (phase, outcome) "
+          f"{dict(sorted(by_phase.items()))}")
     # one save to the end removes everything the killed ones left
     _run_to_end(fork_server, 999, phases)
     names = sorted(os.listdir(path))
     (generation,) = _generations(path)
     assert names == [".metadata"] + sorted(n for n in names if DATA_NAME.match(n))
-    assert _same_bits(_load(path, async_workers.kill_state(999)), async_workers.kill_state(999))
+    assert _same_bits(_load(path, kill_state(999)), kill_state(999))
     assert generation > 1
 
 
 def test_stale_files_of_a_killed_save_do_not_block_the_next(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
-    _save(path, async_workers.kill_state(0))
+    _save(path, kill_state(0))
     (path / ".metadata.tmp").write_bytes(b"half a pickle")
     (path / "g7__0_0.distcp").write_bytes(b"x" * 5000)  # a killed save's generation 7
     (path / "g7__0_1.distcp").write_bytes(b"")
-    state = async_workers.kill_state(1)
+    state = kill_state(1)
     _save(path, state)
     assert sorted(os.listdir(path)) == [".metadata", "g8__0_0.distcp", "g8__0_1.distcp"]
     assert _same_bits(_load(path, state), state)
@@ -271,7 +273,7 @@ def test_a_symlinked_data_file_name_is_refused(tmp_path: Path, victim) -> None:
     link = path / "__0_0.distcp"  # the name a save into this directory would write
     link.symlink_to(target)
     with AsyncWriter(path) as writer, pytest.raises(CheckpointException) as info:
-        dcp.save(async_workers.kill_state(1), storage_writer=writer, no_dist=True)
+        dcp.save(kill_state(1), storage_writer=writer, no_dist=True)
     err = _plan_error(info)
     assert str(link) in str(err) and "symbolic link" in str(err)
     assert target.read_bytes() == data and link.is_symlink()
@@ -283,7 +285,7 @@ def test_a_data_file_name_symlinked_mid_save_is_refused(tmp_path: Path, victim) 
     (O_CREAT | O_EXCL | O_NOFOLLOW) refuses it and the old checkpoint stays."""
     target, data = victim
     path = tmp_path / "ckpt"
-    old = async_workers.kill_state(0)
+    old = kill_state(0)
     _save(path, old)
 
     def plant(bucket, phase, file, offset, nbytes):
@@ -291,7 +293,7 @@ def test_a_data_file_name_symlinked_mid_save_is_refused(tmp_path: Path, victim) 
             os.symlink(target, path / file)
 
     with AsyncWriter(path, io_hook=plant) as writer:
-        dcp.save(async_workers.kill_state(1), storage_writer=writer, no_dist=True)
+        dcp.save(kill_state(1), storage_writer=writer, no_dist=True)
         with pytest.raises(WriterError, match="symbolic link") as info:
             writer.wait()
     (cause,) = info.value.failures.values()
@@ -304,12 +306,12 @@ def test_a_data_file_name_symlinked_mid_save_is_refused(tmp_path: Path, victim) 
 def test_a_symlinked_metadata_tmp_is_refused(tmp_path: Path, victim) -> None:
     target, data = victim
     path = tmp_path / "ckpt"
-    old = async_workers.kill_state(0)
+    old = kill_state(0)
     _save(path, old)
     link = path / ".metadata.tmp"
     link.symlink_to(target)
     with AsyncWriter(path) as writer, pytest.raises(CheckpointException) as info:
-        dcp.save(async_workers.kill_state(1), storage_writer=writer, no_dist=True)
+        dcp.save(kill_state(1), storage_writer=writer, no_dist=True)
     err = _plan_error(info)
     assert str(link) in str(err) and "symbolic link" in str(err)
     assert target.read_bytes() == data and link.is_symlink()
@@ -319,7 +321,7 @@ def test_a_symlinked_metadata_tmp_is_refused(tmp_path: Path, victim) -> None:
 def test_a_metadata_tmp_symlinked_mid_save_is_refused(tmp_path: Path, victim) -> None:
     target, data = victim
     path = tmp_path / "ckpt"
-    old = async_workers.kill_state(0)
+    old = kill_state(0)
     _save(path, old)
     link = path / ".metadata.tmp"
 
@@ -328,7 +330,7 @@ def test_a_metadata_tmp_symlinked_mid_save_is_refused(tmp_path: Path, victim) ->
             link.symlink_to(target)
 
     with AsyncWriter(path, io_hook=plant) as writer:
-        dcp.save(async_workers.kill_state(1), storage_writer=writer, no_dist=True)
+        dcp.save(kill_state(1), storage_writer=writer, no_dist=True)
         with pytest.raises(WriterError, match="symbolic link") as info:
             writer.wait()
     cause = info.value.failures["commit"]
@@ -340,7 +342,7 @@ def test_a_metadata_tmp_symlinked_mid_save_is_refused(tmp_path: Path, victim) ->
     assert sorted(os.listdir(path)) == [".metadata", ".metadata.tmp", "__0_0.distcp",
                                         "__0_1.distcp"]
     link.unlink()
-    new = async_workers.kill_state(2)
+    new = kill_state(2)
     _save(path, new)
     assert _same_bits(_load(path, new), new) and _generations(path) == {1}
 
