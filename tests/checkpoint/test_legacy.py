@@ -340,6 +340,7 @@ def test_hostile_reduce_never_runs(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+@pytest.mark.slow  # 23 s: four 150k-300k opcode pickles in an isolated worker
 def test_hostile_shapes_as_the_object_pickle_stay_bounded() -> None:
     """The attack shapes of issue 15 as a legacy object pickle: in a memory-limited worker,
     each ends in a ckptlab error or a model, never a crash, within the interpreter's budget."""

@@ -382,7 +382,11 @@ def test_truncated_sample_checkpoint(sample_file: Path, tmp_path: Path) -> None:
 # random mutations
 # --------------------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("protocol,seed,count", [(2, 0, 1500), (2, 1, 1000), (5, 2, 700)])
+@pytest.mark.parametrize("protocol,seed,count", [
+    pytest.param(2, 0, 1500, marks=pytest.mark.slow),  # 11 s (24 s loaded)
+    pytest.param(2, 1, 1000, marks=pytest.mark.slow),  # 6 s (16 s loaded)
+    (5, 2, 700),  # the one in the fast set
+])
 def test_random_mutations(protocol: int, seed: int, count: int, traced: None) -> None:
     data = small_archive(protocol)
     ranges = regions(protocol)
@@ -397,6 +401,7 @@ def test_random_mutations(protocol: int, seed: int, count: int, traced: None) ->
     assert accepted > count // 20 and rejected > count // 4, (accepted, rejected)
 
 
+@pytest.mark.slow  # 11 s (20 s loaded)
 @pytest.mark.timeout(120)
 def test_random_mutations_of_data_pkl_only(traced: None) -> None:
     """Overwrites inside data.pkl only: the scanner sees every kind of opcode damage."""
@@ -429,6 +434,7 @@ def test_random_mutations_via_path(tmp_path: Path) -> None:
                 assert error.path == str(path) and str(path) in str(error), (how, str(error))
 
 
+@pytest.mark.slow  # 7 s (14 s loaded), 1.4 MB file
 @pytest.mark.timeout(120)
 def test_random_mutations_of_sample(sample_file: Path, traced: None) -> None:
     """The 1.4 MB sample (a 10 KB data.pkl, 100+ storages): memory bound is 16 x 1.4 MB."""

@@ -185,6 +185,7 @@ def test_intact_pickles_agree_and_take_the_fast_path(pickles, monkeypatch) -> No
     assert calls["fast"] > 700  # most tensors of protocols 2 and 3 went through it
 
 
+@pytest.mark.slow  # 23 s (durations, 2 busy cores)
 def test_flipped_bytes_agree(pickles) -> None:
     rng = random.Random(1)
     for name in ("p2", "small"):
@@ -224,6 +225,7 @@ def test_budgets_running_out_anywhere_agree(pickles, monkeypatch) -> None:
     assert len(budget_errors(pickles["p2"], both, monkeypatch, 700_000, 2_999)) > 150
 
 
+@pytest.mark.slow  # 17 s
 def test_memo_games_agree() -> None:
     """BINGETs of indices the template itself stores, and BINPUTs out of order or over old
     entries, are left to the loop."""
@@ -269,6 +271,7 @@ def count_identical(root: Any, target: Any) -> int:
     return count
 
 
+@pytest.mark.slow  # 11 s
 def test_module_pickles_agree_and_take_the_hook_dict_path(monkeypatch) -> None:
     """``OrderedDict()`` (BINGET of the global, EMPTY_TUPLE, REDUCE) is taken at once: the
     same objects, memo, budget and error offsets as one opcode at a time. The empty hook
@@ -779,6 +782,7 @@ def test_intact_archives_agree(archive, tmp_path, monkeypatch) -> None:
             agree(fn, tmp_path / f"{alignment}.pt", monkeypatch)
 
 
+@pytest.mark.slow  # 13 s
 def test_mutated_archives_agree(archive, monkeypatch) -> None:
     """Flipped bytes in local headers, names, extra fields, descriptors, the central directory
     and the trailer; each function both ways."""
@@ -1049,6 +1053,7 @@ def test_batches_agree_on_mutated_bytes(monkeypatch, scanner) -> None:
         all_ways(bytes(mutated))
 
 
+@pytest.mark.slow  # 12 s patterns, 5 s compiled
 def test_batches_agree_on_truncations_and_budgets(monkeypatch, scanner) -> None:
     _Batches(monkeypatch, batch=8, pause=0, scanner=scanner)
     data = data_pkl(save(plain_run(150)))
@@ -1139,6 +1144,7 @@ def test_batches_of_several_shapes_take_their_patterns(monkeypatch) -> None:
     assert batches.shapes > 20
 
 
+@pytest.mark.slow  # 16 s
 def test_specialised_batches_agree_on_mutated_bytes(monkeypatch) -> None:
     batches = _Batches(monkeypatch, batch=6, pause=0)
     data = data_pkl(save({**uniform_run(150), **cycling_run(150)}))
@@ -1303,6 +1309,7 @@ def test_parameters_and_views_agree_and_are_taken(monkeypatch, scanner) -> None:
     assert memo[0] != "error" and len(memo[0][1][1][1]) > 4 * 40 * 8
 
 
+@pytest.mark.slow  # 10 s + 9 s
 def test_parameter_batches_agree_on_mutations_truncations_and_budgets(monkeypatch,
                                                                       scanner) -> None:
     _Batches(monkeypatch, batch=8, pause=0, scanner=scanner)
@@ -1395,6 +1402,7 @@ def test_optimizer_states_are_taken_a_batch_of_units_at_a_time(monkeypatch,
     assert units.taken > 40
 
 
+@pytest.mark.slow  # 19 s + 14 s
 def test_optimizer_state_batches_agree_on_mutations_truncations_and_budgets(
         monkeypatch, scanner) -> None:
     _Batches(monkeypatch, batch=7, pause=0, scanner=scanner)

@@ -93,6 +93,7 @@ _trees = st.recursive(
     _containers, max_leaves=25)
 
 
+@pytest.mark.slow  # 12 s (400 examples)
 @settings(max_examples=400, deadline=None)
 @given(root=_containers(_trees), share=st.booleans())
 def test_the_compiled_walk_is_the_python_walk(c_walk: Any, root: Any, share: bool) -> None:

@@ -62,6 +62,7 @@ def test_sample_state_is_deterministic_and_uneven() -> None:
                            a["transformer.wte.weight"])
 
 
+@pytest.mark.slow  # the saved / loaded fixtures spawn 2 and 3 ranks: 34 s + 42 s
 def test_save_writes_what_the_ranks_planned(saved) -> None:
     path, plans = saved
     full = sample_state()
@@ -94,6 +95,7 @@ def test_save_writes_what_the_ranks_planned(saved) -> None:
                                      for c, r in zip(entry.chunks, entry.writers))
 
 
+@pytest.mark.slow  # the saved / loaded fixtures spawn 2 and 3 ranks: 34 s + 42 s
 def test_shard_map_of_the_real_checkpoint_matches_the_plan(saved) -> None:
     pytest.importorskip("plotly", reason="the shard map is a figure: the 'widgets' extra")
     from ckptlab.viz import shard_map_figure
@@ -109,6 +111,7 @@ def test_shard_map_of_the_real_checkpoint_matches_the_plan(saved) -> None:
     assert from_disk["chunks"][1]["where"].startswith("rank 1 · __1_0.distcp @ ")
 
 
+@pytest.mark.slow  # the saved / loaded fixtures spawn 2 and 3 ranks: 34 s + 42 s
 def test_resharded_load_is_bit_exact_on_every_rank(loaded) -> None:
     full = sample_state()
     assert [r["rank"] for r in loaded] == list(range(LOAD_RANKS))
@@ -124,6 +127,7 @@ def test_resharded_load_is_bit_exact_on_every_rank(loaded) -> None:
     assert wte == [(37, 4), (37, 4), (37, 4)]  # Shard(1): columns, 12 over 3
 
 
+@pytest.mark.slow  # the saved / loaded fixtures spawn 2 and 3 ranks: 34 s + 42 s
 def test_ckptlab_read_items_are_the_ones_torch_planned(saved, loaded) -> None:
     path, _ = saved
     layout = cl.inspect(path)

@@ -84,6 +84,7 @@ def test_plain_tensors_and_objects_match_torch():
     assert theirs.items[0].nbytes == 48 and theirs.items[3].nbytes == 0
 
 
+@pytest.mark.slow  # 11 s: spawns ranks
 def test_dtensor_and_sharded_tensor_items_match_torch_on_real_ranks():
     for mine, theirs in run_ranks(plan_workers.write_items_vs_torch, 4, timeout=180):
         assert mine == theirs

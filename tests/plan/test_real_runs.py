@@ -18,6 +18,10 @@ import torch.distributed.checkpoint as dcp
 from ckptlab.plan import Chunk, inspect_dcp, read_items, run_ranks, validate_chunks
 from ckptlab.testing import dcp_workers as W
 
+# every test here uses module fixtures that spawn 2-4 ranks per save or load (each
+# 14-30 s on 2 cores)
+pytestmark = pytest.mark.slow
+
 # placements per tensor: "S<d>" = Shard(d), "R" = Replicate(); tensors not named stay plain
 SAVE_1D = ((2,), {"w": ("S0",), "e": ("S0",), "i": ("S0",), "v": ("S0",), "r": ("R",),
                   "z": ("S0",)})

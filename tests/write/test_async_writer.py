@@ -289,6 +289,7 @@ def test_overwrite_keeps_the_old_checkpoint_until_the_commit(tmp_path: Path) -> 
     assert (path / ".metadata").exists()
 
 
+@pytest.mark.slow  # 26 s: spawns two ranks
 def test_two_gloo_ranks_round_trip(tmp_path: Path) -> None:
     """Two ranks save, then save again over it: the coordinator picks the next generation
     for every rank, and after the commit removes every rank's old files."""

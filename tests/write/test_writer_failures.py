@@ -207,6 +207,7 @@ def test_sigkill_mid_write_commits_nothing(tmp_path: Path, previous) -> None:
     _assert_previous_intact(previous)
 
 
+@pytest.mark.slow  # 26 s: spawns two ranks
 def test_a_failing_rank_fails_the_whole_save(tmp_path: Path) -> None:
     path = tmp_path / "sharded"
     out = run_ranks(async_workers.save_sharded_failing, 2, str(path), timeout=180)
