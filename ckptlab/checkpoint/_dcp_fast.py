@@ -347,6 +347,8 @@ def open_fast(tree: Tree) -> tuple[DcpCheckpoint | None, Callable[[], bytes] | N
     if raw_items(cols, entries):
         return None, again  # decided before any data file is read
     heads = head_nbytes(cols, entries)
+    for name in cols.files:
+        tree.name_of(name)  # a URL refuses names leaving the directory before any request
     files = tree.sizes(None, listed=True)  # every regular file listed (none behind a URL)
     files.pop(METADATA, None)
     items = ItemLayouts(tree, spans=lambda: item_spans(cols, entries))

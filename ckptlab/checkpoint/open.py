@@ -156,8 +156,8 @@ def _reader(tree: Tree | None) -> Reader:
 
         def part_bytes(p: Part) -> bytes:
             for lo, data in (moved or {}).get(p.file, ()):
-                if lo <= p.offset and p.offset + p.nbytes <= lo + len(data):
-                    return data[p.offset - lo:p.offset - lo + p.nbytes]
+                if lo <= p.offset and p.offset + p.nbytes <= lo + len(data):  # (no copy)
+                    return memoryview(data)[p.offset - lo:p.offset - lo + p.nbytes]
             full = ck.file(p.file).full_path
             if tree is None or not full:
                 raise UnsupportedFormatError(
