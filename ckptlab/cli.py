@@ -601,9 +601,18 @@ def _port(text: str) -> int:
     return n
 
 
-def _parser() -> _Parser:
+def _sort_key(text: str) -> str:
+    """``--sort``'s value, checked against the query's keys (imported only when the option is
+    given: ``--version`` and the other verbs never import the checkpoint model)."""
     from ckptlab.checkpoint.query import SORT_KEYS
 
+    if text not in SORT_KEYS:
+        raise argparse.ArgumentTypeError(
+            f"expected one of {', '.join(SORT_KEYS)}, got {text!r}")
+    return text
+
+
+def _parser() -> _Parser:
     p = _Parser(prog="ckptlab", description="See inside PyTorch checkpoints.")
     p.add_argument("--version", action="version", version=f"ckptlab {__version__}")
     sub = p.add_subparsers(dest="verb", metavar="VERB")
@@ -617,7 +626,7 @@ def _parser() -> _Parser:
     ins.add_argument("--filter", metavar="PATTERN", default=None,
                      help="only tensors whose name contains PATTERN, or matches it whole when "
                           "it is a glob with * ? or [ (e.g. mlp, '*.mlp.*'); case-insensitive")
-    ins.add_argument("--sort", choices=SORT_KEYS, default=None,
+    ins.add_argument("--sort", type=_sort_key, default=None, metavar="KEY",
                      help="order the tensors by name (natural: h.2 before h.10), size (bytes, "
                           "largest first), parameters (largest first), offset (file order), "
                           "dtype, kind or file; default: the checkpoint's own order")

@@ -55,3 +55,20 @@ def test_command_start_imports_no_format_code():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.split() == ["ckptlab.format.predict", "ckptlab.plan"]
+
+
+def test_version_and_argument_errors_import_no_checkpoint_code():
+    """``ckptlab --version`` and an argument error build the whole parser: it must not import
+    the checkpoint model, numpy or torch (``--sort``'s keys are checked only when given)."""
+    code = ("import sys; sys.argv[0] = '-m'\n"
+            "from ckptlab.cli import main\n"
+            "for args in (['--version'], ['inspect', '--frob']):\n"
+            "    try:\n"
+            "        main(args)\n"
+            "    except SystemExit:\n"
+            "        pass\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('ckptlab.format', "
+            "'ckptlab.checkpoint', 'numpy', 'torch'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
