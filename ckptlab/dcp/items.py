@@ -370,7 +370,7 @@ class ItemLayouts:
     def read(self, file: str, offset: int, nbytes: int) -> bytes:
         """Up to ``nbytes`` of ``file`` at ``offset`` (fewer at its end)."""
         with self.lock:
-            src = self.source(file)
+            src = self.sources.get(file) or self.source(file)
             end = min(offset + nbytes, src.nbytes)
             if end <= offset:
                 return b""
@@ -475,6 +475,9 @@ class ItemLayouts:
     def layout(self, file: str, fqn: str, offset: int, length: int, key: Any) -> ArchiveLayout:
         """The layout of the tensor item at ``offset``: a template's when the item's bytes up
         to its data are the template's (but for the data record's CRC), else its own."""
+        hit = self.cache.get((file, offset))  # (a dict lookup: safe beside other threads)
+        if hit is not None:
+            return hit
         with self.lock:
             return self._layout(file, fqn, offset, length, key)
 

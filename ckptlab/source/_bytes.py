@@ -173,20 +173,30 @@ class ByteSource:
     def _transfer(self, offset: int, nbytes: int) -> bytes:
         """Up to ``nbytes`` at ``offset`` from the file itself (fewer where it ends early),
         counted in :attr:`reads` and :attr:`bytes_read`."""
-        if self._buffer is not None:
+        fd = self._fd
+        if fd is not None:  # the common case first: one pread that gives it all
+            self.reads += 1
+            data = os.pread(fd, nbytes, offset)
+            if len(data) != nbytes and data:  # pread may return less: read on until EOF
+                parts, got = [data], len(data)
+                while got < nbytes:
+                    self.reads += 1
+                    part = os.pread(fd, nbytes - got, offset + got)
+                    if not part:
+                        break
+                    parts.append(part)
+                    got += len(part)
+                data = b"".join(parts)
+        elif self._buffer is not None:
             self.reads += 1
             data = bytes(self._buffer[offset : offset + nbytes])
-        else:  # pread and raw file objects may return less than asked: loop until EOF
+        else:  # a raw file object may return less than asked: loop until EOF
+            assert self._file is not None
             parts, got = [], 0
-            if self._file is not None:
-                self._file.seek(self._base + offset)
+            self._file.seek(self._base + offset)
             while got < nbytes:
                 self.reads += 1  # every call counts: each one is a round trip off-host
-                if self._fd is not None:
-                    part = os.pread(self._fd, nbytes - got, offset + got)
-                else:
-                    assert self._file is not None
-                    part = self._file.read(nbytes - got)
+                part = self._file.read(nbytes - got)
                 if not part:
                     break
                 parts.append(part)
