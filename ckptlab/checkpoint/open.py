@@ -357,27 +357,6 @@ def _index_notes(index_name: str, weight_map: dict[str, str], models: list[FileM
     return notes
 
 
-def _index_notes(index_name: str, weight_map: dict[str, str], models: list[FileModel]
-                 ) -> tuple[str, ...]:
-    """What differs between an index's weight_map and the tensors its shards hold."""
-    found = {t.name: m.entry.path for m in models for t in m.tensors}
-    missing = [k for k in weight_map if k not in found]
-    unlisted = [k for k in found if k not in weight_map]
-    elsewhere = [k for k, v in weight_map.items() if k in found and found[k] != v]
-    notes: tuple[str, ...] = ()
-    if missing:
-        notes += (f"{len(missing)} names in {index_name} are in none of its shards "
-                  f"(first: {missing[0]!r})",)
-    if unlisted:
-        notes += (f"{len(unlisted)} tensors of the shards are not in {index_name} "
-                  f"(first: {unlisted[0]!r} in {found[unlisted[0]]})",)
-    if elsewhere:
-        notes += (f"{len(elsewhere)} tensors are in another shard than {index_name} says "
-                  f"(first: {elsewhere[0]!r} in {found[elsewhere[0]]}, index: "
-                  f"{weight_map[elsewhere[0]]})",)
-    return notes
-
-
 def _unread_note(name: str, exc: ArchiveError) -> str:
     where = "".join(f", {k} {v!r}" for k, v in (("record", exc.record), ("offset", exc.offset))
                     if v is not None)

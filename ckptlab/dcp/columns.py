@@ -51,6 +51,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ckptlab.dcp._decode import DTYPES as _DTYPES
+from ckptlab.dcp._decode import LAYOUTS as _LAYOUTS
 from ckptlab.format._unpickle import PATH_CLASSES, canonical_global, path_value
 
 __all__ = ["EntryColumns", "MetadataColumns", "chunk_rows", "chunk_volumes", "decode_columns",
@@ -62,20 +64,10 @@ _MAX_INDEX = (1 << 63) - 1
 MAX_INT_NBYTES = 8
 _MAX_PLAIN_DEPTH = 64
 
-_DTYPES = frozenset({
-    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
-    "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "bool",
-    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
-    "float4_e2m1fn_x2", "qint8", "quint8", "qint32", "quint4x2", "half", "float", "double",
-    "long", "int", "short", "cfloat", "cdouble", "chalf",
-})
 # torch's aliases -> the names str(torch.<alias>) prints
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "double": "float64", "long": "int64",
                   "int": "int32", "short": "int16", "cfloat": "complex64",
                   "cdouble": "complex128", "chalf": "complex32"}
-_LAYOUTS = frozenset({"torch.strided", "torch.sparse_coo", "torch.sparse_csr",
-                      "torch.sparse_csc", "torch.sparse_bsr", "torch.sparse_bsc",
-                      "torch._mkldnn", "torch.jagged"})
 _CLASSES = frozenset({f"{_MD}.Metadata", f"{_MD}.TensorStorageMetadata",
                       f"{_MD}.BytesStorageMetadata", f"{_MD}.ChunkStorageMetadata",
                       f"{_MD}.TensorProperties", f"{_MD}.MetadataIndex", f"{_MD}.StorageMeta",
