@@ -20,6 +20,7 @@ from typing import Any
 
 from ckptlab.dcp._decode import MetadataDecodeError, decode_metadata
 from ckptlab.errors import ArchiveError, CorruptArchiveError, UnsupportedFormatError
+from ckptlab.source import check_unchanged, file_identity
 from ckptlab.source._paths import open_inside
 
 __all__ = ["MAX_METADATA_NBYTES", "METADATA", "is_dcp_dir", "load_metadata", "metadata_of",
@@ -77,10 +78,6 @@ def is_dcp_dir(path: str | os.PathLike[str]) -> bool:
 
 
 
-def _metadata_identity(info: os.stat_result) -> tuple[int, int, int, int]:
-    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
-
-
 def read_columns(root: str) -> tuple[Any, int, tuple[int, ...]] | None:
     """``.metadata`` (a regular file inside ``root``, at most 1 GiB) decoded into columns
     (:func:`ckptlab.dcp.columns.decode_columns`), with its size and identity
@@ -103,21 +100,12 @@ def read_columns(root: str) -> tuple[Any, int, tuple[int, ...]] | None:
                 cols = decode_columns(data)
     except (OSError, ValueError, ArchiveError):
         return None
-    return (cols, nbytes, _metadata_identity(info)) if cols is not None else None
+    return (cols, nbytes, file_identity(info)) if cols is not None else None
 
 
 def _load_unchanged(root: str, identity: tuple[int, ...]) -> Any:
     """:func:`load_metadata` of ``root``, refused when ``.metadata`` is no longer the file the
     layout was built from (another inode, size or mtime)."""
-    meta_path = os.path.join(root, METADATA)
-    try:
-        now = _metadata_identity(os.stat(meta_path))
-    except OSError as exc:
-        raise ArchiveError(f"cannot read DCP metadata: {exc.strerror}", path=meta_path) from None
-    if now != identity:
-        raise CorruptArchiveError(
-            ".metadata changed since the directory was inspected; inspect it again",
-            path=meta_path, expected=f"size {identity[2]}, mtime_ns {identity[3]}",
-            actual=f"size {now[2]}, mtime_ns {now[3]}")
+    check_unchanged(os.path.join(root, METADATA), METADATA, identity, unreadable="DCP metadata")
     return load_metadata(root)
 

@@ -30,10 +30,19 @@ from ckptlab.source._remote import (
     join_url,
     url_name,
 )
-from ckptlab.source._tree import LocalTree, Location, RemoteTree, Tree, locate
+from ckptlab.source._tree import (
+    LocalTree,
+    Location,
+    RemoteTree,
+    Tree,
+    check_unchanged,
+    file_identity,
+    locate,
+)
 from ckptlab.source._window import FileWindow, PositionalFile
 
 __all__ = ["ByteSource", "FileWindow", "IsDirectoryError", "LocalTree", "Location",
            "NotFoundError", "PositionalFile", "RemoteFileObject", "RemoteNotFoundError",
-           "RemoteSource", "RemoteStats", "RemoteStore", "RemoteTree", "Tree", "file_url_path",
-           "is_url", "join_url", "locate", "url_name"]
+           "RemoteSource", "RemoteStats", "RemoteStore", "RemoteTree", "Tree",
+           "check_unchanged", "file_identity", "file_url_path", "is_url", "join_url",
+           "locate", "url_name"]

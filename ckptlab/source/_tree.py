@@ -44,7 +44,8 @@ from ckptlab.source._paths import (
     resolve_inside,
 )
 
-__all__ = ["LocalTree", "Location", "RemoteTree", "Tree", "locate"]
+__all__ = ["LocalTree", "Location", "RemoteTree", "Tree", "check_unchanged", "file_identity",
+           "locate"]
 
 # a whole file read into memory (a JSON index, .metadata) is refused past this
 MAX_WHOLE_NBYTES = 1 << 30
@@ -214,20 +215,11 @@ class LocalTree(Tree):
             if not 0 < info.st_size <= max_nbytes:
                 raise ValueError(f"{rel}: {info.st_size} bytes")
             with mmap.mmap(f.fileno(), info.st_size, access=mmap.ACCESS_READ) as data:
-                yield data, _identity(info)
+                yield data, file_identity(info)
 
     def again(self, rel: str, data: Any, identity: tuple[int, ...]) -> Callable[[], bytes]:
         def read() -> bytes:
-            shown = os.path.join(self.root, rel)
-            try:
-                now = _identity(os.stat(shown))
-            except OSError as exc:
-                raise ArchiveError(f"cannot read {rel}: {exc.strerror}", path=shown) from None
-            if now != identity:
-                raise CorruptArchiveError(
-                    f"{rel} changed since the directory was inspected; inspect it again",
-                    path=shown, expected=f"size {identity[2]}, mtime_ns {identity[3]}",
-                    actual=f"size {now[2]}, mtime_ns {now[3]}")
+            check_unchanged(os.path.join(self.root, rel), rel, identity)
             with open_inside(self.root, rel) as f:
                 return f.read(identity[2])
         return read
@@ -238,8 +230,33 @@ class LocalTree(Tree):
         yield self.root
 
 
-def _identity(info: os.stat_result) -> tuple[int, int, int, int]:
+def file_identity(info: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells one version of a file from another: device, inode, size, mtime (ns)."""
     return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+
+
+def check_unchanged(path: str, what: str, identity: tuple[int, ...], *,
+                    unreadable: str | None = None) -> None:
+    """Refuse ``path`` when it is no longer the file whose :func:`file_identity` was
+    ``identity`` (another inode, size or mtime): what was read from it is stale.
+
+    Raises
+    ------
+    ArchiveError
+        ``path`` cannot be stat'ed ("cannot read WHAT: ...", or UNREADABLE for WHAT).
+    CorruptArchiveError
+        It changed ("WHAT changed since the directory was inspected; inspect it again").
+    """
+    try:
+        now = file_identity(os.stat(path))
+    except OSError as exc:
+        raise ArchiveError(f"cannot read {unreadable or what}: {exc.strerror}",
+                           path=path) from None
+    if now != identity:
+        raise CorruptArchiveError(
+            f"{what} changed since the directory was inspected; inspect it again",
+            path=path, expected=f"size {identity[2]}, mtime_ns {identity[3]}",
+            actual=f"size {now[2]}, mtime_ns {now[3]}")
 
 
 class RemoteTree(Tree):
