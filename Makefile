@@ -13,8 +13,7 @@ STAMP  := $(VENV)/.ckptlab-installed
 .PHONY: setup gcc chromium nginx lab test test-fast test-oldest-torch test-newest-python lint bench clean
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py ckptlab/format/_entries.c ckptlab/format/_handlers.c \
-  ckptlab/format/_handlers.h ckptlab/format/_interp.c constraints.txt Makefile | gcc
+$(STAMP): pyproject.toml setup.py ckptlab/format/_interp.c constraints.txt Makefile | gcc
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "ckptlab needs Python >= 3.11"' \
 	  || { echo "make: need Python >= 3.11 as $(PYTHON)"; exit 1; }
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || { echo "make: '$(PYTHON) -m venv' failed: on Debian run 'apt-get install python3-venv' (or python3.11-venv) and retry"; exit 1; }
@@ -42,19 +41,19 @@ chromium:
 	  echo "make: install it (Debian: sudo apt-get install --no-install-recommends chromium) or set CKPTLAB_CHROMIUM=/path/to/chromium."; \
 	  if [ -n "$$CI" ]; then exit 1; fi; fi
 
-# The compiled entry scanner (ckptlab/format/_entries.c, built by setup.py with the install)
+# The compiled interpreter (ckptlab/format/_interp.c, built by setup.py with the install)
 # needs a C compiler. Installed here when missing, as chromium is; without it ckptlab installs
-# without the scanner and its tests skip, or fail when CI is set.
+# without it and its tests skip, or fail when CI is set.
 gcc:
 	@command -v gcc >/dev/null 2>&1 && exit 0; \
 	why=""; if [ "$$(id -u)" = 0 ]; then sudo=""; elif command -v sudo >/dev/null 2>&1; then sudo=sudo; \
 	  else why="installing it needs root or sudo"; fi; \
 	command -v apt-get >/dev/null 2>&1 || why="there is no apt-get (not Debian)"; \
-	if [ -z "$$why" ]; then echo "make: installing Debian gcc for the compiled entry scanner"; \
+	if [ -z "$$why" ]; then echo "make: installing Debian gcc for the compiled interpreter"; \
 	  $$sudo apt-get update -q && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends gcc libc6-dev \
 	    || why="apt-get install gcc failed"; fi; \
 	if [ -n "$$why" ]; then \
-	  echo "make: gcc is missing and $$why; ckptlab installs without its compiled scanner (its tests fail when CI is set)."; \
+	  echo "make: gcc is missing and $$why; ckptlab installs without its compiled interpreter (its tests fail when CI is set)."; \
 	  if [ -n "$$CI" ]; then exit 1; fi; fi
 
 # The remote-checkpoint tests (tests/checkpoint/test_remote.py) and benchmarks/remote.py count
@@ -104,7 +103,7 @@ test-oldest-torch: nginx
 # this runs the suites that need no torch. CI runs it after `make test`.
 NEWEST_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13) $(shell command -v python3.13))
 NEWEST_VENV   ?= .venv-newest
-NEWEST_TESTS  := tests/format/test_interp.py tests/format/test_handlers.py tests/test_io.py \
+NEWEST_TESTS  := tests/format/test_interp.py tests/test_io.py \
 	tests/test_lazy.py tests/write/test_state.py tests/write/test_commit.py \
 	tests/write/test_files.py tests/write/test_worker.py
 test-newest-python:

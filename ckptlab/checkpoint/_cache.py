@@ -176,10 +176,7 @@ class CheckpointIndex:
         entries = list(ck.tensors.values())
         if entries and set(map(len, map(_PARTS, entries))) == {1} and \
                 set(map(_KIND, entries)) <= {"dense", "quantized"}:
-            from ckptlab.format._bulk import gc_paused
-
-            with gc_paused():  # a few hundred thousand tuples, none garbage
-                return cls._one_part_each(ck, entries, file_ids)
+            return cls._one_part_each(ck, entries, file_ids)
         names, dtypes, shapes, kinds, nbytes, params, file, offset = ([] for _ in range(8))
         start = [0]
         roles, pfile, poff, pnb = [], [], [], []

@@ -94,37 +94,34 @@ class LazyEntries(Sequence[TensorEntry]):
         logical = self._logical
         if not logical:
             return True
-        from ckptlab.format._bulk import gc_paused
-
         try:
-            with gc_paused():
-                cols = self._cols
-                if cols is not None:  # (column by column, without a set of 100,000 keys)
-                    storages = self._storages
-                    if "" in cols.keys or not all(map(storages.__contains__, cols.keys)) or \
-                            set(map(type, cols.offsets)) - {int} or \
-                            not set(cols.dtypes) <= DTYPE_ITEMSIZE.keys():
-                        return False
-                    # span_nbytes cannot fail on tuples of ints, whatever they pair with
-                    for dims in (*set(cols.shapes), *set(cols.strides)):
-                        if type(dims) is not tuple or set(map(type, dims)) - {int}:
-                            return False
-                    self.names()
-                    return True
-                if set(map(len, map(_PARTS, logical))) != {1}:
+            cols = self._cols
+            if cols is not None:  # (column by column, without a set of 100,000 keys)
+                storages = self._storages
+                if "" in cols.keys or not all(map(storages.__contains__, cols.keys)) or \
+                        set(map(type, cols.offsets)) - {int} or \
+                        not set(cols.dtypes) <= DTYPE_ITEMSIZE.keys():
                     return False
-                infos = list(map(itemgetter(1), map(itemgetter(0), map(_PARTS, logical))))
-                keys, dtypes = set(map(_KEY, infos)), set(map(_DTYPE, infos))
-                offsets, spans = set(map(_OFFSET, infos)), set(map(_SPAN_FIELDS, infos))
-                if "" in keys or not keys <= self._storages.keys() or \
-                        not dtypes <= DTYPE_ITEMSIZE.keys() or \
-                        not all(type(o) is int for o in offsets):
-                    return False
-                for shape, stride, dtype in spans:
-                    if type(shape) is not tuple or type(stride) is not tuple:
+                # span_nbytes cannot fail on tuples of ints, whatever they pair with
+                for dims in (*set(cols.shapes), *set(cols.strides)):
+                    if type(dims) is not tuple or set(map(type, dims)) - {int}:
                         return False
-                    span_nbytes(shape, stride, DTYPE_ITEMSIZE[dtype])
                 self.names()
+                return True
+            if set(map(len, map(_PARTS, logical))) != {1}:
+                return False
+            infos = list(map(itemgetter(1), map(itemgetter(0), map(_PARTS, logical))))
+            keys, dtypes = set(map(_KEY, infos)), set(map(_DTYPE, infos))
+            offsets, spans = set(map(_OFFSET, infos)), set(map(_SPAN_FIELDS, infos))
+            if "" in keys or not keys <= self._storages.keys() or \
+                    not dtypes <= DTYPE_ITEMSIZE.keys() or \
+                    not all(type(o) is int for o in offsets):
+                return False
+            for shape, stride, dtype in spans:
+                if type(shape) is not tuple or type(stride) is not tuple:
+                    return False
+                span_nbytes(shape, stride, DTYPE_ITEMSIZE[dtype])
+            self.names()
         except Exception:  # whatever it is, making the entries now raises it as before
             return False
         return True
@@ -173,10 +170,7 @@ class LazyEntries(Sequence[TensorEntry]):
             if self._cols is not None and self._deferrable:
                 # the entries :meth:`entry` makes, all at once from the columns (the scanned
                 # objects are never made)
-                from ckptlab.format._bulk import gc_paused
-
-                with gc_paused():
-                    self._value = self._from_columns()
+                self._value = self._from_columns()
             else:
                 self._value = entries_from_logical(self._logical, self._storages, self._file,
                                                    prefix=self._prefix)
@@ -239,10 +233,9 @@ def _dense_entries(logical: list[Any], storages: dict[str, StorageInfo], file: s
                    prefix: tuple[Any, ...]) -> list[TensorEntry] | None:
     """:func:`entries_from_logical` when every tensor has one part with a storage (dense
     tensors, the common case), built all at once; None for anything else."""
-    from ckptlab.format._bulk import build, gc_paused
+    from ckptlab.format._bulk import build
 
-    with gc_paused():  # hundreds of thousands of tuples and objects, none garbage
-        return _dense_columns(logical, storages, file, prefix, build)
+    return _dense_columns(logical, storages, file, prefix, build)
 
 
 def _dense_columns(logical: list[Any], storages: dict[str, StorageInfo], file: str,

@@ -19,9 +19,7 @@ non-tensor values beside them.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import reprlib
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -37,10 +35,8 @@ from ckptlab.format._unpickle import (
     PickleBudgetError,
     PickleDataError,
     Reduced,
-    SharedEmptyChanged,
-    _compiled,
     failure_offset,
-    interpret,
+    interpreter,
 )
 from ckptlab.format.layout import TensorInfo
 
@@ -58,36 +54,6 @@ class StorageRef:
     location: str
     numel: int
     nbytes: int
-
-
-class _StorageRefTwin:
-    """:class:`StorageRef`'s slots in its order, with a plain ``__init__``: an instance made
-    here and given ``StorageRef`` as its class is an ordinary, frozen ``StorageRef`` (the
-    layouts agree; see :mod:`ckptlab.format._bulk`), at a third of the cost of setting six
-    frozen slots through their descriptors."""
-
-    __slots__ = ("key", "storage_type", "dtype", "location", "numel", "nbytes")  # noqa: RUF023
-
-    def __init__(self, key: str, storage_type: str, dtype: str, location: str, numel: int,
-                 nbytes: int) -> None:
-        self.key = key
-        self.storage_type = storage_type
-        self.dtype = dtype
-        self.location = location
-        self.numel = numel
-        self.nbytes = nbytes
-
-
-if tuple(f.name for f in dataclasses.fields(StorageRef)) != _StorageRefTwin.__slots__:
-    raise ImportError("StorageRef's fields and _StorageRefTwin's slots differ")
-
-
-def _storage_ref(key: str, storage_type: str, dtype: str, location: str, numel: int,
-                 nbytes: int) -> StorageRef:
-    """``StorageRef(...)`` through its twin (one per new storage)."""
-    ref: Any = _StorageRefTwin(key, storage_type, dtype, location, numel, nbytes)
-    ref.__class__ = StorageRef
-    return ref  # type: ignore[no-any-return]
 
 
 _repr = reprlib.Repr()
@@ -188,11 +154,6 @@ class _CompositeRef:
 
 
 _TENSOR_REFS = (_TensorRef, _CompositeRef)
-# two handlers' common case in C (ckptlab/format/_handlers.c), where it was built, and the
-# slots of many records at once
-_FastHandler = getattr(_compiled, "FastHandler", None)
-_slot_columns = getattr(_compiled, "slot_columns", None)
-_DTYPE = attrgetter("dtype")
 _BUILDABLE = (*_TENSOR_REFS, StateDict)
 
 
@@ -276,15 +237,6 @@ class _TorchHandlers:
         self.storage_order: list[str] = []
         self.pending: list[_TensorRef] = []
         self.storage_types: dict[int, tuple[Global, str, int]] = {}  # id -> (it, dtype, size)
-        if _FastHandler is not None:
-            # the one-call-per-tensor handlers' common case in C (the methods for the rest):
-            # the same objects and results without two __init__ frames per tensor
-            self.fused_v2 = _FastHandler(  # type: ignore[method-assign]
-                "fused_v2", self.fused_v2, _TensorRef, StorageRef, self.storage_types,
-                self.storages, self.storage_order)
-            self.rebuild_parameter = _FastHandler(  # type: ignore[method-assign]
-                "rebuild_parameter", self.rebuild_parameter, _TensorRef)
-
     def table(self) -> dict[tuple[str, str], Any]:
         dense_v2 = self.rebuild_v2
         from_type = self.rebuild_from_type
@@ -344,7 +296,7 @@ class _TorchHandlers:
         nbytes = numel * known[2]
         ref = self.storages.get(key)
         if ref is None:
-            ref = _storage_ref(key, storage_type.name, dtype, location, numel, nbytes)
+            ref = StorageRef(key, storage_type.name, dtype, location, numel, nbytes)
             self.storages[key] = ref
             self.storage_order.append(key)
         elif ref.nbytes != nbytes:
@@ -353,87 +305,6 @@ class _TorchHandlers:
             raise _bad(f"storage {_short(key)} declared twice with different sizes: "
                        f"{ref.storage_type}[{ref.numel}] and {storage_type.name}[{numel}]")
         return ref
-
-    def fused_v2(self, pid: tuple[Any, ...], offset: int, size: tuple[int, ...],
-                 stride: tuple[int, ...], requires_grad: bool
-                 ) -> tuple[StorageRef, _TensorRef] | None:
-        """``persistent_load(pid)`` then ``rebuild_v2(storage, offset, size, stride,
-        requires_grad)`` in one call, for the interpreter's fast path (its
-        ``fused_tensor_v2``): the arguments come well formed from it (sizes and strides
-        non-negative ints of equal length, ``offset >= 0``, a bool), so what is left to check
-        is the persistent id. None, having changed nothing, for anything but a storage class
-        seen before, string key and location, a non-negative numel and a storage of the same
-        size if seen before: the two calls then say what is wrong."""
-        tag, storage_type, key, location, numel = pid
-        known = self.storage_types.get(id(storage_type))
-        if known is None or known[0] is not storage_type or tag != "storage" or \
-                type(key) is not str or type(location) is not str or type(numel) is not int \
-                or numel < 0:
-            return None
-        nbytes = numel * known[2]
-        ref = self.storages.get(key)
-        if ref is None:
-            ref = _storage_ref(key, storage_type.name, known[1], location, numel, nbytes)
-            self.storages[key] = ref
-            self.storage_order.append(key)
-        elif ref.nbytes != nbytes:
-            return None
-        return ref, _TensorRef(ref, offset, size, stride, requires_grad, ref.dtype)
-
-    def fused_v2_batch(self, pids: list[tuple[Any, ...]], offsets: list[int],
-                       sizes: list[tuple[int, ...]], strides: list[tuple[int, ...]],
-                       grads: list[bool]
-                       ) -> tuple[list[StorageRef], list[_TensorRef]] | None:
-        """:meth:`fused_v2` of many tensors (lists in pickle order): all or None, having
-        changed nothing when some one of them would not be taken."""
-        tags, types, keys, locations, numels = zip(*pids)
-        if set(map(type, tags)) != {str}:  # (before hashing them: any object, even a deep one)
-            return None
-        known_of = {}  # id -> (class, dtype, itemsize, name) of each storage class seen
-        for storage_type in {id(t): t for t in types}.values():
-            known = self.storage_types.get(id(storage_type))
-            if known is None or known[0] is not storage_type or type(storage_type) is not Global:
-                return None
-            known_of[id(storage_type)] = (*known, storage_type.name)
-        if set(tags) != {"storage"} or set(map(type, keys)) != {str} or \
-                set(map(type, locations)) != {str} or set(map(type, numels)) != {int} or \
-                min(numels) < 0:
-            return None
-        if len(known_of) == 1:
-            _, dtype, itemsize, name = next(iter(known_of.values()))
-            dtypes, type_names = repeat(dtype), repeat(name)
-            nbytes = list(map(itemsize.__mul__, numels))
-        else:  # a few storage classes, entry by entry (a LongStorage buffer among floats)
-            _, dtypes, itemsizes, type_names = zip(*map(known_of.__getitem__, map(id, types)))
-            nbytes = list(map(int.__mul__, numels, itemsizes))
-        storages = self.storages
-        new: dict[str, int] = {}
-        # every key new, none twice (the common case): no size to agree with
-        fresh = storages.keys().isdisjoint(keys) and len(set(keys)) == len(keys)
-        if not fresh:
-            for key, size in zip(keys, nbytes):  # every size agrees before anything is stored
-                ref = storages.get(key)
-                if ref is not None:
-                    if ref.nbytes != size:
-                        return None
-                elif new.setdefault(key, size) != size:
-                    return None
-        if fresh:
-            made: list[Any] = list(map(_StorageRefTwin, keys, type_names, dtypes, locations,
-                                       numels, nbytes))
-            deque(map(setattr, made, repeat("__class__"), repeat(StorageRef)), maxlen=0)
-            storages.update(zip(keys, made))  # as _storage_ref makes them, one by one
-            self.storage_order.extend(keys)
-        elif new:
-            for key, name, dtype, location, numel, size in zip(keys, type_names, dtypes,
-                                                               locations, numels, nbytes):
-                if key in new and key not in storages:
-                    storages[key] = _storage_ref(key, name, dtype, location, numel, size)
-                    self.storage_order.append(key)
-        refs = list(map(storages.__getitem__, keys))
-        tensors = list(map(_TensorRef, refs, offsets, sizes, strides, grads,
-                           map(_DTYPE, refs)))
-        return refs, tensors
 
     # -- dense --------------------------------------------------------------------------
     def rebuild_v1(self, storage: Any = None, offset: Any = None, size: Any = None,
@@ -666,9 +537,6 @@ class _TorchHandlers:
                 raise _bad(f"{kind.__name__}() of a {type(items).__name__}")
             return kind(i if type(i) in (str, int, float, bool, bytes) else OpaqueKey(i)
                         for i in items)
-        # what it makes of one empty list (a module's set([])), for the interpreter to make
-        # without a call
-        build.ckptlab_of_empty_list = kind  # type: ignore[attr-defined]
         return build
 
     @staticmethod
@@ -685,13 +553,6 @@ class _TorchHandlers:
             return text.encode("latin1")
         except UnicodeEncodeError:
             raise _bad("_codecs.encode of text outside latin-1") from None
-
-
-# OrderedDict() with no arguments, for the interpreter's hot path (a frame less per call)
-_TorchHandlers.ordered_dict.ckptlab_no_args = StateDict  # type: ignore[attr-defined]
-# Parameters in batches: rebuild_parameter never raises (for a batch's tensor, a bool and an
-# empty hooks dict), so a batch of them is all or nothing as the interpreter needs
-_TorchHandlers.rebuild_parameter.ckptlab_batchable = True  # type: ignore[attr-defined]
 
 
 def torch_handlers() -> tuple[_TorchHandlers, dict[tuple[str, str], Any]]:
@@ -724,8 +585,6 @@ class PickleScan:
 
 
 MAX_DEPTH = 256  # object nesting the walk follows; real checkpoints stay under ~20
-# the walk's first pass in C, where the compiled part is built (else _walk_python)
-_c_walk = getattr(_compiled, "walk", None)
 _CONTAINERS = (dict, list, tuple, set, frozenset, Reduced)
 
 
@@ -805,11 +664,7 @@ def _walk(root: Any) -> tuple[list[tuple[tuple[Any, ...], Any]],
         return [((), root)], []
     if not isinstance(root, _CONTAINERS):
         return [], [((), root)]
-    if _c_walk is not None:  # the same walk in C (ckptlab.format._entries.walk)
-        found, holds_tensor = _c_walk(root, _TensorRef, _CompositeRef, Reduced, _children,
-                                      _path_key, MAX_DEPTH, _too_deep)
-    else:
-        found, holds_tensor = _walk_python(root)
+    found, holds_tensor = _walk_tensors(root)
     if id(root) not in holds_tensor:
         return found, [((), root)]
     return found, LazyTuple(None, lambda: _values(root, holds_tensor))
@@ -819,9 +674,9 @@ def _too_deep() -> PickleDataError:
     return _bad(f"objects nested deeper than {MAX_DEPTH} levels")
 
 
-def _walk_python(root: Any) -> tuple[list[tuple[tuple[Any, ...], Any]], set[int]]:
-    """:func:`_walk`'s first pass, where the compiled part is not built: the tensors with
-    their paths, and the ids of the containers that hold one."""
+def _walk_tensors(root: Any) -> tuple[list[tuple[tuple[Any, ...], Any]], set[int]]:
+    """:func:`_walk`'s first pass: the tensors with their paths, and the ids of the
+    containers that hold one."""
     found: list[tuple[tuple[Any, ...], Any]] = []
     holds_tensor: set[int] = set()
     seen = {id(root)}
@@ -905,15 +760,7 @@ _DENSE_NAMES = ("storage", "dtype", "shape", "stride", "storage_offset", "requir
 
 
 def fields_of(objects: Sequence[Any], cls: type, names: Sequence[str]) -> list[Sequence[Any]]:
-    """``[o.name for o in objects]`` for each of ``names`` (``objects`` not empty): in one
-    pass in C where ckptlab was built with it and every object is exactly a slotted ``cls``."""
-    if _slot_columns is not None:
-        try:
-            by_slot = dict(zip(cls.__slots__, _slot_columns(objects, cls)))
-        except TypeError:  # an object of another class
-            pass
-        else:
-            return list(map(by_slot.__getitem__, names))
+    """``[o.name for o in objects]`` for each of ``names``."""
     return [list(map(attrgetter(name), objects)) for name in names]
 
 
@@ -1041,23 +888,19 @@ def scan_pickle_refs(data: bytes, *, path: str, record: str, data_offset: int,
 
 
 def _interpret(data: bytes, persistent_load: Callable[[Any], PersistentLoad] | None,
-               extra_handlers: dict[tuple[str, str], Any] | None, share: bool
+               extra_handlers: dict[tuple[str, str], Any] | None
                ) -> tuple[_TorchHandlers, Any]:
-    """:func:`interpret` with new torch handlers (and ``extra_handlers``); with ``share``,
-    the empty OrderedDicts nothing fills at once are one (its ``shared_empty``)."""
+    """The interpreter (:func:`ckptlab.format._unpickle.interpreter`: the compiled one where
+    it is built) with new torch handlers (and ``extra_handlers``)."""
     handlers, table = torch_handlers()
     if extra_handlers:
         table.update(extra_handlers)
-    shared = StateDict() if share and table.get(("collections", "OrderedDict")) == \
-        handlers.ordered_dict else None
     load = handlers.persistent_load if persistent_load is None else persistent_load(handlers)
-    # torch.save's own persistent ids and tensor rebuild: both in one call on the fast path
-    fused = handlers.fused_v2 if persistent_load is None and table.get(
-        ("torch._utils", "_rebuild_tensor_v2")) == handlers.rebuild_v2 else None
-    return handlers, interpret(data, handlers=table, persistent_load=load,
-                               buildable=_BUILDABLE, fused_tensor_v2=fused,
-                               fused_tensor_v2_batch=handlers.fused_v2_batch if fused else None,
-                               shared_empty=shared)
+    return handlers, _INTERPRET(data, handlers=table, persistent_load=load,
+                                buildable=_BUILDABLE)
+
+
+_INTERPRET = interpreter(None)
 
 
 def _scan(data: bytes, path: str, record: str, data_offset: int,
@@ -1065,10 +908,7 @@ def _scan(data: bytes, path: str, record: str, data_offset: int,
           extra_handlers: dict[tuple[str, str], Any] | None
           ) -> tuple[PickleScan, list[tuple[tuple[Any, ...], Any]]]:
     try:
-        try:  # the empty OrderedDicts nothing fills as one shared object (most of a module's)
-            handlers, result = _interpret(data, persistent_load, extra_handlers, True)
-        except SharedEmptyChanged:  # the pickle changed one: all of them their own
-            handlers, result = _interpret(data, persistent_load, extra_handlers, False)
+        handlers, result = _interpret(data, persistent_load, extra_handlers)
         found, values = _walk(result.root)
     except PickleDataError as exc:
         kind = "is over ckptlab's budget" if isinstance(exc, PickleBudgetError) \

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from ckptlab.errors import CorruptArchiveError
 from ckptlab.format import _zip
-from ckptlab.format._bulk import gc_paused
 from ckptlab.format._pickle import scan_pickle
 from ckptlab.format.archive import (
     _SMALL_RECORDS,
@@ -101,8 +100,7 @@ def scan_torch_zip_placed(src: ByteSource) -> ArchiveLayout:
     ArchiveError
         As :func:`~ckptlab.format.archive.scan_torch_zip`.
     """
-    with gc_paused():
-        return _scan(src)
+    return _scan(src)
 
 
 def _scan(src: ByteSource) -> ArchiveLayout:

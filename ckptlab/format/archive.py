@@ -12,7 +12,7 @@ from typing import Any
 
 from ckptlab.errors import CorruptArchiveError, UnsupportedFormatError
 from ckptlab.format import _zip
-from ckptlab.format._bulk import LazyTuple, build, gc_paused
+from ckptlab.format._bulk import LazyTuple, build
 from ckptlab.format._pickle import PickleScan, StorageRef, fields_of, scan_pickle
 from ckptlab.format.layout import ArchiveLayout, Record, Segment, SegmentKind, StorageInfo
 from ckptlab.source._bytes import ByteSource
@@ -371,8 +371,7 @@ def _fast_segments(records: Sequence[Record], cdir: _zip.CentralDirectory, cols:
 
 def scan_torch_zip(src: ByteSource) -> ArchiveLayout:
     """Full layout of a torch.save zip archive (reads every header, descriptor and data.pkl)."""
-    with gc_paused():  # hundreds of thousands of objects, none garbage before the return
-        return _scan_torch_zip(src)
+    return _scan_torch_zip(src)
 
 
 def _records(src: ByteSource, trailer: _zip.Trailer, cdir: _zip.CentralDirectory

@@ -1,7 +1,7 @@
 """One test suite for both pickle interpreters: the Python loop and its compiled twin.
 
-``interpreter("python")`` is :func:`ckptlab.format._unpickle.interpret` with its plain
-semantics (``fast_paths=False``: one opcode at a time); ``interpreter("c")`` is
+``interpreter("python")`` is :func:`ckptlab.format._unpickle.interpret` (one opcode at a
+time); ``interpreter("c")`` is
 :mod:`ckptlab.format._interp`, the same loop in C. As CPython runs ``pickletester`` against
 ``pickle.py`` and ``_pickle.c``, every test here runs against both through the ``interp``
 fixture and asserts the expected value (``pickle.loads`` of the same bytes, ``torch.load``

@@ -380,11 +380,10 @@ def test_build_on_tensor_stand_in_is_rejected(field: str, value: bytes) -> None:
 
 
 def _all_python(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The compiled opcode runner and walk off: every opcode and every container then goes
-    through Python, where :mod:`ckptlab.testing.work` counts it (tests/format/test_fast_paths.py
-    and test_walk.py hold the compiled ones to the same results)."""
-    monkeypatch.setattr(_unpickle, "_c_opcodes", None)
-    monkeypatch.setattr(_pickle, "_c_walk", None)
+    """The compiled interpreter off: every opcode then goes through Python, where
+    :mod:`ckptlab.testing.work` counts it (tests/format/test_interp.py holds both
+    interpreters to the same results)."""
+    monkeypatch.setattr(_pickle, "_INTERPRET", _unpickle.interpreter("python"))
 
 
 def _scan_work(pkl: bytes, limit: int | None = None) -> tuple[Any, Work]:
