@@ -48,6 +48,7 @@ from ckptlab.checkpoint.model import FileEntry, Part, TensorEntry, span_nbytes, 
 from ckptlab.checkpoint.open import FileModel
 from ckptlab.errors import CkptlabError, CorruptArchiveError, UnsupportedFormatError
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
+from ckptlab.format._records import replace as replace_record
 from ckptlab.format.archive import (
     fold_name,
     read_record_data,
@@ -256,7 +257,7 @@ class _Pt2:
         check_parts_inside(layout.logical, storages, self.src.name)
         short = self.short(rec)  # inner storage keys as "<record>:<key>"
         for t in entries_from_logical(layout.logical, storages, self.rel, prefix=path):
-            parts = tuple(dataclasses.replace(p, storage_key=f"{short}:{p.storage_key}")
+            parts = tuple(replace_record(p, storage_key=f"{short}:{p.storage_key}")
                           for p in t.parts)
             self.tensors.append(dataclasses.replace(t, parts=parts,
                                                     extra=(*t.extra, ("slot", slot))))
@@ -465,7 +466,7 @@ def model_pt2_legacy(src: ByteSource, rel: str, zs: ZipScan) -> FileModel:
                    for s in layout.storages}
         check_parts_inside(layout.logical, shifted, src.name)
         for t in entries_from_logical(layout.logical, shifted, rel):
-            parts = tuple(dataclasses.replace(p, storage_key=f"{rec.name}:{p.storage_key}")
+            parts = tuple(replace_record(p, storage_key=f"{rec.name}:{p.storage_key}")
                           for p in t.parts)
             kind = "parameter" if t.is_parameter else slot
             tensors.append(dataclasses.replace(t, parts=parts, extra=(*t.extra, ("slot", kind))))

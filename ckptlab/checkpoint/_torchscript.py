@@ -50,6 +50,7 @@ from ckptlab.checkpoint.open import FileModel
 from ckptlab.errors import CorruptArchiveError, UnsupportedFormatError
 from ckptlab.format import _zip
 from ckptlab.format._pickle import _TENSOR_REFS, PickleScan, ScannedTensor
+from ckptlab.format._records import replace as replace_record
 from ckptlab.format._unpickle import Global, Reduced
 from ckptlab.format.archive import (
     fold_name,
@@ -345,7 +346,7 @@ def _entry(t: ScannedTensor, path: tuple[Any, ...], slot: str,
     (entry,) = entries_from_logical([dataclasses.replace(t, path=path)], storages, rel)
     parts = entry.parts
     if key_prefix:
-        parts = tuple(dataclasses.replace(p, storage_key=key_prefix + p.storage_key)
+        parts = tuple(replace_record(p, storage_key=key_prefix + p.storage_key)
                       for p in parts)
     return dataclasses.replace(entry, parts=parts, extra=(*entry.extra, ("slot", slot)))
 
@@ -393,7 +394,7 @@ def model_torchscript(src: ByteSource, rel: str, zs: ZipScan) -> FileModel:
             elif isinstance(v, (tuple, list)):  # constants without a tensor among them
                 objects.extend((("CONSTANTS", f"c{i}"), x) for i, x in enumerate(v))
         logical.extend(consts.logical)
-        infos.extend(dataclasses.replace(i, path=_constant_path(i.path),
+        infos.extend(replace_record(i, path=_constant_path(i.path),
                                          storage_key=f"constants/{i.storage_key}")
                      for i in consts.tensors)
         all_storages.extend(dataclasses.replace(s, key=f"constants/{s.key}")

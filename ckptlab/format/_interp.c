@@ -192,6 +192,8 @@ typedef struct {
     PyObject *globals;     /* {(module, name): Global} */
     PyObject *seen;        /* ["module.name", ...] in order of first appearance */
     PyObject *keycache;    /* {id(tuple): (tuple, key)}, as _unpickle._key keeps it */
+    PyObject *hcache;      /* {Global: handler or None}: each global's handler, looked up
+                            * once (a dict of handlers is not changed while it runs) */
     long proto;
 } Machine;
 
@@ -739,6 +741,15 @@ handler_of(Machine *m, PyObject *func)
     State *st = m->st;
     if (m->handlers == NULL)
         return NULL;
+    int cached = m->hcache != NULL && PyDict_CheckExact(m->handlers) &&
+                 Py_IS_TYPE(func, (PyTypeObject *)st->Global);
+    if (cached) {
+        PyObject *hit = PyDict_GetItemWithError(m->hcache, func);
+        if (hit != NULL)
+            return hit == Py_None ? NULL : Py_NewRef(hit);
+        if (PyErr_Occurred())
+            return NULL;
+    }
     PyObject *module = PyObject_GetAttr(func, st->s_module);
     PyObject *name = module ? PyObject_GetAttr(func, st->s_name) : NULL;
     PyObject *key = name ? PyTuple_Pack(2, module, name) : NULL;
@@ -755,6 +766,9 @@ handler_of(Machine *m, PyObject *func)
     }
     Py_DECREF(key);
     if (handler == Py_None)
+        Py_CLEAR(handler);
+    if (cached && !PyErr_Occurred() &&
+        PyDict_SetItem(m->hcache, func, handler ? handler : Py_None) < 0)
         Py_CLEAR(handler);
     return handler;
 }
@@ -784,7 +798,8 @@ call(Machine *m, PyObject *func, PyObject *args, PyObject *kwargs)
 {
     State *st = m->st;
     PyObject *made = NULL, *handler = NULL, *what;
-    int is_global = PyObject_IsInstance(func, st->Global);
+    int is_global = Py_IS_TYPE(func, (PyTypeObject *)st->Global) ? 1
+                                                                   : PyObject_IsInstance(func, st->Global);
     if (is_global < 0)
         return NULL;
     if (!is_global) {
@@ -1799,6 +1814,7 @@ machine_clear(Machine *m)
     PyMem_Free(m->memo);
     Py_XDECREF(m->sparse);
     Py_XDECREF(m->globals);
+    Py_XDECREF(m->hcache);
     Py_XDECREF(m->seen);
     Py_XDECREF(m->keycache);
     Py_XDECREF(m->buildable);
@@ -1880,7 +1896,8 @@ interpret(PyObject *module, PyObject *args, PyObject *kwargs)
     if (m.buildable == NULL ||
         initial_budget(st, memory_per_byte ? memory_per_byte : st->memory_per_byte, m.n,
                        &m.budget) < 0 ||
-        (m.globals = PyDict_New()) == NULL || (m.seen = PyList_New(0)) == NULL)
+        (m.globals = PyDict_New()) == NULL || (m.seen = PyList_New(0)) == NULL ||
+        (m.hcache = PyDict_New()) == NULL)
         goto done;
     result = run(&m);
 done:
@@ -1923,9 +1940,264 @@ PyDoc_STRVAR(interpret_doc,
 "ckptlab.format._unpickle.interpret(data, ..., fast_paths=False), compiled: the same\n"
 "Interpretation, handler calls, memo, budget and errors (PickleDataError with .offset).");
 
+
+/* ---------------------------------------------------------------------------------------
+ * record_type(qualname, fields, defaults=(), namespace=None): an immutable record class whose instances
+ * hold only values that cannot lead back to them (str, int, bool, None, tuples of those,
+ * other records): a heap type made with PyType_FromSpec WITHOUT Py_TPFLAGS_HAVE_GC, so the
+ * cyclic collector never tracks nor walks its instances. Fields are read-only members;
+ * the constructor takes them by position or keyword (the last len(defaults) optional);
+ * ==, hash and repr are those of the tuple of fields (equal only to the same class);
+ * instances pickle and copy as the class called with the fields. ckptlab/format/_records.py
+ * has the Python class of the same interface, used where this extension is not built.
+ */
+#include <structmember.h>
+
+static PyObject *s_fields_key, *s_defaults_key;
+
+static Py_ssize_t
+record_len(PyObject *self)
+{
+    return (Py_TYPE(self)->tp_basicsize - (Py_ssize_t)sizeof(PyObject)) / (Py_ssize_t)sizeof(PyObject *);
+}
+
+#define RECORD_ITEMS(self) ((PyObject **)((char *)(self) + sizeof(PyObject)))
+
+static PyObject *
+record_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    PyObject *fields = PyDict_GetItemWithError(type->tp_dict, s_fields_key);
+    PyObject *defaults = fields ? PyDict_GetItemWithError(type->tp_dict, s_defaults_key) : NULL;
+    if (defaults == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "not a record type");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(fields), nd = PyTuple_GET_SIZE(defaults);
+    Py_ssize_t given = PyTuple_GET_SIZE(args);
+    if (given > n) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments, %zd given", type->tp_name, n,
+                     given);
+        return NULL;
+    }
+    PyObject *self = type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    PyObject **items = RECORD_ITEMS(self);
+    for (Py_ssize_t i = 0; i < given; i++)
+        items[i] = Py_NewRef(PyTuple_GET_ITEM(args, i));
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
+        Py_ssize_t pos = 0, used = 0;
+        PyObject *key, *value;
+        for (Py_ssize_t i = given; i < n; i++) {
+            value = PyDict_GetItemWithError(kwargs, PyTuple_GET_ITEM(fields, i));
+            if (value != NULL) {
+                items[i] = Py_NewRef(value);
+                used++;
+            } else if (PyErr_Occurred()) {
+                goto fail;
+            }
+        }
+        if (used != PyDict_GET_SIZE(kwargs)) {
+            while (PyDict_Next(kwargs, &pos, &key, &value)) {
+                PyErr_Format(PyExc_TypeError, "%s() got an unexpected or repeated keyword "
+                             "argument %R", type->tp_name, key);
+                goto fail;
+            }
+        }
+    }
+    for (Py_ssize_t i = given; i < n; i++) {
+        if (items[i] != NULL)
+            continue;
+        if (i < n - nd) {
+            PyErr_Format(PyExc_TypeError, "%s() missing argument %R", type->tp_name,
+                         PyTuple_GET_ITEM(fields, i));
+            goto fail;
+        }
+        items[i] = Py_NewRef(PyTuple_GET_ITEM(defaults, i - (n - nd)));
+    }
+    return self;
+fail:
+    Py_DECREF(self);
+    return NULL;
+}
+
+static void
+record_dealloc(PyObject *self)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    Py_ssize_t n = record_len(self);
+    PyObject **items = RECORD_ITEMS(self);
+    for (Py_ssize_t i = 0; i < n; i++)
+        Py_XDECREF(items[i]);
+    type->tp_free(self);
+    Py_DECREF(type);
+}
+
+static PyObject *
+record_tuple(PyObject *self)
+{
+    Py_ssize_t n = record_len(self);
+    PyObject *out = PyTuple_New(n);
+    if (out == NULL)
+        return NULL;
+    PyObject **items = RECORD_ITEMS(self);
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyTuple_SET_ITEM(out, i, Py_NewRef(items[i] ? items[i] : Py_None));
+    return out;
+}
+
+static PyObject *
+record_richcompare(PyObject *a, PyObject *b, int op)
+{
+    if ((op != Py_EQ && op != Py_NE) || Py_TYPE(a) != Py_TYPE(b))
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *ta = record_tuple(a), *tb = ta ? record_tuple(b) : NULL;
+    PyObject *out = tb ? PyObject_RichCompare(ta, tb, op) : NULL;
+    Py_XDECREF(ta);
+    Py_XDECREF(tb);
+    return out;
+}
+
+static Py_hash_t
+record_hash(PyObject *self)
+{
+    PyObject *t = record_tuple(self);
+    if (t == NULL)
+        return -1;
+    Py_hash_t h = PyObject_Hash(t);
+    Py_DECREF(t);
+    return h;
+}
+
+static PyObject *
+record_repr(PyObject *self)
+{
+    PyObject *fields = PyDict_GetItemWithError(Py_TYPE(self)->tp_dict, s_fields_key);
+    if (fields == NULL)
+        return NULL;
+    int rc = Py_ReprEnter(self);
+    if (rc != 0)
+        return rc > 0 ? PyUnicode_FromString("...") : NULL;
+    PyObject *parts = PyList_New(0), *out = NULL;
+    PyObject **items = RECORD_ITEMS(self);
+    for (Py_ssize_t i = 0; parts && i < PyTuple_GET_SIZE(fields); i++) {
+        PyObject *part = PyUnicode_FromFormat("%U=%R", PyTuple_GET_ITEM(fields, i), items[i]);
+        if (part == NULL || PyList_Append(parts, part) < 0)
+            Py_CLEAR(parts);
+        Py_XDECREF(part);
+    }
+    PyObject *sep = parts ? PyUnicode_FromString(", ") : NULL;
+    PyObject *joined = sep ? PyUnicode_Join(sep, parts) : NULL;
+    PyObject *type_name = joined ? PyType_GetName(Py_TYPE(self)) : NULL;
+    if (type_name != NULL)
+        out = PyUnicode_FromFormat("%U(%U)", type_name, joined);
+    Py_XDECREF(type_name);
+    Py_XDECREF(sep);
+    Py_XDECREF(joined);
+    Py_XDECREF(parts);
+    Py_ReprLeave(self);
+    return out;
+}
+
+static PyObject *
+record_reduce(PyObject *self, PyObject *unused)
+{
+    PyObject *t = record_tuple(self);
+    return t ? Py_BuildValue("(ON)", (PyObject *)Py_TYPE(self), t) : NULL;
+}
+
+static PyMethodDef record_methods[] = {
+    {"__reduce__", record_reduce, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyObject *
+record_type(PyObject *module, PyObject *args)
+{
+    const char *qualname;
+    PyObject *fields, *defaults = NULL, *namespace = NULL;
+    if (!PyArg_ParseTuple(args, "sO!|O!O!:record_type", &qualname, &PyTuple_Type, &fields,
+                          &PyTuple_Type, &defaults, &PyDict_Type, &namespace))
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(fields);
+    if (defaults == NULL)
+        defaults = PyTuple_New(0);
+    else
+        Py_INCREF(defaults);
+    if (defaults == NULL)
+        return NULL;
+    if (n < 1 || n > 64 || PyTuple_GET_SIZE(defaults) > n) {
+        PyErr_SetString(PyExc_ValueError, "record_type: 1 to 64 fields, no more defaults");
+        Py_DECREF(defaults);
+        return NULL;
+    }
+    /* the spec's strings and members live as long as the process (a few types, made at
+     * import) */
+    PyMemberDef *members = PyMem_Calloc(n + 1, sizeof(PyMemberDef));
+    char *name = PyMem_Malloc(strlen(qualname) + 1);
+    if (members == NULL || name == NULL) {
+        PyMem_Free(members);
+        PyMem_Free(name);
+        Py_DECREF(defaults);
+        return PyErr_NoMemory();
+    }
+    strcpy(name, qualname);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *f = PyTuple_GET_ITEM(fields, i);
+        const char *text = PyUnicode_Check(f) ? PyUnicode_AsUTF8(f) : NULL;
+        char *copy = text ? PyMem_Malloc(strlen(text) + 1) : NULL;
+        if (copy == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "record_type: fields are strings");
+            Py_DECREF(defaults);
+            return NULL;
+        }
+        strcpy(copy, text);
+        members[i] = (PyMemberDef){copy, T_OBJECT_EX,
+                                   (Py_ssize_t)(sizeof(PyObject) + i * sizeof(PyObject *)),
+                                   READONLY, NULL};
+    }
+    PyType_Slot slots[] = {
+        {Py_tp_new, record_new},
+        {Py_tp_dealloc, record_dealloc},
+        {Py_tp_richcompare, record_richcompare},
+        {Py_tp_hash, record_hash},
+        {Py_tp_repr, record_repr},
+        {Py_tp_members, members},
+        {Py_tp_methods, record_methods},
+        {0, NULL},
+    };
+    PyType_Spec spec = {name, (int)(sizeof(PyObject) + n * sizeof(PyObject *)), 0,
+                        Py_TPFLAGS_DEFAULT, slots};  /* no Py_TPFLAGS_HAVE_GC */
+    PyObject *type = PyType_FromSpec(&spec);
+    if (type == NULL ||
+        PyDict_SetItem(((PyTypeObject *)type)->tp_dict, s_fields_key, fields) < 0 ||
+        PyDict_SetItem(((PyTypeObject *)type)->tp_dict, s_defaults_key, defaults) < 0 ||
+        PyObject_SetAttrString(type, "__match_args__", fields) < 0)
+        Py_CLEAR(type);
+    if (type != NULL && namespace != NULL) {  /* properties, a docstring: set on the class */
+        Py_ssize_t pos = 0;
+        PyObject *key, *value;
+        while (PyDict_Next(namespace, &pos, &key, &value))
+            if (PyObject_SetAttr(type, key, value) < 0) {
+                Py_CLEAR(type);
+                break;
+            }
+    }
+    if (type != NULL)
+        PyType_Modified((PyTypeObject *)type);
+    Py_DECREF(defaults);
+    return type;
+}
+
 static PyMethodDef methods[] = {
     {"interpret", (PyCFunction)(void (*)(void))interpret, METH_VARARGS | METH_KEYWORDS,
      interpret_doc},
+    {"record_type", record_type, METH_VARARGS,
+     "record_type(qualname, fields, defaults=(), namespace=None): an immutable record class "
+     "(namespace: extra class attributes, e.g. properties) not tracked by the "
+     "cyclic garbage collector"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1943,6 +2215,11 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC
 PyInit__interp(void)
 {
+    if (s_fields_key == NULL && (s_fields_key = PyUnicode_InternFromString("_fields")) == NULL)
+        return NULL;
+    if (s_defaults_key == NULL &&
+        (s_defaults_key = PyUnicode_InternFromString("_field_defaults")) == NULL)
+        return NULL;
     PyObject *module = PyModule_Create(&module_def);
     if (module != NULL)
         memset(PyModule_GetState(module), 0, sizeof(State));

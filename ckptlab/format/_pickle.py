@@ -29,6 +29,7 @@ from typing import Any
 from ckptlab.errors import CorruptArchiveError
 from ckptlab.format._bulk import LazyTuple, build
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE, STORAGE_DTYPE, canonical_dtype
+from ckptlab.format._records import record_type
 from ckptlab.format._unpickle import (
     Global,
     OpaqueKey,
@@ -44,16 +45,10 @@ __all__ = ["PickleScan", "ScannedTensor", "StorageRef", "path_key_text", "scan_p
            "torch_handlers"]
 
 
-@dataclass(frozen=True, slots=True)
-class StorageRef:
-    """A storage named by a persistent id in the pickle."""
-
-    key: str
-    storage_type: str
-    dtype: str
-    location: str
-    numel: int
-    nbytes: int
+# A storage named by a persistent id in the pickle: an immutable record the collector does not
+# track (:mod:`ckptlab.format._records`; one per storage)
+StorageRef = record_type("ckptlab.format._pickle.StorageRef",
+                         ("key", "storage_type", "dtype", "location", "numel", "nbytes"))
 
 
 _repr = reprlib.Repr()

@@ -9,6 +9,8 @@ import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ckptlab.format._records import record_type
+
 __all__ = [
     "ArchiveLayout",
     "Record",
@@ -95,25 +97,24 @@ class StorageInfo:
     storage_type: str = ""  # pickled storage class ("FloatStorage", "UntypedStorage", ...)
 
 
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
-    """A tensor as the pickle rebuilds it (without rebuilding it)."""
+def _numel(self: Any) -> int:
+    n = 1
+    for s in self.shape:
+        n *= s
+    return n
 
-    path: tuple[Any, ...]  # keys / indices / attribute names from the root object
-    storage_key: str  # key of the storage it views
-    dtype: str  # torch's name without prefix
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    storage_offset: int  # in elements of ``dtype``
-    requires_grad: bool = False
-    is_parameter: bool = False  # rebuilt through torch._utils._rebuild_parameter
 
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+# A tensor as the pickle rebuilds it (without rebuilding it): ``path`` (keys / indices /
+# attribute names from the root object), ``storage_key`` (the storage it views), ``dtype``
+# (torch's name without prefix), ``shape``, ``stride``, ``storage_offset`` (in elements of
+# ``dtype``), ``requires_grad``, ``is_parameter`` (rebuilt through
+# ``torch._utils._rebuild_parameter``). An immutable record the collector does not track
+# (:mod:`ckptlab.format._records`).
+TensorInfo = record_type(
+    "ckptlab.format.layout.TensorInfo",
+    ("path", "storage_key", "dtype", "shape", "stride", "storage_offset", "requires_grad",
+     "is_parameter"), (False, False),
+    {"numel": property(_numel), "__doc__": "A tensor as the pickle rebuilds it."})
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +213,8 @@ class ArchiveLayout:
             "records": [dict(asdict(r), end_offset=r.end_offset) for r in self.records],
             "storages": [asdict(s) for s in self.storages],
             "tensors": [
-                dict(asdict(t), path=list(t.path), shape=list(t.shape), stride=list(t.stride))
+                dict(zip(t._fields, t.__reduce__()[1]), path=list(t.path), shape=list(t.shape),
+                     stride=list(t.stride))
                 for t in self.tensors
             ],
             "segments": [
