@@ -1,6 +1,6 @@
 /* ckptlab.format._interp: ckptlab's pickle interpreter, compiled.
  *
- * interpret(data, *, handlers=None, persistent_load=None, buildable=(), memory_per_byte=...)
+ * interpret(data, *, handlers=None, persistent_load=None, build=None, memory_per_byte=...)
  * is ``ckptlab.format._unpickle.interpret(data, ..., fast_paths=False)`` in C, the way
  * CPython's _pickle.c is pickle.py in C: the whole interface, the same rules (see
  * _unpickle's module docstring), the same results, and the same test suite
@@ -37,23 +37,23 @@
 typedef struct {
     int bound;
     PyObject *unpickle;
-    PyObject *Global, *Reduced, *OpaqueKey, *Interpretation, *canonical_global;
+    PyObject *Global, *Reduced, *OpaqueKey, *Interpretation, *canonical_global, *built_name;
     PyObject *PickleDataError, *PickleBudgetError;
     PyObject *memory_per_byte;  /* interpret's default, as the Python signature binds it */
     PyObject *escape_decode;    /* codecs.escape_decode (protocol 0's STRING) */
     PyObject *int_from_bytes;   /* int.from_bytes (LONG1/LONG4 past 8 bytes) */
     PyObject *int_max, *int_min;  /* 2**64, -2**64: the ints a dict key may be */
     PyObject *s_module, *s_name, *s_qualname, *s_func, *s_state, *s_items, *s_pairs;
-    PyObject *s_update, *s_extend, *s_ckptlab_build, *s_get, *s_strip, *s_rstrip, *s_L;
+    PyObject *s_update, *s_extend, *s_get, *s_strip, *s_rstrip, *s_L;
     PyObject *s_offset, *s_comma, *s_little, *s_signed;
     Py_ssize_t max_int_nbytes, max_key_leaves, max_text_line;
 } State;
 
 #define STATE_OBJECTS(X) X(unpickle) X(Global) X(Reduced) X(OpaqueKey) X(Interpretation) \
-    X(canonical_global) X(PickleDataError) X(PickleBudgetError) X(memory_per_byte) \
+    X(canonical_global) X(built_name) X(PickleDataError) X(PickleBudgetError) X(memory_per_byte) \
     X(escape_decode) X(int_from_bytes) X(int_max) X(int_min) X(s_module) X(s_name) \
     X(s_qualname) X(s_func) X(s_state) X(s_items) X(s_pairs) X(s_update) X(s_extend) \
-    X(s_ckptlab_build) X(s_get) X(s_strip) X(s_rstrip) X(s_L) X(s_offset) X(s_comma) \
+    X(s_get) X(s_strip) X(s_rstrip) X(s_L) X(s_offset) X(s_comma) \
     X(s_little) X(s_signed)
 
 static void
@@ -89,6 +89,7 @@ bind(State *st)
     ATTR(OpaqueKey, "OpaqueKey")
     ATTR(Interpretation, "Interpretation")
     ATTR(canonical_global, "canonical_global")
+    ATTR(built_name, "built_name")
     ATTR(PickleDataError, "PickleDataError")
     ATTR(PickleBudgetError, "PickleBudgetError")
     ATTR(memory_per_byte, "MEMORY_PER_BYTE")
@@ -127,7 +128,6 @@ bind(State *st)
     NAME(s_pairs, "pairs")
     NAME(s_update, "update")
     NAME(s_extend, "extend")
-    NAME(s_ckptlab_build, "ckptlab_build")
     NAME(s_get, "get")
     NAME(s_strip, "strip")
     NAME(s_rstrip, "rstrip")
@@ -180,7 +180,7 @@ typedef struct {
     Py_ssize_t pos;
     PyObject *handlers;    /* borrowed; NULL: none */
     PyObject *persistent;  /* borrowed; NULL: none */
-    PyObject *buildable;   /* (Reduced, *buildable) */
+    PyObject *build;       /* borrowed; NULL: a BUILD on anything but a Reduced is refused */
     long long budget;      /* never negative: a charge past it fails instead */
     PyObject **stack;      /* owned references */
     Py_ssize_t size, cap;
@@ -1003,25 +1003,19 @@ static int
 build(Machine *m, PyObject *target, PyObject *state)
 {
     State *st = m->st;
-    int ok = PyObject_IsInstance(target, m->buildable);
-    if (ok < 0)
-        return -1;
-    if (!ok) {
-        int is_global = PyObject_IsInstance(target, st->Global);
-        if (is_global < 0)
-            return -1;
-        PyObject *what = is_global ? PyObject_GetAttr(target, st->s_qualname)
-                                   : type_name(target);
-        if (what != NULL)
-            fail(m, "BUILD applied to %S, which ckptlab never builds", what);
-        Py_XDECREF(what);
-        return -1;
-    }
     int reduced = PyObject_IsInstance(target, st->Reduced);
     if (reduced < 0)
         return -1;
     if (!reduced) {
-        PyObject *done = PyObject_CallMethodOneArg(target, st->s_ckptlab_build, state);
+        if (m->build == NULL) {
+            PyObject *what = PyObject_CallOneArg(st->built_name, target);
+            if (what != NULL)
+                fail(m, "BUILD applied to %U, which ckptlab never builds", what);
+            Py_XDECREF(what);
+            return -1;
+        }
+        PyObject *args[2] = {target, state};
+        PyObject *done = PyObject_Vectorcall(m->build, args, 2, NULL);
         Py_XDECREF(done);
         return done ? 0 : -1;
     }
@@ -1817,7 +1811,6 @@ machine_clear(Machine *m)
     Py_XDECREF(m->hcache);
     Py_XDECREF(m->seen);
     Py_XDECREF(m->keycache);
-    Py_XDECREF(m->buildable);
 }
 
 /* max(MEMORY_FLOOR, memory_per_byte * n), as a C long long (clamped: no pickle can charge
@@ -1860,12 +1853,12 @@ initial_budget(State *st, PyObject *memory_per_byte, Py_ssize_t n, long long *ou
 static PyObject *
 interpret(PyObject *module, PyObject *args, PyObject *kwargs)
 {
-    static char *keywords[] = {"data", "handlers", "persistent_load", "buildable",
+    static char *keywords[] = {"data", "handlers", "persistent_load", "build",
                                "memory_per_byte", NULL};
-    PyObject *data, *handlers = Py_None, *persistent = Py_None, *buildable = NULL;
+    PyObject *data, *handlers = Py_None, *persistent = Py_None, *build_other = Py_None;
     PyObject *memory_per_byte = NULL;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|$OOOO:interpret", keywords, &data,
-                                     &handlers, &persistent, &buildable, &memory_per_byte))
+                                     &handlers, &persistent, &build_other, &memory_per_byte))
         return NULL;
     State *st = PyModule_GetState(module);
     if (st == NULL || (!st->bound && bind(st) < 0))
@@ -1884,17 +1877,8 @@ interpret(PyObject *module, PyObject *args, PyObject *kwargs)
         goto done;
     m.handlers = truthy ? handlers : NULL;  /* handlers or {} */
     m.persistent = persistent == Py_None ? NULL : persistent;
-    if (buildable == NULL) {
-        m.buildable = PyTuple_Pack(1, st->Reduced);
-    } else {
-        PyObject *extra = PySequence_Tuple(buildable);
-        PyObject *first = extra ? PyTuple_Pack(1, st->Reduced) : NULL;
-        m.buildable = first ? PySequence_Concat(first, extra) : NULL;
-        Py_XDECREF(extra);
-        Py_XDECREF(first);
-    }
-    if (m.buildable == NULL ||
-        initial_budget(st, memory_per_byte ? memory_per_byte : st->memory_per_byte, m.n,
+    m.build = build_other == Py_None ? NULL : build_other;
+    if (initial_budget(st, memory_per_byte ? memory_per_byte : st->memory_per_byte, m.n,
                        &m.budget) < 0 ||
         (m.globals = PyDict_New()) == NULL || (m.seen = PyList_New(0)) == NULL ||
         (m.hcache = PyDict_New()) == NULL)
@@ -1935,7 +1919,7 @@ module_free(void *module)
 }
 
 PyDoc_STRVAR(interpret_doc,
-"interpret(data, *, handlers=None, persistent_load=None, buildable=(), memory_per_byte=64)\n"
+"interpret(data, *, handlers=None, persistent_load=None, build=None, memory_per_byte=64)\n"
 "--\n\n"
 "ckptlab.format._unpickle.interpret(data, ..., fast_paths=False), compiled: the same\n"
 "Interpretation, handler calls, memo, budget and errors (PickleDataError with .offset).");

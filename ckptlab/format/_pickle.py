@@ -18,7 +18,6 @@ non-tensor values beside them.
 
 from __future__ import annotations
 
-import collections
 import reprlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -29,13 +28,14 @@ from typing import Any
 from ckptlab.errors import CorruptArchiveError
 from ckptlab.format._bulk import LazyTuple, build
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE, STORAGE_DTYPE, canonical_dtype
-from ckptlab.format._records import record_type
+from ckptlab.format._records import record_type, replace
 from ckptlab.format._unpickle import (
     Global,
     OpaqueKey,
     PickleBudgetError,
     PickleDataError,
     Reduced,
+    built_name,
     failure_offset,
     interpreter,
 )
@@ -68,32 +68,41 @@ def _bad(message: str) -> PickleDataError:
     return PickleDataError(message)
 
 
-class _TensorRef:
-    """A dense tensor over one storage (or a meta tensor without one)."""
+# A dense tensor over one storage (or a meta tensor without one): an immutable record the
+# collector does not track (one per tensor saved)
+_TensorRef = record_type(
+    "ckptlab.format._pickle._TensorRef",
+    ("storage", "storage_offset", "shape", "stride", "requires_grad", "dtype", "is_parameter",
+     "subclass", "attrs"),
+    (False, None, None))
+
+
+class _PendingTensor:
+    """A tensor made by ``copyreg._reconstructor`` and filled in by a later BUILD (old
+    ``Tensor.__setstate__`` pickles): mutable until then, with :data:`_TensorRef`'s fields."""
 
     __slots__ = ("attrs", "dtype", "is_parameter", "pending", "requires_grad", "shape",
                  "storage", "storage_offset", "stride", "subclass")
 
-    def __init__(self, storage: StorageRef | None, storage_offset: int, shape: tuple[int, ...],
-                 stride: tuple[int, ...], requires_grad: bool, dtype: str) -> None:
-        self.storage = storage
-        self.storage_offset = storage_offset
-        self.shape = shape
-        self.stride = stride
-        self.requires_grad = requires_grad
-        self.dtype = dtype
-        self.is_parameter = False
+    def __init__(self, is_parameter: bool) -> None:
+        self.storage: StorageRef | None = None
+        self.storage_offset = 0
+        self.shape: tuple[int, ...] = ()
+        self.stride: tuple[int, ...] = ()
+        self.requires_grad = False
+        self.dtype = "float32"
+        self.is_parameter = is_parameter
         self.subclass: str | None = None
         self.attrs: Any = None
-        self.pending = False
+        self.pending = True
 
     def ckptlab_build(self, state: Any) -> None:
-        """``torch.Tensor.__setstate__``: only for a tensor made by ``copyreg._reconstructor``."""
+        """``torch.Tensor.__setstate__``."""
         if not self.pending:
             raise _bad("BUILD applied to a rebuilt tensor")
         if isinstance(state, tuple) and len(state) == 4:  # legacy (storage, offset, size, stride)
             ref = _dense(state[0], state[1], state[2], state[3], False, None)
-        elif isinstance(state, tuple) and len(state) == 5 and isinstance(state[0], _TensorRef):
+        elif isinstance(state, tuple) and len(state) == 5 and isinstance(state[0], _DENSE):
             ref = state[0]  # legacy Variable: (data, ?, ?, requires_grad, hooks)
             self.requires_grad = bool(state[3])
         elif isinstance(state, tuple) and len(state) == 3:
@@ -106,22 +115,14 @@ class _TensorRef:
         self.pending = False
 
 
-class StateDict(collections.OrderedDict):  # type: ignore[type-arg]
-    """An ``OrderedDict`` as the pickle rebuilds it, with the attributes BUILD gives it.
-
-    ``Module.state_dict()`` returns an OrderedDict carrying ``_metadata`` (per-module
-    versions); pickling it adds a BUILD of ``{'_metadata': ...}``. The attributes are kept
-    as inert data in :attr:`attrs`, never set on anything.
-    """
-
-    __slots__ = ("attrs",)
-
-    def ckptlab_build(self, state: Any) -> None:
-        if getattr(self, "attrs", None) is not None:
-            raise _bad("BUILD applied twice to an OrderedDict")
-        if not (isinstance(state, dict) and all(type(k) is str for k in state)):
-            raise _bad(f"OrderedDict state of an unknown form: {_short(state)}")
-        self.attrs = state
+def _with(ref: Any, **changes: Any) -> Any:
+    """``ref`` with ``changes``: a tensor record anew (records are immutable; a handler that
+    wraps a tensor gets a fresh one from the pickle), anything else changed in place."""
+    if type(ref) is _TensorRef:
+        return replace(ref, **changes)
+    for name, value in changes.items():
+        setattr(ref, name, value)
+    return ref
 
 
 class _CompositeRef:
@@ -144,12 +145,9 @@ class _CompositeRef:
         self.requires_grad = requires_grad
         self.subclass = subclass
 
-    def ckptlab_build(self, state: Any) -> None:
-        raise _bad("BUILD applied to a rebuilt tensor")
 
-
-_TENSOR_REFS = (_TensorRef, _CompositeRef)
-_BUILDABLE = (*_TENSOR_REFS, StateDict)
+_DENSE = (_TensorRef, _PendingTensor)
+_TENSOR_REFS = (_TensorRef, _PendingTensor, _CompositeRef)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +214,11 @@ def _dense(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any
         requires_grad is not False and bool(requires_grad)), dtype or storage.dtype)
 
 
+def _is_dense(value: Any) -> bool:
+    """Whether ``value`` is a dense tensor record (an old pickle's, once BUILD filled it)."""
+    return type(value) is _TensorRef or (type(value) is _PendingTensor and not value.pending)
+
+
 def _layout_name(value: Any) -> str:
     if isinstance(value, str) and value.startswith("torch."):
         return value[len("torch."):]
@@ -230,8 +233,10 @@ class _TorchHandlers:
     def __init__(self) -> None:
         self.storages: dict[str, StorageRef] = {}
         self.storage_order: list[str] = []
-        self.pending: list[_TensorRef] = []
         self.storage_types: dict[int, tuple[Global, str, int]] = {}  # id -> (it, dtype, size)
+        # what BUILD gave a dict (an OrderedDict's ``_metadata``): {id: (dict, state)}
+        self.dict_attrs: dict[int, tuple[dict[Any, Any], dict[str, Any]]] = {}
+
     def table(self) -> dict[tuple[str, str], Any]:
         dense_v2 = self.rebuild_v2
         from_type = self.rebuild_from_type
@@ -332,12 +337,11 @@ class _TorchHandlers:
 
     def rebuild_parameter(self, data: Any = None, requires_grad: Any = False, hooks: Any = None,
                           state: Any = None, *rest: Any) -> Any:
-        if isinstance(data, _TENSOR_REFS):
+        if isinstance(data, _DENSE):
+            return _with(data, requires_grad=bool(requires_grad), is_parameter=True,
+                         **({} if state is None else {"attrs": state}))
+        if isinstance(data, _CompositeRef):
             data.requires_grad = bool(requires_grad)
-            if isinstance(data, _TensorRef):
-                data.is_parameter = True
-                if state is not None:
-                    data.attrs = state
         return data
 
     def rebuild_meta(self, dtype: Any = None, size: Any = None, stride: Any = None,
@@ -348,8 +352,8 @@ class _TorchHandlers:
 
     def rebuild_device(self, data: Any = None, dtype: Any = None, device: Any = None,
                        requires_grad: Any = False, *rest: Any) -> Any:
-        if isinstance(data, _TensorRef):
-            data.requires_grad = bool(requires_grad)
+        if isinstance(data, _DENSE):
+            return _with(data, requires_grad=bool(requires_grad))
         return data
 
     def rebuild_from_type(self, func: Any = None, new_type: Any = None, args: Any = (),
@@ -364,24 +368,20 @@ class _TorchHandlers:
         if isinstance(new_type, Global):
             qualname = new_type.qualname
             if qualname in ("torch.nn.parameter.Parameter", "torch.nn.Parameter") and \
-                    isinstance(result, _TensorRef):
-                result.is_parameter = True
+                    isinstance(result, _DENSE):
+                result = _with(result, is_parameter=True)
             elif qualname not in ("torch.Tensor", "torch._tensor.Tensor"):
-                result.subclass = qualname
+                result = _with(result, subclass=qualname)
         if isinstance(result, _CompositeRef) and result.kind == "subclass":
             result.parts.extend(_state_tensors(state))
-        elif isinstance(result, _TensorRef) and state not in (None, {}):
-            result.attrs = state
+        elif isinstance(result, _DENSE) and state not in (None, {}):
+            result = _with(result, attrs=state)
         return result
 
     def reconstructor(self, cls: Any = None, base: Any = None, state: Any = None) -> Any:
         if isinstance(cls, Global) and cls.qualname in (
                 "torch.Tensor", "torch._tensor.Tensor", "torch.nn.parameter.Parameter"):
-            ref = _TensorRef(None, 0, (), (), False, "float32")
-            ref.pending = True
-            ref.is_parameter = cls.name == "Parameter"
-            self.pending.append(ref)
-            return ref
+            return _PendingTensor(cls.name == "Parameter")
         if not isinstance(cls, Global):
             raise _bad(f"copyreg._reconstructor of {_short(cls)}")
         return Reduced(cls, ())
@@ -412,7 +412,7 @@ class _TorchHandlers:
         else:
             raise _bad(f"sparse layout {name!r} is not one torch saves")
         for role, part in parts:
-            if not isinstance(part, _TensorRef) or part.pending:
+            if not _is_dense(part):
                 raise _bad(f"sparse {role} is not a tensor: {_short(part)}")
         values_ref = parts[-1][1]
         return _CompositeRef("sparse", values_ref.dtype, _int_tuple(size, "size"), parts,
@@ -438,7 +438,7 @@ class _TorchHandlers:
             if type(axis) is not int or not 0 <= axis < len(data.shape):
                 raise _bad(f"per-channel axis {_short(axis)} out of range")
             for role, value in (("scales", scales), ("zero_points", zero_points)):
-                if isinstance(value, _TensorRef):
+                if isinstance(value, _DENSE):
                     parts.append((role, value))
                 elif isinstance(value, list) and all(type(v) in (int, float) for v in value):
                     extra[role] = tuple(value)
@@ -455,7 +455,7 @@ class _TorchHandlers:
         parts = [("buffer", buffer), ("nested_sizes", sizes), ("nested_strides", strides),
                  ("storage_offsets", offsets)]
         for role, part in parts:
-            if not isinstance(part, _TensorRef):
+            if not isinstance(part, _DENSE):
                 raise _bad(f"nested tensor {role} is not a tensor: {_short(part)}")
         if sizes.dtype != "int64" or len(sizes.shape) != 2:
             raise _bad("nested tensor sizes are not a 2-D int64 tensor")
@@ -466,11 +466,11 @@ class _TorchHandlers:
         if not isinstance(kwargs, dict):
             raise _bad("_rebuild_njt without keyword arguments")
         values, offsets = kwargs.get("values"), kwargs.get("offsets")
-        if not (isinstance(values, _TensorRef) and isinstance(offsets, _TensorRef)):
+        if not (isinstance(values, _DENSE) and isinstance(offsets, _DENSE)):
             raise _bad("jagged nested tensor without values/offsets tensors")
         parts = [("values", values), ("offsets", offsets)]
         lengths = kwargs.get("lengths")
-        if isinstance(lengths, _TensorRef):
+        if isinstance(lengths, _DENSE):
             parts.append(("lengths", lengths))
         ragged = kwargs.get("_ragged_idx", 1)
         if type(ragged) is not int or not 1 <= ragged <= len(values.shape):
@@ -478,7 +478,7 @@ class _TorchHandlers:
         cache = kwargs.get("_metadata_cache")
         if isinstance(cache, dict):
             for key in ("min_seqlen", "max_seqlen"):
-                if isinstance(cache.get(key), _TensorRef):
+                if isinstance(cache.get(key), _DENSE):
                     parts.append((key, cache[key]))
         if len(offsets.shape) != 1 or offsets.shape[0] < 1:
             raise _bad("jagged nested tensor offsets are not 1-D")
@@ -521,9 +521,28 @@ class _TorchHandlers:
 
     @staticmethod
     def ordered_dict(items: Any = None) -> dict[Any, Any]:
+        """``OrderedDict()``, as a dict (the same keys in the same order; an empty dict is not
+        tracked by the collector: a module pickled whole holds a dozen per submodule)."""
         if items not in (None, (), []):
             raise _bad("OrderedDict() with arguments")
-        return StateDict()
+        return {}
+
+    def build(self, target: Any, state: Any) -> None:
+        """BUILD on anything but a :class:`Reduced`: a tensor of an old pickle filled in, a
+        dict's attributes (``state_dict()._metadata``) kept beside it in :attr:`dict_attrs`
+        as inert data; anything else refused."""
+        if type(target) is dict:
+            if id(target) in self.dict_attrs:
+                raise _bad("BUILD applied twice to an OrderedDict")
+            if not (isinstance(state, dict) and all(type(k) is str for k in state)):
+                raise _bad(f"OrderedDict state of an unknown form: {_short(state)}")
+            self.dict_attrs[id(target)] = (target, state)
+        elif type(target) is _PendingTensor:
+            target.ckptlab_build(state)
+        elif isinstance(target, _TENSOR_REFS):
+            raise _bad("BUILD applied to a rebuilt tensor")
+        else:
+            raise _bad(f"BUILD applied to {built_name(target)}, which ckptlab never builds")
 
     @staticmethod
     def set_of(kind: type) -> Any:
@@ -563,7 +582,7 @@ def _state_tensors(state: Any) -> list[tuple[str, _TensorRef]]:
     if not isinstance(state, dict):
         return []
     return [(str(k), v) for k, v in state.items()
-            if isinstance(k, str) and isinstance(v, _TensorRef)]
+            if isinstance(k, str) and isinstance(v, _DENSE)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -688,7 +707,7 @@ def _walk_tensors(root: Any) -> tuple[list[tuple[tuple[Any, ...], Any]], set[int
             if not kind:  # _LEAF
                 continue
             if kind == _TENSOR:
-                if not (isinstance(value, _TensorRef) and value.pending):
+                if not (type(value) is _PendingTensor and value.pending):
                     found.append(((*path, key if type(key) is str else _path_key(key)), value))
                     if marked < len(ids):
                         holds_tensor.update(ids[marked:])
@@ -741,7 +760,7 @@ def _info(path: tuple[Any, ...], t: _TensorRef) -> TensorInfo:
 
 
 def _scanned(path: tuple[Any, ...], ref: Any) -> ScannedTensor:
-    if isinstance(ref, _TensorRef):
+    if isinstance(ref, _DENSE):
         return ScannedTensor(path, "subclass" if ref.subclass else "dense", ref.dtype, ref.shape,
                              ref.stride, ref.requires_grad, ref.is_parameter, "strided",
                              (("data", _info(path, ref)),), ref.subclass)
@@ -892,7 +911,7 @@ def _interpret(data: bytes, persistent_load: Callable[[Any], PersistentLoad] | N
         table.update(extra_handlers)
     load = handlers.persistent_load if persistent_load is None else persistent_load(handlers)
     return handlers, _INTERPRET(data, handlers=table, persistent_load=load,
-                                buildable=_BUILDABLE)
+                                build=handlers.build)
 
 
 _INTERPRET = interpreter(None)

@@ -229,7 +229,7 @@ def _key(value: Any, cache: dict[int, tuple[Any, Any]]) -> Any:
 def interpret(data: bytes | bytearray | memoryview, *,
               handlers: dict[tuple[str, str], Handler] | None = None,
               persistent_load: Callable[[Any], Any] | None = None,
-              buildable: tuple[type, ...] = (),
+              build: Callable[[Any, Any], None] | None = None,
               memory_per_byte: int = MEMORY_PER_BYTE) -> Interpretation:
     """Interpret one pickle without importing or running anything it names, one opcode at a
     time: the Python implementation (:func:`interpreter` picks the compiled one of the same
@@ -246,9 +246,10 @@ def interpret(data: bytes | bytearray | memoryview, *,
         :class:`Reduced` record when called.
     persistent_load
         Called with each persistent id (BINPERSID/PERSID); without it they are an error.
-    buildable
-        Extra ckptlab types (besides :class:`Reduced`) BUILD may fill: each must define
-        ``ckptlab_build(state)``.
+    build
+        Called as ``build(target, state)`` for a BUILD on anything but a :class:`Reduced`
+        (which keeps the state itself); it raises :class:`PickleDataError` to refuse. Without
+        it such a BUILD is refused.
     memory_per_byte
         Memory budget per input byte.
 
@@ -258,7 +259,7 @@ def interpret(data: bytes | bytearray | memoryview, *,
         With ``.offset`` set to the position of the failing opcode (see :func:`failure_offset`).
     """
     view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
-    machine = _Machine(view, handlers or {}, persistent_load, buildable,
+    machine = _Machine(view, handlers or {}, persistent_load, build,
                        max(MEMORY_FLOOR, memory_per_byte * len(view)))
     try:
         return machine.run()
@@ -273,7 +274,7 @@ def interpreter(impl: str | None = None) -> Callable[..., Interpretation]:
     here), ``"c"`` (:mod:`ckptlab.format._interp`, the whole loop compiled; ImportError where
     ckptlab was built without a C compiler) or None (the compiled one where it was built).
 
-    Each takes ``(data, *, handlers, persistent_load, buildable, memory_per_byte)`` and gives
+    Each takes ``(data, *, handlers, persistent_load, build, memory_per_byte)`` and gives
     the same :class:`Interpretation`, handler calls, memo, budget and errors
     (``tests/format/test_interp.py`` runs one suite against both).
     """
@@ -288,6 +289,12 @@ def interpreter(impl: str | None = None) -> Callable[..., Interpretation]:
     elif impl != "python":
         raise ValueError(f"impl is 'python', 'c' or None, not {impl!r}")
     return interpret
+
+
+def built_name(target: Any) -> str:
+    """How a refused BUILD names its target: a global by its qualified name, anything else
+    by its type's name."""
+    return target.qualname if isinstance(target, Global) else type(target).__name__
 
 
 def failure_offset(error: PickleDataError) -> int:
@@ -313,7 +320,7 @@ def _need(stack: list[Any], k: int, code: int) -> None:
 class _Machine:
     __slots__ = (
         "budget",
-        "buildable",
+        "build_other",
         "data",
         "globals",
         "handlers",
@@ -328,14 +335,15 @@ class _Machine:
     )
 
     def __init__(self, data: Any, handlers: dict[tuple[str, str], Handler],
-                 persistent: Callable[[Any], Any] | None, buildable: tuple[type, ...],
+                 persistent: Callable[[Any], Any] | None,
+                 build: Callable[[Any, Any], None] | None,
                  budget: int) -> None:
         self.data = data
         self.n = len(data)
         self.pos = 0
         self.handlers = handlers
         self.persistent = persistent
-        self.buildable = (Reduced, *buildable)
+        self.build_other = build
         self.budget = budget
         self.memo: list[Any] = []
         self.memo_sparse: dict[int, Any] = {}
@@ -445,15 +453,15 @@ class _Machine:
             raise PickleDataError(f"APPEND on a {type(target).__name__}")
 
     def build(self, target: Any, state: Any) -> None:
-        if not isinstance(target, self.buildable):
-            what = target.qualname if isinstance(target, Global) else type(target).__name__
-            raise PickleDataError(f"BUILD applied to {what}, which ckptlab never builds")
         if isinstance(target, Reduced):
             if target.state is not None:
                 raise PickleDataError(f"BUILD applied twice to a {target.func.qualname}")
             target.state = state
+        elif self.build_other is not None:
+            self.build_other(target, state)
         else:
-            target.ckptlab_build(state)
+            raise PickleDataError(f"BUILD applied to {built_name(target)}, which ckptlab "
+                                  f"never builds")
 
     def make_set(self, items: list[Any]) -> list[Any]:
         self.charge(96 * len(items) + 256)

@@ -30,7 +30,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptlab.format._pickle import _BUILDABLE, StateDict, _TensorRef, _walk, torch_handlers
+from ckptlab.format._pickle import _TensorRef, _walk, torch_handlers
 from ckptlab.format._unpickle import (
     MEMORY_PER_BYTE,
     Global,
@@ -54,7 +54,7 @@ P2 = b"\x80\x02"
 
 @pytest.fixture(params=["python", "c"])
 def interp(request: pytest.FixtureRequest) -> Any:
-    """``interpret(data, *, handlers, persistent_load, buildable, memory_per_byte)`` by one
+    """``interpret(data, *, handlers, persistent_load, build, memory_per_byte)`` by one
     implementation."""
     try:
         return interpreter(request.param)
@@ -86,7 +86,7 @@ def loads_plain(interp: Any, data: bytes) -> Any:
     protocols (``_codecs.encode`` for bytes, ``builtins.set``/``frozenset``)."""
     handlers, table = torch_handlers()
     return interp(data, handlers=table, persistent_load=handlers.persistent_load,
-                  buildable=_BUILDABLE).root
+                  build=handlers.build).root
 
 
 def same(a: Any, b: Any) -> bool:
@@ -323,7 +323,7 @@ def test_call_refusals(interp: Any, data: bytes, message: str, offset: int) -> N
 
 
 class Box:
-    """A buildable ckptlab-style record: BUILD calls its ckptlab_build."""
+    """A ckptlab-style record BUILD may fill (through the ``build`` hook)."""
 
     def __init__(self) -> None:
         self.built: list[Any] = []
@@ -342,7 +342,8 @@ def test_build_rules(interp: Any) -> None:
     fails(interp, P2 + b"K\x01b.", "opcode 0x62 needs 2 items on the stack, found 1")
     box = Box()
     table = {("m", "box"): lambda: box}
-    root = interp(P2 + b"cm\nbox\n)RK\x07b.", handlers=table, buildable=(Box,)).root
+    root = interp(P2 + b"cm\nbox\n)RK\x07b.", handlers=table,
+                  build=lambda target, state: target.ckptlab_build(state)).root
     assert root is box and box.built == [7]
     fails(interp, P2 + b"cm\nbox\n)RK\x07b.", "BUILD applied to Box", handlers=table)
 
@@ -611,7 +612,7 @@ def test_random_opcode_streams(interp: Any, data: bytes) -> None:
     handlers, table = torch_handlers()
     try:
         interp(data, handlers=table, persistent_load=handlers.persistent_load,
-               buildable=_BUILDABLE)
+               build=handlers.build)
     except PickleDataError as error:
         assert 0 <= error.offset < len(data)
 
@@ -680,7 +681,7 @@ def assert_torch_loads_tensors(interp: Any, obj: Any, protocol: int) -> Any:
     data, archive = data_pkl(obj, protocol)
     handlers, table = torch_handlers()
     result = interp(data, handlers=table, persistent_load=handlers.persistent_load,
-                    buildable=_BUILDABLE)
+                    build=handlers.build)
     found = dict(_walk(result.root)[0])
     buf = io.BytesIO()
     with warnings.catch_warnings():
@@ -743,7 +744,7 @@ def test_build_on_a_storage_stand_in_is_refused(interp: Any) -> None:
                b"X\x03\x00\x00\x00cpuK\x04tQ")
     handlers, table = torch_handlers()
     error = fails(interp, P2 + storage + b"}b.", "BUILD applied to StorageRef", handlers=table,
-                  persistent_load=handlers.persistent_load, buildable=_BUILDABLE)
+                  persistent_load=handlers.persistent_load, build=handlers.build)
     assert error.offset == len(P2 + storage) + 1
 
 
@@ -752,9 +753,10 @@ def test_torch_state_dict_is_a_state_dict(interp: Any) -> None:
     data, _ = data_pkl(torch_objects()["module"].state_dict())
     handlers, table = torch_handlers()
     root = interp(data, handlers=table, persistent_load=handlers.persistent_load,
-                  buildable=_BUILDABLE).root
-    assert type(root) is StateDict and list(root)[:2] == ["0.weight", "0.bias"]
-    assert isinstance(root.attrs["_metadata"], dict)  # BUILD of the state dict's metadata
+                  build=handlers.build).root
+    assert type(root) is dict and list(root)[:2] == ["0.weight", "0.bias"]
+    # BUILD of the state dict's metadata, kept beside it
+    assert isinstance(handlers.dict_attrs[id(root)][1]["_metadata"], dict)
 
 
 def test_truncated_torch_pickle(interp: Any) -> None:
@@ -764,7 +766,7 @@ def test_truncated_torch_pickle(interp: Any) -> None:
         handlers, table = torch_handlers()
         with pytest.raises(PickleDataError) as info:
             interp(data[:cut], handlers=table, persistent_load=handlers.persistent_load,
-                   buildable=_BUILDABLE)
+                   build=handlers.build)
         assert 0 <= info.value.offset <= cut, cut
 
 
