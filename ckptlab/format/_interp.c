@@ -24,6 +24,9 @@
  * Two inputs the Python loop lets through as a bare Python exception are a PickleDataError
  * here: a protocol-0 STRING with a malformed escape (ValueError there) and a GET of a
  * negative memo index (the list's negative indexing there: IndexError or the wrong entry).
+ *
+ * The module also has TorchCore, the hot torch handlers of ckptlab.format._pickle in C (see
+ * below), and record_type, the immutable records they make.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -2087,6 +2090,7 @@ record_repr(PyObject *self)
 static PyObject *
 record_reduce(PyObject *self, PyObject *unused)
 {
+    (void)unused;
     PyObject *t = record_tuple(self);
     return t ? Py_BuildValue("(ON)", (PyObject *)Py_TYPE(self), t) : NULL;
 }
@@ -2099,6 +2103,7 @@ static PyMethodDef record_methods[] = {
 static PyObject *
 record_type(PyObject *module, PyObject *args)
 {
+    (void)module;
     const char *qualname;
     PyObject *fields, *defaults = NULL, *namespace = NULL;
     if (!PyArg_ParseTuple(args, "sO!|O!O!:record_type", &qualname, &PyTuple_Type, &fields,
@@ -2175,6 +2180,477 @@ record_type(PyObject *module, PyObject *args)
     return type;
 }
 
+/* ---------------------------------------------------------------------------------------
+ * TorchCore(fallback, storage_ref, tensor_ref, storage_dtypes): the hot torch handlers of
+ * ckptlab.format._pickle._TorchHandlers compiled, as _pickle.c pairs pickle.py: the
+ * persistent-id reader, _rebuild_tensor_v2, _rebuild_parameter and OrderedDict(), one call
+ * each per tensor (or module) saved.
+ *
+ * ``fallback`` is the _TorchHandlers instance these stand in for (the reference
+ * implementation); the core shares its storage table (``fallback.storages``, a dict, and
+ * ``fallback.storage_order``, a list: the same objects). ``storage_ref`` and ``tensor_ref``
+ * are the StorageRef and _TensorRef record classes; ``storage_dtypes`` is
+ * {storage class name: (dtype, itemsize)}.
+ *
+ * Each method does in C only what its Python namesake does on the common path, with the same
+ * checks, and gives the same result (equal records, the same StorageRef for a key seen
+ * before, the storage table updated the same way). Anything else (odd types, negative
+ * numbers, a key declared twice with different sizes, keyword arguments, ...) is
+ * ``getattr(fallback, name)(*args, **kwargs)``: whatever that returns or raises, so every
+ * error and odd case stays defined in one place, the Python method.
+ */
+#define CORE_KNOWN 8
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *fallback;     /* the _TorchHandlers instance */
+    PyObject *storages;     /* fallback.storages: {key: StorageRef} (the same dict) */
+    PyObject *order;        /* fallback.storage_order: [key, ...] (the same list) */
+    PyObject *storage_ref;  /* the StorageRef class */
+    PyObject *tensor_ref;   /* the _TensorRef class */
+    PyObject *dtypes;       /* {storage class name: (dtype, itemsize)}: a checked copy */
+    PyObject *global_type;  /* _unpickle.Global */
+    /* storage classes seen, by identity (the interpreter makes one Global per name; a pickle
+     * names one to three): the Global and its (dtype, itemsize), both held */
+    PyObject *known[CORE_KNOWN][2];
+    int nknown;
+} TorchCore;
+
+/* the names the core looks up: made once, at import */
+#define CORE_NAMES(X) X(storages) X(storage_order) X(module) X(name) X(dtype) X(nbytes) \
+    X(storage) X(storage_offset) X(shape) X(stride) X(subclass) X(attrs) X(persistent_load) \
+    X(rebuild_v2) X(rebuild_parameter) X(ordered_dict)
+#define CORE_NAME_FIELD(f) PyObject *f;
+static struct { CORE_NAMES(CORE_NAME_FIELD) } core_names;
+#undef CORE_NAME_FIELD
+
+static int
+core_names_init(void)
+{
+#define CORE_NAME_INIT(f) \
+    if (core_names.f == NULL && (core_names.f = PyUnicode_InternFromString(#f)) == NULL) \
+        return -1;
+    CORE_NAMES(CORE_NAME_INIT)
+#undef CORE_NAME_INIT
+    return 0;
+}
+
+/* ``getattr(self.fallback, name)(*args, **kwargs)`` (a vectorcall's arguments) */
+static PyObject *
+core_fallback(TorchCore *self, PyObject *name, PyObject *const *args, Py_ssize_t nargs,
+              PyObject *kwnames)
+{
+    Py_ssize_t nkw = kwnames != NULL ? PyTuple_GET_SIZE(kwnames) : 0;
+    Py_ssize_t total = 1 + nargs + nkw;
+    PyObject *small[16], **stack = small;
+    if (total > (Py_ssize_t)(sizeof(small) / sizeof(small[0]))) {
+        stack = PyMem_New(PyObject *, total);
+        if (stack == NULL)
+            return PyErr_NoMemory();
+    }
+    stack[0] = self->fallback;
+    for (Py_ssize_t i = 0; i < nargs + nkw; i++)
+        stack[1 + i] = args[i];
+    PyObject *out = PyObject_VectorcallMethod(name, stack, (size_t)(1 + nargs),
+                                              nkw ? kwnames : NULL);
+    if (stack != small)
+        PyMem_Free(stack);
+    return out;
+}
+
+/* ``type(v) is int and v >= 0`` */
+static int
+nonnegative_int(PyObject *v)
+{
+    if (!PyLong_CheckExact(v))
+        return 0;
+    int overflow;
+    long long value = PyLong_AsLongLongAndOverflow(v, &overflow);
+    return overflow > 0 || (overflow == 0 && value >= 0);
+}
+
+/* a tuple of non-negative ints (``len`` checked by the caller) */
+static int
+nonnegative_ints(PyObject *tuple)
+{
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tuple); i++)
+        if (!nonnegative_int(PyTuple_GET_ITEM(tuple, i)))
+            return 0;
+    return 1;
+}
+
+/* ``getattr(obj, name)`` (a new reference), or NULL: an error, or (``*missing`` set, no
+ * error) an AttributeError, for the caller to leave to the fallback */
+static PyObject *
+attr_or_missing(PyObject *obj, PyObject *name, int *missing)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();
+        *missing = 1;
+    }
+    return value;
+}
+
+/* The (dtype, itemsize) of a storage class (borrowed), or NULL: an error, or (no error)
+ * not a storage class the fast path takes. Mirrors persistent_load's check:
+ * ``isinstance(t, Global) and t.module in ("torch", "torch.storage") and t.name in
+ * STORAGE_DTYPE``, for a Global (exactly) with str module and name. */
+static PyObject *
+core_storage_type(TorchCore *self, PyObject *storage_type)
+{
+    if (!Py_IS_TYPE(storage_type, (PyTypeObject *)self->global_type))
+        return NULL;
+    for (int i = 0; i < self->nknown; i++)
+        if (self->known[i][0] == storage_type)
+            return self->known[i][1];
+    PyObject *entry = NULL;
+    int missing = 0;
+    PyObject *module = attr_or_missing(storage_type, core_names.module, &missing);
+    PyObject *name = module ? attr_or_missing(storage_type, core_names.name, &missing) : NULL;
+    if (name != NULL && PyUnicode_CheckExact(module) && PyUnicode_CheckExact(name) &&
+        (PyUnicode_CompareWithASCIIString(module, "torch") == 0 ||
+         PyUnicode_CompareWithASCIIString(module, "torch.storage") == 0)) {
+        entry = PyDict_GetItemWithError(self->dtypes, name);
+        if (entry != NULL && self->nknown < CORE_KNOWN) {  /* (past that: looked up anew) */
+            self->known[self->nknown][0] = Py_NewRef(storage_type);
+            self->known[self->nknown][1] = Py_NewRef(entry);
+            self->nknown++;
+        }
+    }
+    Py_XDECREF(module);
+    Py_XDECREF(name);
+    return entry;
+}
+
+PyDoc_STRVAR(core_persistent_load_doc,
+"persistent_load(pid): _TorchHandlers.persistent_load (torch.save's\n"
+"('storage', storage_type, key, location, numel) ids).");
+
+static PyObject *
+core_persistent_load(PyObject *op, PyObject *const *args, Py_ssize_t nargs,
+                     PyObject *kwnames)
+{
+    TorchCore *self = (TorchCore *)op;
+    if (nargs != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames)))
+        goto fallback;
+    PyObject *pid = args[0];
+    if (!PyTuple_CheckExact(pid) || PyTuple_GET_SIZE(pid) != 5)
+        goto fallback;
+    PyObject *tag = PyTuple_GET_ITEM(pid, 0), *storage_type = PyTuple_GET_ITEM(pid, 1);
+    PyObject *key = PyTuple_GET_ITEM(pid, 2), *location = PyTuple_GET_ITEM(pid, 3);
+    PyObject *numel = PyTuple_GET_ITEM(pid, 4);
+    if (!PyUnicode_CheckExact(tag) || PyUnicode_CompareWithASCIIString(tag, "storage") != 0 ||
+        !PyUnicode_CheckExact(key) || !PyUnicode_CheckExact(location) ||
+        !PyLong_CheckExact(numel))
+        goto fallback;
+    PyObject *entry = core_storage_type(self, storage_type);
+    if (entry == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        goto fallback;
+    }
+    Py_ssize_t count = PyLong_AsSsize_t(numel);
+    if (count == -1 && PyErr_Occurred()) {  /* past Py_ssize_t: the Python ints do it */
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+            return NULL;
+        PyErr_Clear();
+        goto fallback;
+    }
+    /* (itemsize: checked to be 1 to 2**16 when the core was made) */
+    Py_ssize_t itemsize = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 1));
+    if (count < 0 || count > PY_SSIZE_T_MAX / itemsize)
+        goto fallback;
+    Py_ssize_t nbytes = count * itemsize;
+    PyObject *ref = PyDict_GetItemWithError(self->storages, key);
+    if (ref == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        /* StorageRef(key, storage_type.name, dtype, location, numel, nbytes) */
+        PyObject *name = PyObject_GetAttr(storage_type, core_names.name);
+        PyObject *size = name ? PyLong_FromSsize_t(nbytes) : NULL;
+        PyObject *made = NULL;
+        if (size != NULL) {
+            PyObject *fields[6] = {key, name, PyTuple_GET_ITEM(entry, 0), location, numel,
+                                   size};
+            made = PyObject_Vectorcall(self->storage_ref, fields, 6, NULL);
+        }
+        Py_XDECREF(name);
+        Py_XDECREF(size);
+        if (made != NULL && (PyDict_SetItem(self->storages, key, made) < 0 ||
+                             PyList_Append(self->order, key) < 0))
+            Py_CLEAR(made);
+        return made;
+    }
+    if (Py_IS_TYPE(ref, (PyTypeObject *)self->storage_ref)) {
+        /* a storage seen before (or another class over the same bytes): the same ref when
+         * the byte sizes agree */
+        Py_INCREF(ref);  /* (the attribute lookup may run code) */
+        int missing = 0;
+        PyObject *held = attr_or_missing(ref, core_names.nbytes, &missing);
+        int same = 0;
+        if (held != NULL && PyLong_CheckExact(held)) {
+            Py_ssize_t value = PyLong_AsSsize_t(held);
+            if (value == -1 && PyErr_Occurred()) {
+                if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                    Py_DECREF(held);
+                    Py_DECREF(ref);
+                    return NULL;
+                }
+                PyErr_Clear();
+            } else {
+                same = value == nbytes;
+            }
+        }
+        int failed = held == NULL && !missing;
+        Py_XDECREF(held);
+        if (same)
+            return ref;
+        Py_DECREF(ref);
+        if (failed)
+            return NULL;
+    }
+fallback:
+    return core_fallback(self, core_names.persistent_load, args, nargs, kwnames);
+}
+
+PyDoc_STRVAR(core_rebuild_v2_doc,
+"rebuild_v2(storage, storage_offset, size, stride, requires_grad=False, *rest):\n"
+"_TorchHandlers.rebuild_v2 (torch._utils._rebuild_tensor_v2).");
+
+static PyObject *
+core_rebuild_v2(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    TorchCore *self = (TorchCore *)op;
+    if (nargs < 4 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames)))
+        goto fallback;
+    /* rebuild_v2's inline check: storage a StorageRef (exactly); size and stride tuples
+     * (exactly) of one length, at most 64, of non-negative ints; offset a non-negative int;
+     * requires_grad True or False. Arguments past the fifth are ignored, as *rest is. */
+    PyObject *storage = args[0], *offset = args[1], *size = args[2], *stride = args[3];
+    PyObject *requires_grad = nargs > 4 ? args[4] : Py_False;
+    if (!Py_IS_TYPE(storage, (PyTypeObject *)self->storage_ref) ||
+        !PyTuple_CheckExact(size) || !PyTuple_CheckExact(stride) ||
+        PyTuple_GET_SIZE(size) != PyTuple_GET_SIZE(stride) || PyTuple_GET_SIZE(size) > 64 ||
+        !nonnegative_int(offset) || (requires_grad != Py_True && requires_grad != Py_False) ||
+        !nonnegative_ints(size) || !nonnegative_ints(stride))
+        goto fallback;
+    int missing = 0;
+    PyObject *dtype = attr_or_missing(storage, core_names.dtype, &missing);
+    if (dtype == NULL) {
+        if (missing)
+            goto fallback;
+        return NULL;
+    }
+    /* _TensorRef(storage, offset, size, stride, requires_grad, storage.dtype) */
+    PyObject *fields[6] = {storage, offset, size, stride, requires_grad, dtype};
+    PyObject *made = PyObject_Vectorcall(self->tensor_ref, fields, 6, NULL);
+    Py_DECREF(dtype);
+    return made;
+fallback:
+    return core_fallback(self, core_names.rebuild_v2, args, nargs, kwnames);
+}
+
+PyDoc_STRVAR(core_rebuild_parameter_doc,
+"rebuild_parameter(data, requires_grad=False, hooks=None, state=None, *rest):\n"
+"_TorchHandlers.rebuild_parameter (torch._utils._rebuild_parameter[_with_state]).");
+
+static PyObject *
+core_rebuild_parameter(PyObject *op, PyObject *const *args, Py_ssize_t nargs,
+                       PyObject *kwnames)
+{
+    TorchCore *self = (TorchCore *)op;
+    if (nargs < 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames)))
+        goto fallback;
+    /* a tensor record (exactly), requires_grad True or False (the Python method's
+     * bool(requires_grad) of anything else is left to it), no state: the record with
+     * requires_grad and is_parameter=True */
+    PyObject *data = args[0];
+    PyObject *requires_grad = nargs > 1 ? args[1] : Py_False;
+    PyObject *state = nargs > 3 ? args[3] : Py_None;
+    if (!Py_IS_TYPE(data, (PyTypeObject *)self->tensor_ref) || state != Py_None ||
+        (requires_grad != Py_True && requires_grad != Py_False))
+        goto fallback;
+    PyObject *names[7] = {core_names.storage, core_names.storage_offset, core_names.shape,
+                          core_names.stride, core_names.dtype, core_names.subclass,
+                          core_names.attrs};
+    PyObject *values[7] = {NULL};
+    PyObject *made = NULL;
+    int missing = 0, i;
+    for (i = 0; i < 7; i++)
+        if ((values[i] = attr_or_missing(data, names[i], &missing)) == NULL)
+            break;
+    if (i == 7) {
+        /* _TensorRef(storage, storage_offset, shape, stride, requires_grad, dtype,
+         *            is_parameter=True, subclass, attrs) */
+        PyObject *fields[9] = {values[0], values[1], values[2], values[3], requires_grad,
+                               values[4], Py_True, values[5], values[6]};
+        made = PyObject_Vectorcall(self->tensor_ref, fields, 9, NULL);
+    }
+    for (int j = 0; j < 7; j++)
+        Py_XDECREF(values[j]);
+    if (i == 7 || !missing)
+        return made;
+fallback:
+    return core_fallback(self, core_names.rebuild_parameter, args, nargs, kwnames);
+}
+
+PyDoc_STRVAR(core_ordered_dict_doc,
+"ordered_dict(items=None): _TorchHandlers.ordered_dict (collections.OrderedDict()).");
+
+static PyObject *
+core_ordered_dict(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if ((kwnames == NULL || !PyTuple_GET_SIZE(kwnames)) && nargs <= 1) {
+        PyObject *items = nargs == 1 ? args[0] : Py_None;
+        /* OrderedDict() or OrderedDict(None / () / []): an empty dict (PyDict_New: one the
+         * collector does not track) */
+        if (items == Py_None || (PyTuple_CheckExact(items) && PyTuple_GET_SIZE(items) == 0) ||
+            (PyList_CheckExact(items) && PyList_GET_SIZE(items) == 0))
+            return PyDict_New();
+    }
+    return core_fallback((TorchCore *)op, core_names.ordered_dict, args, nargs, kwnames);
+}
+
+static PyObject *
+core_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"fallback", "storage_ref", "tensor_ref", "storage_dtypes",
+                               NULL};
+    PyObject *fallback, *storage_ref, *tensor_ref, *storage_dtypes;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!O!O!:TorchCore", keywords, &fallback,
+                                     &PyType_Type, &storage_ref, &PyType_Type, &tensor_ref,
+                                     &PyDict_Type, &storage_dtypes))
+        return NULL;
+    PyObject *module = PyType_GetModule(type);
+    State *st = module ? PyModule_GetState(module) : NULL;
+    if (st == NULL || (!st->bound && bind(st) < 0))
+        return NULL;
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    TorchCore *self = alloc ? (TorchCore *)alloc(type, 0) : NULL;
+    if (self == NULL)
+        return NULL;
+    self->fallback = Py_NewRef(fallback);
+    self->storage_ref = Py_NewRef(storage_ref);
+    self->tensor_ref = Py_NewRef(tensor_ref);
+    self->global_type = Py_NewRef(st->Global);
+    if ((self->storages = PyObject_GetAttr(fallback, core_names.storages)) == NULL ||
+        (self->order = PyObject_GetAttr(fallback, core_names.storage_order)) == NULL ||
+        (self->dtypes = PyDict_New()) == NULL)
+        goto fail;
+    if (!PyDict_CheckExact(self->storages) || !PyList_CheckExact(self->order)) {
+        PyErr_SetString(PyExc_TypeError, "TorchCore: fallback.storages is not a dict or "
+                        "fallback.storage_order not a list");
+        goto fail;
+    }
+    Py_ssize_t pos = 0;
+    PyObject *name, *entry;
+    while (PyDict_Next(storage_dtypes, &pos, &name, &entry)) {
+        long long itemsize = 0;
+        if (PyUnicode_CheckExact(name) && PyTuple_CheckExact(entry) &&
+            PyTuple_GET_SIZE(entry) == 2 && PyUnicode_CheckExact(PyTuple_GET_ITEM(entry, 0)) &&
+            PyLong_CheckExact(PyTuple_GET_ITEM(entry, 1))) {
+            int overflow;
+            itemsize = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(entry, 1), &overflow);
+            if (overflow)
+                itemsize = 0;
+        }
+        if (itemsize < 1 || itemsize > (1 << 16)) {
+            PyErr_Format(PyExc_TypeError, "TorchCore: storage_dtypes[%R] is not a (dtype, "
+                         "itemsize) pair with itemsize 1 to 65536", name);
+            goto fail;
+        }
+        if (PyDict_SetItem(self->dtypes, name, entry) < 0)
+            goto fail;
+    }
+    return (PyObject *)self;
+fail:
+    Py_DECREF(self);
+    return NULL;
+}
+
+static int
+core_traverse(PyObject *op, visitproc visit, void *arg)
+{
+    TorchCore *self = (TorchCore *)op;
+    Py_VISIT(Py_TYPE(op));
+    Py_VISIT(self->fallback);
+    Py_VISIT(self->storages);
+    Py_VISIT(self->order);
+    Py_VISIT(self->storage_ref);
+    Py_VISIT(self->tensor_ref);
+    Py_VISIT(self->dtypes);
+    Py_VISIT(self->global_type);
+    for (int i = 0; i < self->nknown; i++) {
+        Py_VISIT(self->known[i][0]);
+        Py_VISIT(self->known[i][1]);
+    }
+    return 0;
+}
+
+static int
+core_clear(PyObject *op)
+{
+    TorchCore *self = (TorchCore *)op;
+    Py_CLEAR(self->fallback);
+    Py_CLEAR(self->storages);
+    Py_CLEAR(self->order);
+    Py_CLEAR(self->storage_ref);
+    Py_CLEAR(self->tensor_ref);
+    Py_CLEAR(self->dtypes);
+    Py_CLEAR(self->global_type);
+    for (; self->nknown > 0; self->nknown--) {
+        Py_CLEAR(self->known[self->nknown - 1][0]);
+        Py_CLEAR(self->known[self->nknown - 1][1]);
+    }
+    return 0;
+}
+
+static void
+core_dealloc(PyObject *op)
+{
+    PyTypeObject *type = Py_TYPE(op);
+    PyObject_GC_UnTrack(op);
+    core_clear(op);
+    freefunc release = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    release(op);
+    Py_DECREF(type);
+}
+
+static PyMethodDef core_methods[] = {
+    {"persistent_load", (PyCFunction)(void (*)(void))core_persistent_load,
+     METH_FASTCALL | METH_KEYWORDS, core_persistent_load_doc},
+    {"rebuild_v2", (PyCFunction)(void (*)(void))core_rebuild_v2,
+     METH_FASTCALL | METH_KEYWORDS, core_rebuild_v2_doc},
+    {"rebuild_parameter", (PyCFunction)(void (*)(void))core_rebuild_parameter,
+     METH_FASTCALL | METH_KEYWORDS, core_rebuild_parameter_doc},
+    {"ordered_dict", (PyCFunction)(void (*)(void))core_ordered_dict,
+     METH_FASTCALL | METH_KEYWORDS, core_ordered_dict_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(core_doc,
+"TorchCore(fallback, storage_ref, tensor_ref, storage_dtypes)\n"
+"--\n\n"
+"The hot handlers of ckptlab.format._pickle._TorchHandlers (persistent_load, rebuild_v2,\n"
+"rebuild_parameter, ordered_dict), compiled: the same results, sharing fallback's storage\n"
+"table; any input off their common path is fallback's method of the same name.");
+
+static PyType_Slot core_slots[] = {
+    {Py_tp_new, core_new},
+    {Py_tp_dealloc, core_dealloc},
+    {Py_tp_traverse, core_traverse},
+    {Py_tp_clear, core_clear},
+    {Py_tp_methods, core_methods},
+    {Py_tp_doc, (void *)core_doc},
+    {0, NULL},
+};
+
+static PyType_Spec core_spec = {
+    "ckptlab.format._interp.TorchCore", (int)sizeof(TorchCore), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, core_slots,
+};
+
 static PyMethodDef methods[] = {
     {"interpret", (PyCFunction)(void (*)(void))interpret, METH_VARARGS | METH_KEYWORDS,
      interpret_doc},
@@ -2204,8 +2680,18 @@ PyInit__interp(void)
     if (s_defaults_key == NULL &&
         (s_defaults_key = PyUnicode_InternFromString("_field_defaults")) == NULL)
         return NULL;
+    if (core_names_init() < 0)
+        return NULL;
     PyObject *module = PyModule_Create(&module_def);
-    if (module != NULL)
-        memset(PyModule_GetState(module), 0, sizeof(State));
+    if (module == NULL)
+        return NULL;
+    memset(PyModule_GetState(module), 0, sizeof(State));
+    PyObject *core = PyType_FromModuleAndSpec(module, &core_spec, NULL);
+    if (core == NULL || PyModule_AddObjectRef(module, "TorchCore", core) < 0) {
+        Py_XDECREF(core);
+        Py_DECREF(module);
+        return NULL;
+    }
+    Py_DECREF(core);
     return module;
 }

@@ -228,24 +228,36 @@ def _layout_name(value: Any) -> str:
 
 
 class _TorchHandlers:
-    """Handlers for one scan: they share its storage table."""
+    """Handlers for one scan: they share its storage table.
 
-    def __init__(self) -> None:
+    With ``compiled``, the hot four (:meth:`persistent_load`, :meth:`rebuild_v2`,
+    :meth:`rebuild_parameter`, :meth:`ordered_dict`) are :attr:`core`'s
+    (:class:`ckptlab.format._interp.TorchCore`): the same results in C, over this object's
+    storage table, with these methods as its fallback for anything off their common path.
+    """
+
+    def __init__(self, compiled: bool = False) -> None:
         self.storages: dict[str, StorageRef] = {}
         self.storage_order: list[str] = []
         self.storage_types: dict[int, tuple[Global, str, int]] = {}  # id -> (it, dtype, size)
         # what BUILD gave a dict (an OrderedDict's ``_metadata``): {id: (dict, state)}
         self.dict_attrs: dict[int, tuple[dict[Any, Any], dict[str, Any]]] = {}
+        self.core = _TorchCore(self, StorageRef, _TensorRef, _STORAGE_DTYPES) \
+            if compiled and _TorchCore is not None else None
+        # the persistent-id reader to give the interpreter: the core's where there is one
+        self.load_pid = self.core.persistent_load if self.core else self.persistent_load
 
     def table(self) -> dict[tuple[str, str], Any]:
-        dense_v2 = self.rebuild_v2
+        hot = self.core or self  # (the compiled four, or these methods)
+        dense_v2 = hot.rebuild_v2
+        parameter = hot.rebuild_parameter
         from_type = self.rebuild_from_type
         table: dict[tuple[str, str], Any] = {
             ("torch._utils", "_rebuild_tensor_v2"): dense_v2,
             ("torch._utils", "_rebuild_tensor"): self.rebuild_v1,
             ("torch._utils", "_rebuild_tensor_v3"): self.rebuild_v3,
-            ("torch._utils", "_rebuild_parameter"): self.rebuild_parameter,
-            ("torch._utils", "_rebuild_parameter_with_state"): self.rebuild_parameter,
+            ("torch._utils", "_rebuild_parameter"): parameter,
+            ("torch._utils", "_rebuild_parameter_with_state"): parameter,
             ("torch._utils", "_rebuild_from_type_v2"): from_type,
             ("torch._utils", "_rebuild_from_type"): from_type,
             ("torch._tensor", "_rebuild_from_type_v2"): from_type,
@@ -260,7 +272,7 @@ class _TorchHandlers:
             ("torch", "Size"): self.size,
             ("torch", "device"): self.device,
             ("torch.serialization", "_get_layout"): self.layout,
-            ("collections", "OrderedDict"): self.ordered_dict,
+            ("collections", "OrderedDict"): hot.ordered_dict,
             ("builtins", "set"): self.set_of(set),
             ("__builtin__", "set"): self.set_of(set),
             ("builtins", "frozenset"): self.set_of(frozenset),
@@ -569,10 +581,30 @@ class _TorchHandlers:
             raise _bad("_codecs.encode of text outside latin-1") from None
 
 
-def torch_handlers() -> tuple[_TorchHandlers, dict[tuple[str, str], Any]]:
-    """A fresh handler set (storage table included) for one torch pickle."""
-    handlers = _TorchHandlers()
+def torch_handlers(impl: str | None = None
+                   ) -> tuple[_TorchHandlers, dict[tuple[str, str], Any]]:
+    """A fresh handler set (storage table included) for one torch pickle, and its table.
+
+    ``impl`` as :func:`ckptlab.format._unpickle.interpreter` takes it: ``"python"`` (the
+    methods of :class:`_TorchHandlers`), ``"c"`` (the hot ones compiled,
+    :class:`ckptlab.format._interp.TorchCore`; ImportError where ckptlab was built without
+    a C compiler) or None (compiled where built). Give the interpreter
+    ``handlers.load_pid`` as its ``persistent_load``.
+    """
+    if impl not in ("c", "python", None):
+        raise ValueError(f"impl is 'python', 'c' or None, not {impl!r}")
+    if impl == "c" and _TorchCore is None:
+        raise ImportError("ckptlab.format._interp is not built")
+    handlers = _TorchHandlers(compiled=impl != "python")
     return handlers, handlers.table()
+
+
+try:
+    from ckptlab.format._interp import TorchCore as _TorchCore
+except ImportError:  # built without a C compiler (or an extension older than TorchCore)
+    _TorchCore = None
+# {storage class name: (dtype, itemsize)}, what TorchCore reads persistent ids with
+_STORAGE_DTYPES = {name: (dtype, DTYPE_ITEMSIZE[dtype]) for name, dtype in STORAGE_DTYPE.items()}
 
 
 def _state_tensors(state: Any) -> list[tuple[str, _TensorRef]]:
@@ -904,17 +936,21 @@ def scan_pickle_refs(data: bytes, *, path: str, record: str, data_offset: int,
 def _interpret(data: bytes, persistent_load: Callable[[Any], PersistentLoad] | None,
                extra_handlers: dict[tuple[str, str], Any] | None
                ) -> tuple[_TorchHandlers, Any]:
-    """The interpreter (:func:`ckptlab.format._unpickle.interpreter`: the compiled one where
-    it is built) with new torch handlers (and ``extra_handlers``)."""
-    handlers, table = torch_handlers()
+    """The interpreter (:func:`ckptlab.format._unpickle.interpreter`) with new torch handlers
+    (:func:`torch_handlers`; and ``extra_handlers``), both of the implementation :data:`_IMPL`
+    names."""
+    impl = _IMPL
+    handlers, table = torch_handlers(impl)
     if extra_handlers:
         table.update(extra_handlers)
-    load = handlers.persistent_load if persistent_load is None else persistent_load(handlers)
-    return handlers, _INTERPRET(data, handlers=table, persistent_load=load,
-                                build=handlers.build)
+    load = handlers.load_pid if persistent_load is None else persistent_load(handlers)
+    return handlers, interpreter(impl)(data, handlers=table, persistent_load=load,
+                                       build=handlers.build)
 
 
-_INTERPRET = interpreter(None)
+# Which implementation scans use, of the interpreter and the torch handlers alike: "python",
+# "c" or None (the compiled ones where ckptlab's extension is built). One switch, for tests.
+_IMPL: str | None = None
 
 
 def _scan(data: bytes, path: str, record: str, data_offset: int,

@@ -292,7 +292,7 @@ def test_lazy_access_reads_and_scans_nothing(tmp_path: Any,
 
     monkeypatch.setattr(ByteSource, "read", refuse)
     monkeypatch.setattr(_pickle, "_scan", refuse)
-    monkeypatch.setattr(_pickle, "_INTERPRET", refuse)
+    monkeypatch.setattr(_pickle, "_interpret", refuse)
     monkeypatch.setattr(_tree.os, "pread", refuse)  # (where ck.read preads)
     assert ck.tensors["layer.7.weight"].parts[0].nbytes == 8
     assert len(list(ck.tensors.values())) == 2000

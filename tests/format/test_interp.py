@@ -24,7 +24,7 @@ import sys
 import warnings
 import zipfile
 from collections import OrderedDict
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from hypothesis import given, settings
@@ -74,6 +74,13 @@ def impl(request: pytest.FixtureRequest, interp: Any) -> str:
     return request.node.callspec.params["interp"]
 
 
+def handlers_for(interp: Any) -> tuple[Any, dict[tuple[str, str], Any]]:
+    """:func:`torch_handlers` of ``interp``'s implementation (the compiled handlers with the
+    compiled interpreter), as a scan pairs them (``_pickle._IMPL`` picks both); the
+    interpreter's ``persistent_load`` is ``handlers.load_pid``."""
+    return torch_handlers("python" if interp is interpreter("python") else "c")
+
+
 def fails(interp: Any, data: bytes, match: str | None = None, **kwargs: Any
           ) -> PickleDataError:
     with pytest.raises(PickleDataError, match=match) as info:
@@ -84,8 +91,8 @@ def fails(interp: Any, data: bytes, match: str | None = None, **kwargs: Any
 def loads_plain(interp: Any, data: bytes) -> Any:
     """The root, with the torch handlers for the globals plain data pickles through at low
     protocols (``_codecs.encode`` for bytes, ``builtins.set``/``frozenset``)."""
-    handlers, table = torch_handlers()
-    return interp(data, handlers=table, persistent_load=handlers.persistent_load,
+    handlers, table = handlers_for(interp)
+    return interp(data, handlers=table, persistent_load=handlers.load_pid,
                   build=handlers.build).root
 
 
@@ -484,7 +491,7 @@ def test_ext_codes_never_consult_copyreg(interp: Any, code: bytes) -> None:
 def test_nothing_named_is_imported_or_run(interp: Any, data: bytes) -> None:
     modules = set(sys.modules)
     try:
-        root = interp(data, handlers=torch_handlers()[1]).root
+        root = interp(data, handlers=handlers_for(interp)[1]).root
     except PickleDataError:
         pass
     else:
@@ -599,19 +606,19 @@ MIXED = {"a": [1, 2.5, "xy", (3, None, b"b")], "b": {1, 2}, "c": frozenset({"z"}
 @pytest.mark.parametrize("protocol", range(6))
 def test_truncation_at_every_byte(interp: Any, protocol: int) -> None:
     data = pickle.dumps(MIXED, protocol=protocol)
-    interp(data, handlers=torch_handlers()[1])
+    interp(data, handlers=handlers_for(interp)[1])
     for cut in range(len(data)):
         with pytest.raises(PickleDataError) as info:
-            interp(data[:cut], handlers=torch_handlers()[1])
+            interp(data[:cut], handlers=handlers_for(interp)[1])
         assert 0 <= info.value.offset <= cut, cut
 
 
 @settings(max_examples=200)
 @given(data=opcode_streams())
 def test_random_opcode_streams(interp: Any, data: bytes) -> None:
-    handlers, table = torch_handlers()
+    handlers, table = handlers_for(interp)
     try:
-        interp(data, handlers=table, persistent_load=handlers.persistent_load,
+        interp(data, handlers=table, persistent_load=handlers.load_pid,
                build=handlers.build)
     except PickleDataError as error:
         assert 0 <= error.offset < len(data)
@@ -621,7 +628,7 @@ def test_random_opcode_streams(interp: Any, data: bytes) -> None:
 @given(data=pickle_mutations(pickle.dumps(MIXED, protocol=2)))
 def test_mutated_pickles(interp: Any, data: bytes) -> None:
     try:
-        interp(data, handlers=torch_handlers()[1])
+        interp(data, handlers=handlers_for(interp)[1])
     except PickleDataError as error:
         assert 0 <= error.offset < len(data)
 
@@ -679,8 +686,8 @@ def assert_torch_loads_tensors(interp: Any, obj: Any, protocol: int) -> Any:
     import torch
 
     data, archive = data_pkl(obj, protocol)
-    handlers, table = torch_handlers()
-    result = interp(data, handlers=table, persistent_load=handlers.persistent_load,
+    handlers, table = handlers_for(interp)
+    result = interp(data, handlers=table, persistent_load=handlers.load_pid,
                     build=handlers.build)
     found = dict(_walk(result.root)[0])
     buf = io.BytesIO()
@@ -742,17 +749,17 @@ def test_random_state_dicts(interp: Any) -> None:
 def test_build_on_a_storage_stand_in_is_refused(interp: Any) -> None:
     storage = (b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000"
                b"X\x03\x00\x00\x00cpuK\x04tQ")
-    handlers, table = torch_handlers()
+    handlers, table = handlers_for(interp)
     error = fails(interp, P2 + storage + b"}b.", "BUILD applied to StorageRef", handlers=table,
-                  persistent_load=handlers.persistent_load, build=handlers.build)
+                  persistent_load=handlers.load_pid, build=handlers.build)
     assert error.offset == len(P2 + storage) + 1
 
 
 def test_torch_state_dict_is_a_state_dict(interp: Any) -> None:
     pytest.importorskip("torch")
     data, _ = data_pkl(torch_objects()["module"].state_dict())
-    handlers, table = torch_handlers()
-    root = interp(data, handlers=table, persistent_load=handlers.persistent_load,
+    handlers, table = handlers_for(interp)
+    root = interp(data, handlers=table, persistent_load=handlers.load_pid,
                   build=handlers.build).root
     assert type(root) is dict and list(root)[:2] == ["0.weight", "0.bias"]
     # BUILD of the state dict's metadata, kept beside it
@@ -763,9 +770,9 @@ def test_truncated_torch_pickle(interp: Any) -> None:
     pytest.importorskip("torch")
     data, _ = data_pkl(torch_objects()["optimizer"])
     for cut in range(len(data)):
-        handlers, table = torch_handlers()
+        handlers, table = handlers_for(interp)
         with pytest.raises(PickleDataError) as info:
-            interp(data[:cut], handlers=table, persistent_load=handlers.persistent_load,
+            interp(data[:cut], handlers=table, persistent_load=handlers.load_pid,
                    build=handlers.build)
         assert 0 <= info.value.offset <= cut, cut
 
@@ -779,3 +786,441 @@ def test_interpreter_choice() -> None:
         assert interpreter(None).func.__name__ == "interpret"  # type: ignore[attr-defined]
     else:
         assert interpreter(None) is compiled
+
+
+# -- the torch handlers: the compiled ones held to the Python ones ----------------------------
+# ``torch_handlers("c")`` puts the hot four (persistent_load, rebuild_v2, rebuild_parameter,
+# ordered_dict) of ``_TorchHandlers`` in C (``_interp.TorchCore``): the same result for every
+# argument list, by doing the common case in C and giving anything else to the Python method
+# (``core.fallback``). Each case below calls both on the same arguments and compares results,
+# errors (type and message) and the storage tables they leave.
+HOT = ("persistent_load", "rebuild_v2", "rebuild_parameter", "ordered_dict")
+
+
+@pytest.fixture
+def core_pair() -> tuple[Any, Any]:
+    """Fresh Python handlers and compiled ones (skipped where the extension is not built,
+    failed under ``CI``)."""
+    try:
+        compiled = torch_handlers("c")[0]
+    except ImportError:
+        if os.environ.get("CI"):
+            pytest.fail("ckptlab.format._interp is not built (pip install -e . with gcc)")
+        pytest.skip("ckptlab.format._interp is not built (no C compiler at install)")
+    return torch_handlers("python")[0], compiled
+
+
+def _state(value: Any) -> Any:
+    """A value as comparable data: records as themselves, ckptlab's mutable tensor records
+    (``_PendingTensor``, ``_CompositeRef``) as their type and fields."""
+    from ckptlab.format._pickle import _CompositeRef, _PendingTensor
+
+    if isinstance(value, (_PendingTensor, _CompositeRef)):
+        return type(value), tuple(_state(getattr(value, f)) for f in type(value).__slots__)
+    return type(value), value
+
+
+def _outcome(func: Any, *args: Any, **kwargs: Any) -> tuple[str, Any]:
+    """``("value", func(*args, **kwargs))``, or ``("error", (its type, its message))``."""
+    try:
+        return "value", func(*args, **kwargs)
+    except Exception as exc:  # every error is compared, type and message
+        return "error", (type(exc), str(exc))
+
+
+def assert_same_call(py: Any, c: Any, name: str, *args: Any, fresh: Any = None,
+                     **kwargs: Any) -> Any:
+    """``py.<name>(*args, **kwargs)`` and ``c.core.<name>(...)`` give equal results (values
+    of the same type, records equal, or the same error type and message) and leave equal
+    storage tables; ``fresh``: makes the arguments anew for each side (for arguments the
+    Python handler changes in place). The compiled side's outcome."""
+    a = _outcome(getattr(py, name), *(fresh() if fresh else args), **kwargs)
+    b = _outcome(getattr(c.core, name), *(fresh() if fresh else args), **kwargs)
+    assert a[0] == b[0], (name, args, kwargs, a, b)
+    if a[0] == "value":
+        assert _state(a[1]) == _state(b[1]), (name, args, kwargs)
+    else:
+        assert a[1] == b[1], (name, args, kwargs)
+    assert py.storages == c.storages and py.storage_order == c.storage_order
+    if b[0] == "value" and name == "persistent_load":  # the stored ref itself, not a copy
+        assert b[1] is c.storages[b[1].key]
+    return b
+
+
+def test_core_shares_the_storage_table(core_pair: tuple[Any, Any]) -> None:
+    _, c = core_pair
+    assert c.core is not None and c.load_pid == c.core.persistent_load
+    ref = c.load_pid(("storage", Global("torch", "FloatStorage"), "0", "cpu", 4))
+    assert c.storages == {"0": ref} and c.storage_order == ["0"]
+    assert c.persistent_load(("storage", Global("torch", "ByteStorage"), "0", "cpu", 16)) is ref
+    assert c.load_pid(("storage", Global("torch", "IntStorage"), "0", "cuda", 4)) is ref
+    # the table holds the core's four and the Python handlers' others
+    table = c.table()
+    assert table[("torch._utils", "_rebuild_tensor_v2")] == c.core.rebuild_v2
+    assert table[("torch._utils", "_rebuild_parameter")] == c.core.rebuild_parameter
+    assert table[("collections", "OrderedDict")] == c.core.ordered_dict
+    assert table[("torch._utils", "_rebuild_tensor")] == c.rebuild_v1
+    assert torch_handlers("python")[0].core is None
+
+
+FLOAT, BYTE, UNTYPED = (Global("torch", "FloatStorage"), Global("torch", "ByteStorage"),
+                        Global("torch.storage", "UntypedStorage"))
+
+
+class Text(str):
+    """A str subclass: taken by the Python handlers, left to them by the compiled ones."""
+
+
+class Number(int):
+    pass
+
+
+PIDS = [
+    ("storage", FLOAT, "0", "cpu", 4),
+    ("storage", FLOAT, "0", "cpu", 4),  # the same again: the same ref
+    ("storage", BYTE, "0", "cpu", 16),  # another class over the same bytes
+    ("storage", BYTE, "0", "cpu", 15),  # ... and different ones: refused
+    ("storage", UNTYPED, "1", "cuda:0", 0),
+    ("storage", Global("torch", "HalfStorage"), Text("2"), "cpu", 3),
+    ("storage", FLOAT, "2", "cpu", 1),  # Text("2") == "2": 6 bytes, now 4
+    ("storage", FLOAT, "3", Text("cpu"), 1), (Text("storage"), FLOAT, "4", "cpu", 1),
+    ("storage", FLOAT, "5", "cpu", -1), ("storage", FLOAT, "5", "cpu", True),
+    ("storage", FLOAT, "5", "cpu", 1.0), ("storage", FLOAT, "5", "cpu", Number(2)),
+    ("storage", FLOAT, "6", "cpu", 2**61), ("storage", FLOAT, "7", "cpu", 2**63),
+    ("storage", FLOAT, "8", "cpu", 2**200), ("storage", FLOAT, "8", "cpu", 2**200),
+    ("storage", FLOAT, "9", "cpu", (2**63 - 1) // 4), ("storage", FLOAT, "9", "cpu", 2**61 + 1),
+    ("storage", Global("torch", "Float"), "10", "cpu", 1),
+    ("storage", Global("torch.cuda", "FloatStorage"), "10", "cpu", 1),
+    ("storage", "FloatStorage", "10", "cpu", 1), ("storage", None, "10", "cpu", 1),
+    ("storage", FLOAT, 10, "cpu", 1), ("storage", FLOAT, "10", None, 1),
+    ("storage", FLOAT, b"10", "cpu", 1), ("Storage", FLOAT, "10", "cpu", 1),
+    (b"storage", FLOAT, "10", "cpu", 1), ("storage", FLOAT, "10", "cpu"),
+    ("storage", FLOAT, "10", "cpu", 1, "extra"), ("module", "name"), (), "storage",
+    ["storage", FLOAT, "10", "cpu", 1], None,
+    ("storage", FLOAT, (), "cpu", 1),
+    ("storage", FLOAT, [], "cpu", 1),
+    ("storage", Global(Text("torch"), "LongStorage"), "11", "cpu", 2),
+    ("storage", Global("torch", Text("LongStorage")), "12", "cpu", 2),
+    ("storage", Global("torch", "ComplexDoubleStorage"), "13", "cpu", 3),
+    ("storage", Global("torch", "BoolStorage"), "0", "cpu", 16),  # "0" again: 16 bytes
+]
+
+
+def test_core_persistent_load(core_pair: tuple[Any, Any]) -> None:
+    py, c = core_pair
+    for pid in PIDS:
+        assert_same_call(py, c, "persistent_load", pid)
+    assert c.storage_order == ["0", "1", "2", "3", "4", "6", "7", "8", "9", "11", "12", "13"]
+    assert_same_call(py, c, "persistent_load")  # (TypeError: no pid)
+    assert_same_call(py, c, "persistent_load", PIDS[0], PIDS[0])
+    assert_same_call(py, c, "persistent_load", pid=PIDS[0])
+    assert_same_call(py, c, "persistent_load", PIDS[0], other=1)
+
+
+@st.composite
+def pids(draw: Any) -> Any:
+    part = st.sampled_from
+    pid = [draw(part(["storage", "storage", Text("storage"), "Storage", b"storage"])),
+           draw(part([FLOAT, BYTE, UNTYPED, Global("torch", "DoubleStorage"),
+                      Global("torch", "Bogus"), Global("other", "FloatStorage"),
+                      "FloatStorage", None])),
+           draw(part(["0", "1", "2", Text("1"), 1, None])),
+           draw(part(["cpu", "cuda:0", Text("cpu"), None])),
+           draw(st.one_of(st.integers(-2, 40), st.integers(), part([True, 1.0, 2**62, 2**64])))]
+    shape = draw(part(["tuple", "tuple", "tuple", "short", "long", "list"]))
+    if shape == "short":
+        return tuple(pid[:draw(st.integers(0, 4))])
+    if shape == "long":
+        return (*pid, None)
+    return pid if shape == "list" else tuple(pid)
+
+
+@settings(max_examples=300)
+@given(calls=st.lists(pids(), max_size=12))
+def test_core_persistent_load_random(calls: list[Any]) -> None:
+    try:
+        py, c = torch_handlers("python")[0], torch_handlers("c")[0]
+    except ImportError:
+        pytest.skip("ckptlab.format._interp is not built")
+    for pid in calls:
+        assert_same_call(py, c, "persistent_load", pid)
+
+
+def _storage() -> Any:
+    from ckptlab.format._pickle import StorageRef
+
+    return StorageRef("0", "FloatStorage", "float32", "cpu", 24, 96)
+
+
+V2_ARGS = [
+    (0, (2, 3), (3, 1)), (0, (2, 3), (3, 1), False), (5, (2, 3), (3, 1), True),
+    (0, (), ()), (0, (0,), (1,)), (2**70, (2**70,), (2**65,)),
+    (0, (2, 3), (3, 1), True, None, "more", "args"),
+    (-1, (2,), (1,)), (True, (2,), (1,)), (1.0, (2,), (1,)), (Number(1), (2,), (1,)),
+    (None, (2,), (1,)), (0, [2, 3], [3, 1]), (0, (2, 3), [3, 1]), (0, (2, 3), (3,)),
+    (0, (2, -3), (3, 1)), (0, (2, 3), (3, -1)), (0, (2, True), (3, 1)),
+    (0, (2, 3.0), (3, 1)), (0, (2, Number(3)), (3, 1)), (0, (2, 3), (3, 1), 1),
+    (0, (2, 3), (3, 1), 0), (0, (2, 3), (3, 1), None), (0, (2, 3), (3, 1), "yes"),
+    (0, (1,) * 64, (1,) * 64), (0, (1,) * 65, (1,) * 65), (0, (1,) * 65, (1,) * 64),
+    (0, [1] * 65, [1] * 65), (0, "ab", "ab"), (0, None, None), (0, (2,)), (0,), (),
+]
+
+
+def test_core_rebuild_v2(core_pair: tuple[Any, Any]) -> None:
+    from ckptlab.format._pickle import StorageRef
+
+    py, c = core_pair
+    storage = _storage()
+    for args in V2_ARGS:
+        assert_same_call(py, c, "rebuild_v2", storage, *args)
+    other = _TensorRef(storage, 0, (1,), (1,), False, "float32")
+    for bad in (None, "0", other, (storage,), StorageRef("x", "s", "int8", "cpu", 0, 0)):
+        assert_same_call(py, c, "rebuild_v2", bad, 0, (2,), (1,))
+    made = c.core.rebuild_v2(storage, 3, (2, 3), (3, 1), True)
+    assert made == _TensorRef(storage, 3, (2, 3), (3, 1), True, "float32")
+    assert made.storage is storage and made.is_parameter is False
+    assert_same_call(py, c, "rebuild_v2", storage=storage, offset=0, size=(1,), stride=(1,))
+    assert_same_call(py, c, "rebuild_v2", storage, 0, (1,), (1,), requires_grad=True)
+    assert_same_call(py, c, "rebuild_v2", storage, 0, (1,), (1,), nonsense=True)
+
+
+@settings(max_examples=300)
+@given(args=st.lists(st.one_of(
+    st.integers(-3, 5), st.sampled_from([True, False, None, 2**64, 1.5, "x", [], ()]),
+    st.lists(st.integers(-1, 4), max_size=3).map(tuple),
+    st.lists(st.integers(-1, 4), max_size=3),
+    st.lists(st.one_of(st.integers(0, 3), st.booleans()), max_size=3).map(tuple)),
+    max_size=6))
+def test_core_rebuild_v2_random(args: list[Any]) -> None:
+    try:
+        py, c = torch_handlers("python")[0], torch_handlers("c")[0]
+    except ImportError:
+        pytest.skip("ckptlab.format._interp is not built")
+    assert_same_call(py, c, "rebuild_v2", _storage(), *args)
+    if len(args) >= 3:  # (the size and stride of one length, where the draw allows)
+        args[2] = args[1] if isinstance(args[1], tuple) else args[2]
+        assert_same_call(py, c, "rebuild_v2", _storage(), *args)
+
+
+def _tensor(**changes: Any) -> Any:
+    fields = {"storage": _storage(), "storage_offset": 2, "shape": (2, 3), "stride": (3, 1),
+              "requires_grad": False, "dtype": "float32", **changes}
+    return _TensorRef(**fields)
+
+
+def _pending(built: bool) -> Any:
+    from ckptlab.format._pickle import _PendingTensor
+
+    tensor = _PendingTensor(False)
+    if built:
+        tensor.ckptlab_build((_storage(), 0, (4,), (1,)))
+    return tensor
+
+
+def _composite() -> Any:
+    from ckptlab.format._pickle import _CompositeRef
+
+    return _CompositeRef("sparse", "float32", (3,), [("values", _tensor())])
+
+
+def test_core_rebuild_parameter(core_pair: tuple[Any, Any]) -> None:
+    py, c = core_pair
+    tensors = [_tensor(), _tensor(requires_grad=True, subclass="m.T", attrs={"a": 1}),
+               _tensor(is_parameter=True), _tensor(storage=None)]
+    for data in tensors:
+        for rest in [(), (True,), (False,), (1,), (0,), (None,), ("",), ([],), (True, None),
+                     (True, {"hook": 1}), (True, None, None), (False, None, {}),
+                     (True, None, {"x": 1}), (True, None, ({"x": 1}, {})),
+                     (True, None, None, "more")]:
+            assert_same_call(py, c, "rebuild_parameter", data, *rest)
+    made = c.core.rebuild_parameter(tensors[1], False)
+    assert made == _TensorRef(tensors[1].storage, 2, (2, 3), (3, 1), False, "float32", True,
+                              "m.T", {"a": 1})
+    for fresh in (lambda: (_pending(True), True), lambda: (_pending(False), 1),
+                  lambda: (_composite(), True), lambda: (_composite(), 0, None, {"s": 1})):
+        assert_same_call(py, c, "rebuild_parameter", fresh=fresh)
+    for data in (None, "x", _storage(), 5):
+        assert_same_call(py, c, "rebuild_parameter", data, True)
+    assert_same_call(py, c, "rebuild_parameter")
+    assert_same_call(py, c, "rebuild_parameter", data=_tensor(), requires_grad=True)
+    assert_same_call(py, c, "rebuild_parameter", _tensor(), True, unknown=1)
+
+
+def test_core_ordered_dict(core_pair: tuple[Any, Any]) -> None:
+    import gc
+
+    py, c = core_pair
+    for args in [(), (None,), ((),), ([],), ([1],), ((1,),), ({},), ("",), (0,), (False,),
+                 ([("a", 1)],), (None, None), (OrderedDict(),)]:
+        assert_same_call(py, c, "ordered_dict", *args)
+    assert_same_call(py, c, "ordered_dict", items=None)
+    assert_same_call(py, c, "ordered_dict", items=[1])
+    assert_same_call(py, c, "ordered_dict", other=None)
+    made = c.core.ordered_dict()
+    assert made == {} and type(made) is dict and not gc.is_tracked(made)
+    assert c.core.ordered_dict(None) is not made
+
+
+def test_core_rebuild_from_type_dispatches_to_it(core_pair: tuple[Any, Any]) -> None:
+    py, c = core_pair
+    for h in (py, c):
+        h.table()
+    v2 = Global("torch._utils", "_rebuild_tensor_v2")
+    storage = _storage()
+    for new_type, args, state in [
+        (Global("torch.nn.parameter", "Parameter"), (storage, 0, (2,), (1,)), None),
+        (Global("torch", "Tensor"), (storage, 0, (2,), (1,), True), {"a": 1}),
+        (Global("m", "Sub"), (storage, 0, (2,), (1,)), None),
+        (Global("m", "Sub"), (storage, -1, (2,), (1,)), None),
+    ]:
+        a = _outcome(py.rebuild_from_type, v2, new_type, args, state)
+        b = _outcome(c.rebuild_from_type, v2, new_type, args, state)
+        assert a == b
+
+
+class _Counting:
+    """A _TorchHandlers whose four hot methods count their calls (the core's fallback)."""
+
+    def __init__(self) -> None:
+        from ckptlab.format._pickle import _TorchHandlers
+
+        class Handlers(_TorchHandlers):
+            calls: ClassVar[list[str]] = []
+
+        for name in HOT:
+            def counted(self: Any, *args: Any, __name: str = name, **kwargs: Any) -> Any:
+                self.calls.append(__name)
+                return getattr(super(Handlers, self), __name)(*args, **kwargs)
+            setattr(Handlers, name, counted)
+        self.handlers = Handlers()
+        self.calls = Handlers.calls
+
+
+def test_core_takes_the_common_case_itself(core_pair: tuple[Any, Any]) -> None:
+    """What torch.save writes never reaches the Python methods; the rest always does."""
+    from ckptlab.format._interp import TorchCore
+
+    from ckptlab.format._pickle import _STORAGE_DTYPES, StorageRef
+
+    counting = _Counting()
+    core = TorchCore(counting.handlers, StorageRef, _TensorRef, _STORAGE_DTYPES)
+    ref = core.persistent_load(("storage", FLOAT, "0", "cpu", 6))
+    assert core.persistent_load(("storage", BYTE, "0", "cpu", 24)) is ref
+    tensor = core.rebuild_v2(ref, 0, (2, 3), (3, 1), False)
+    core.rebuild_v2(ref, 0, (2, 3), (3, 1))
+    core.rebuild_v2(ref, 0, (2, 3), (3, 1), True, None)
+    core.rebuild_parameter(tensor, True, OrderedDict())
+    core.rebuild_parameter(tensor, False, OrderedDict(), None)
+    core.ordered_dict()
+    core.ordered_dict(None)
+    assert counting.calls == []
+    assert counting.handlers.storages == {"0": ref}
+    for name, args in [("persistent_load", (("storage", FLOAT, "0", "cpu", 5),)),
+                       ("persistent_load", (("storage", FLOAT, Text("1"), "cpu", 5),)),
+                       ("rebuild_v2", (ref, 0, [2, 3], (3, 1))),
+                       ("rebuild_v2", (ref, 0, (2, 3), (3, 1), 1)),
+                       ("rebuild_parameter", (tensor, 1)),
+                       ("rebuild_parameter", (tensor, True, None, {"a": 1})),
+                       ("ordered_dict", ([("k", 1)],))]:
+        _outcome(getattr(core, name), *args)
+        assert counting.calls[-1] == name
+    core.ordered_dict(items=None)
+    assert counting.calls[-1] == "ordered_dict" and len(counting.calls) == 8
+
+
+def test_core_keeps_no_references_it_should_not(core_pair: tuple[Any, Any]) -> None:
+    """Reference counts of the arguments are as before after each path (fast and fallback,
+    value and error), and handlers dropped are collected (the core is in a cycle with them)."""
+    import gc
+    import weakref
+
+    _, c = core_pair
+    kind = Global("torch", "FloatStorage")
+    storage, size, stride, key = _storage(), (2, 3), (3, 1), "k" + str(os.getpid())
+    pid = ("storage", kind, key, "cpu", 6)
+    c.core.persistent_load(pid)
+    cases = [("persistent_load", (pid,)), ("persistent_load", (("storage", kind, key, "cpu", 7),)),
+             ("rebuild_v2", (storage, 0, size, stride)),
+             ("rebuild_v2", (storage, -1, size, stride)),
+             ("rebuild_parameter", (_tensor(), True)), ("rebuild_parameter", (_tensor(), 1)),
+             ("ordered_dict", ()), ("ordered_dict", ([1],))]
+    gc.collect()
+    gc.disable()  # (a collection of earlier tests' garbage changes what we count)
+    try:
+        for name, args in cases:
+            watched = [pid, kind, key, storage, size, stride, *args]
+            _outcome(getattr(c.core, name), *args)  # (what the handlers cache, once)
+            before = [sys.getrefcount(o) for o in watched]
+            for _ in range(50):
+                _outcome(getattr(c.core, name), *args)
+            assert [sys.getrefcount(o) for o in watched] == before, name
+    finally:
+        gc.enable()
+    dropped = torch_handlers("c")[0]
+    dropped.core.persistent_load(pid)
+    alive = weakref.ref(dropped)
+    del dropped
+    gc.collect()
+    assert alive() is None
+
+
+def test_core_refuses_a_bad_setup() -> None:
+    try:
+        from ckptlab.format._interp import TorchCore
+    except ImportError:
+        pytest.skip("ckptlab.format._interp is not built")
+    from ckptlab.format._pickle import _STORAGE_DTYPES, StorageRef, _TorchHandlers
+
+    fallback = _TorchHandlers()
+    with pytest.raises(TypeError):
+        TorchCore(fallback, StorageRef, _TensorRef)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        TorchCore(fallback, StorageRef, "not a class", _STORAGE_DTYPES)
+    with pytest.raises(TypeError, match="itemsize"):
+        TorchCore(fallback, StorageRef, _TensorRef, {"FloatStorage": ("float32", 0)})
+    with pytest.raises(TypeError, match="itemsize"):
+        TorchCore(fallback, StorageRef, _TensorRef, {"FloatStorage": "float32"})
+    with pytest.raises(AttributeError):
+        TorchCore(object(), StorageRef, _TensorRef, _STORAGE_DTYPES)
+    fallback.storages = OrderedDict()  # type: ignore[assignment]
+    with pytest.raises(TypeError, match="storages"):
+        TorchCore(fallback, StorageRef, _TensorRef, _STORAGE_DTYPES)
+
+
+def test_handlers_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptlab.format import _pickle
+
+    with pytest.raises(ValueError, match="impl"):
+        torch_handlers("rust")
+    assert torch_handlers("python")[0].core is None
+    built = _pickle._TorchCore is not None
+    assert (torch_handlers()[0].core is not None) == built
+    monkeypatch.setattr(_pickle, "_TorchCore", None)
+    with pytest.raises(ImportError):
+        torch_handlers("c")
+    assert torch_handlers()[0].core is None
+
+
+@pytest.mark.parametrize("impl", ["python", "c"])
+def test_one_switch_picks_interpreter_and_handlers(impl: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptlab.format import _pickle
+
+    try:
+        expected = interpreter(impl)
+    except ImportError:
+        pytest.skip("ckptlab.format._interp is not built")
+    used = []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        used.append(kwargs["persistent_load"])
+        return expected(*args, **kwargs)
+
+    monkeypatch.setattr(_pickle, "_IMPL", impl)
+    monkeypatch.setattr(_pickle, "interpreter", lambda which: spy if which == impl else None)
+    storage = (b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000"
+               b"X\x03\x00\x00\x00cpuK\x04tQ")
+    handlers, result = _pickle._interpret(P2 + storage + b".", None, None)
+    assert (handlers.core is None) == (impl == "python")
+    assert used == [handlers.load_pid]
+    assert result.root is handlers.storages["0"]

@@ -40,7 +40,7 @@ import torch
 import ckptlab
 from ckptlab import _torch_compat as tc
 from ckptlab.errors import ArchiveError, CorruptArchiveError
-from ckptlab.format import _pickle, _unpickle
+from ckptlab.format import _pickle
 from ckptlab.format._pickle import PickleScan, scan_pickle
 from ckptlab.testing.work import Work, WorkLimitExceeded, work_of
 
@@ -380,10 +380,11 @@ def test_build_on_tensor_stand_in_is_rejected(field: str, value: bytes) -> None:
 
 
 def _all_python(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The compiled interpreter off: every opcode then goes through Python, where
+    """The compiled interpreter and torch handlers off (``_pickle._IMPL``, the one switch for
+    both): every opcode and handler then goes through Python, where
     :mod:`ckptlab.testing.work` counts it (tests/format/test_interp.py holds both
-    interpreters to the same results)."""
-    monkeypatch.setattr(_pickle, "_INTERPRET", _unpickle.interpreter("python"))
+    implementations to the same results)."""
+    monkeypatch.setattr(_pickle, "_IMPL", "python")
 
 
 def _scan_work(pkl: bytes, limit: int | None = None) -> tuple[Any, Work]:
