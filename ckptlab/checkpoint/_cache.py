@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptlab.errors import InvalidArgumentError
+from ckptlab.format._bulk import columns, fields
 
 __all__ = ["CACHE_VERSION", "CheckpointIndex", "InspectionCache", "cache_dir", "decode_index",
            "encode_index", "identity_of"]
@@ -130,8 +131,8 @@ def _key(identity: dict[str, Any]) -> str:
 
 
 _PARTS, _KIND = attrgetter("parts"), attrgetter("kind")
-_ENTRY_FIELDS = attrgetter("name", "dtype", "shape", "kind")
-_PART_FIELDS = attrgetter("role", "file", "offset", "nbytes")
+_ENTRY_NAMES = ("name", "dtype", "shape", "kind")
+_PART_NAMES = ("role", "file", "offset", "nbytes")
 
 
 def _shape_text(shape: tuple[int, ...] | None) -> str:
@@ -209,15 +210,15 @@ class CheckpointIndex:
                        ) -> CheckpointIndex:
         """:meth:`from_checkpoint` of dense (or quantized) tensors of one part each (the
         common case), column by column: the same index as the loop makes."""
-        names, dtypes, shape_values, kinds = zip(*map(_ENTRY_FIELDS, entries))
+        names, dtypes, shape_values, kinds = map(tuple, fields(entries, _ENTRY_NAMES))
         parts = list(map(itemgetter(0), map(_PARTS, entries)))
-        roles, part_files, offsets, nbytes = zip(*map(_PART_FIELDS, parts))
+        roles, part_files, offsets, nbytes = map(tuple, fields(parts, _PART_NAMES))
         files = tuple(map(file_ids.get, part_files, repeat(-1)))
         texts: dict[Any, tuple[str, int]] = {}  # shape -> (its text, its elements)
         for shape in set(shape_values):
             numel = None if shape is None or any(d < 0 for d in shape) else math.prod(shape)
             texts[shape] = (_shape_text(shape), numel or 0)
-        shapes, params = zip(*map(texts.__getitem__, shape_values))
+        shapes, params = map(tuple, columns(list(map(texts.__getitem__, shape_values)), 2))
         return cls(ck.format, str(ck.path),
                    tuple((f.path, f.format, f.nbytes) for f in ck.files),
                    names, dtypes, shapes, kinds, nbytes, params, files, offsets,

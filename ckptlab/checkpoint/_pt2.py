@@ -252,7 +252,7 @@ class _Pt2:
             raise CorruptArchiveError(f"pickled payload is not a readable torch.save archive: "
                                       f"{exc}", path=self.src.name, record=rec.name,
                                       offset=rec.data_offset) from None
-        storages = {s.key: dataclasses.replace(s, data_offset=s.data_offset + rec.data_offset)
+        storages = {s.key: replace_record(s, data_offset=s.data_offset + rec.data_offset)
                     for s in layout.storages}
         check_parts_inside(layout.logical, storages, self.src.name)
         short = self.short(rec)  # inner storage keys as "<record>:<key>"
@@ -263,7 +263,7 @@ class _Pt2:
                                                     extra=(*t.extra, ("slot", slot))))
         for s in storages.values():
             key = f"{short}:{s.key}"
-            self.storages[key] = dataclasses.replace(s, key=key)
+            self.storages[key] = replace_record(s, key=key)
         if not single:
             self.objects.extend(((*path, *p), v) for p, v in layout.objects)
 
@@ -461,7 +461,7 @@ def model_pt2_legacy(src: ByteSource, rel: str, zs: ZipScan) -> FileModel:
         if rec.data_nbytes == 0 and rec.uncompressed_nbytes == 0:
             continue  # torch wrote None as no bytes: an empty dict
         layout = _inner_layout(src, rec)
-        shifted = {s.key: dataclasses.replace(s, data_offset=s.data_offset + rec.data_offset,
+        shifted = {s.key: replace_record(s, data_offset=s.data_offset + rec.data_offset,
                                               record=f"{rec.name}:{s.record}")
                    for s in layout.storages}
         check_parts_inside(layout.logical, shifted, src.name)
@@ -471,7 +471,7 @@ def model_pt2_legacy(src: ByteSource, rel: str, zs: ZipScan) -> FileModel:
             kind = "parameter" if t.is_parameter else slot
             tensors.append(dataclasses.replace(t, parts=parts, extra=(*t.extra, ("slot", kind))))
         for s in shifted.values():
-            storages[f"{rec.name}:{s.key}"] = dataclasses.replace(s, key=f"{rec.name}:{s.key}")
+            storages[f"{rec.name}:{s.key}"] = replace_record(s, key=f"{rec.name}:{s.key}")
         # values beside the tensors (an empty dict of constants is no value of its own)
         objects.extend((p, v) for p, v in layout.objects if p or v not in ({}, ()))
         inner_segments[rec.name] = tuple(

@@ -16,6 +16,7 @@ from typing import Any
 from ckptlab import _torch_compat as tc
 from ckptlab.checkpoint.model import Part, TensorEntry, span_nbytes, tensor_name
 from ckptlab.errors import CorruptArchiveError, UnsupportedFormatError
+from ckptlab.format._bulk import columns, fields
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.format.layout import StorageInfo
 
@@ -210,9 +211,9 @@ _PARTS = attrgetter("parts")
 _PATH = attrgetter("path")
 _KEY, _DTYPE, _OFFSET = attrgetter("storage_key"), attrgetter("dtype"), attrgetter("storage_offset")
 _SPAN_FIELDS = attrgetter("shape", "stride", "dtype")
-_INFO_FIELDS = attrgetter("storage_key", "dtype", "shape", "stride", "storage_offset")
-_TENSOR_FIELDS = attrgetter("path", "dtype", "shape", "stride", "kind", "layout",
-                            "requires_grad", "is_parameter", "subclass", "extra")
+_INFO_NAMES = ("storage_key", "dtype", "shape", "stride", "storage_offset")
+_TENSOR_NAMES = ("path", "dtype", "shape", "stride", "kind", "layout", "requires_grad",
+                 "is_parameter", "subclass", "extra")
 
 
 def _span_sizes(shapes: Iterable[Any], strides: Iterable[Any], itemsizes: Iterable[int]
@@ -242,8 +243,8 @@ def _dense_columns(logical: list[Any], storages: dict[str, StorageInfo], file: s
                    prefix: tuple[Any, ...], build: Any) -> list[TensorEntry] | None:
     """:func:`_dense_entries`' work (the collector paused by the caller)."""
     count = len(logical)
-    roles, infos = zip(*map(itemgetter(0), map(_PARTS, logical)))
-    keys, dtypes, shapes, strides, offsets = zip(*map(_INFO_FIELDS, infos))
+    roles, infos = columns(list(map(itemgetter(0), map(_PARTS, logical))), 2)
+    keys, dtypes, shapes, strides, offsets = fields(infos, _INFO_NAMES)
     if not all(keys):
         return None  # a meta tensor among them: no part
     located = list(map(storages.__getitem__, keys))
@@ -253,7 +254,7 @@ def _dense_columns(logical: list[Any], storages: dict[str, StorageInfo], file: s
                   [s.data_offset + o * i for s, o, i in zip(located, offsets, itemsizes)],
                   nbytes, dtypes, shapes, strides, offsets, keys)
     (paths, t_dtypes, t_shapes, t_strides, kinds, layouts, grads, params, subclasses,
-     extras) = zip(*map(_TENSOR_FIELDS, logical))
+     extras) = fields(logical, _TENSOR_NAMES)
     if prefix:
         paths = tuple((*prefix, *p) for p in paths)
     try:  # tensor_name of every path; when they are all strings, in one map

@@ -397,7 +397,7 @@ def model_torchscript(src: ByteSource, rel: str, zs: ZipScan) -> FileModel:
         infos.extend(replace_record(i, path=_constant_path(i.path),
                                          storage_key=f"constants/{i.storage_key}")
                      for i in consts.tensors)
-        all_storages.extend(dataclasses.replace(s, key=f"constants/{s.key}")
+        all_storages.extend(replace_record(s, key=f"constants/{s.key}")
                             for s in cstorages.values())
     notes: tuple[str, ...] = ()
     if classes.unknown:

@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from ckptlab.errors import InvalidArgumentError
+from ckptlab.format._bulk import fields
 
 __all__ = ["DESCENDING_FIRST", "GLOB_CHARACTERS", "SORT_KEYS", "TensorCatalog", "TensorQuery",
            "TensorSelection", "glob_regex", "is_glob", "natural_key", "select_tensors"]
@@ -390,11 +391,10 @@ class TensorCatalog:
                        offsets=source.offset, dtypes=source.dtypes, kinds=source.kinds)
         if isinstance(source, Checkpoint):
             entries = list(source.tensors.values())
-            get = operator.attrgetter("name", "nbytes", "parameters", "file", "offset",
-                                      "dtype", "kind")
             if not entries:
                 return cls(())
-            names, nbytes, params, files, offsets, dtypes, kinds = zip(*map(get, entries))
+            names, nbytes, params, files, offsets, dtypes, kinds = fields(
+                entries, ("name", "nbytes", "parameters", "file", "offset", "dtype", "kind"))
             return cls(names, nbytes=nbytes, parameters=params, files=files,
                        offsets=[-1 if o is None else o for o in offsets], dtypes=dtypes,
                        kinds=kinds)

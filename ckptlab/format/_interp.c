@@ -197,6 +197,10 @@ typedef struct {
     PyObject *keycache;    /* {id(tuple): (tuple, key)}, as _unpickle._key keeps it */
     PyObject *hcache;      /* {Global: handler or None}: each global's handler, looked up
                             * once (a dict of handlers is not changed while it runs) */
+    int keep_all;          /* find_memo_reads could not follow the pickle: keep every entry */
+    unsigned char *read_bits;  /* memo indices below read_nbits a GET reads */
+    Py_ssize_t read_nbits;
+    PyObject *read_far;    /* {index, ...} read at read_nbits or beyond, or NULL */
     long proto;
 } Machine;
 
@@ -409,7 +413,152 @@ need_below(Machine *m, Py_ssize_t base, Py_ssize_t k, int code)
     return 0;
 }
 
+/* -- little-endian integers ------------------------------------------------------------- */
+static uint32_t
+le32(const unsigned char *q)
+{
+    return (uint32_t)q[0] | ((uint32_t)q[1] << 8) | ((uint32_t)q[2] << 16) |
+           ((uint32_t)q[3] << 24);
+}
+
+static uint64_t
+le64(const unsigned char *q)
+{
+    return (uint64_t)le32(q) | ((uint64_t)le32(q + 4) << 32);
+}
+
 /* -- the memo --------------------------------------------------------------------------- */
+/* _unpickle.memo_reads: the memo indices the pickle can read, found before it runs: the
+ * arguments of every BINGET and LONG_BINGET up to the first STOP, as bits for indices up to
+ * the pickle's length and a set beyond. A memo entry no GET reads is stored as None (and
+ * charged as before): what only the pickler memoized (a tensor's argument tuple, a
+ * persistent id) is freed once used, instead of living, and being walked by the cyclic
+ * collector, until the end. Anything the scan cannot follow (a protocol-0 GET, whose text
+ * only the loop parses; an unknown opcode; an argument past the end) keeps every entry. */
+static int
+mark_read(Machine *m, unsigned long long index)
+{
+    if (index < (unsigned long long)m->read_nbits) {
+        m->read_bits[index >> 3] |= (unsigned char)(1u << (index & 7));
+        return 0;
+    }
+    PyObject *key = PyLong_FromUnsignedLongLong(index);
+    if (key == NULL || (m->read_far == NULL && (m->read_far = PySet_New(NULL)) == NULL)) {
+        Py_XDECREF(key);
+        return -1;
+    }
+    int rc = PySet_Add(m->read_far, key);
+    Py_DECREF(key);
+    return rc;
+}
+
+static int
+find_memo_reads(Machine *m)
+{
+    const unsigned char *p = m->p;
+    const Py_ssize_t n = m->n;
+    Py_ssize_t pos = 0;
+    m->keep_all = 1;
+    m->read_nbits = n + 1;
+    if ((m->read_bits = PyMem_Calloc((size_t)(n / 8 + 1), 1)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (;;) {
+        if (pos >= n)
+            return 0;  /* no STOP: keep all */
+        int code = p[pos++];
+        unsigned long long skip;
+        switch (code) {
+        case '.':  /* STOP */
+            m->keep_all = 0;
+            return 0;
+        case 'h':  /* BINGET */
+            if (pos >= n)
+                return 0;
+            if (mark_read(m, p[pos]) < 0)
+                return -1;
+            skip = 1;
+            break;
+        case 'j':  /* LONG_BINGET */
+            if (n - pos < 4)
+                return 0;
+            if (mark_read(m, le32(p + pos)) < 0)
+                return -1;
+            skip = 4;
+            break;
+        case 'g':  /* GET: its text is the loop's to parse */
+            return 0;
+        case '(': case '0': case '1': case '2': case 'N': case 'Q': case 'R': case 'a':
+        case 'b': case 'd': case '}': case 'e': case 'l': case ']': case 'o': case 's':
+        case 't': case ')': case 'u': case 0x81: case 0x85: case 0x86: case 0x87: case 0x88:
+        case 0x89: case 0x8f: case 0x90: case 0x91: case 0x92: case 0x93: case 0x94:
+        case 0x97: case 0x98:
+            skip = 0;
+            break;
+        case 'K': case 'q': case 0x80: case 0x82:
+            skip = 1;
+            break;
+        case 'M': case 0x83:
+            skip = 2;
+            break;
+        case 'J': case 'r': case 0x84:
+            skip = 4;
+            break;
+        case 'G': case 0x95:
+            skip = 8;
+            break;
+        case 'U': case 'C': case 0x8c: case 0x8a:  /* a 1-byte length, then the bytes */
+            if (pos >= n)
+                return 0;
+            skip = 1 + (unsigned long long)p[pos];
+            break;
+        case 'T': case 'B': case 'X': case 0x8b:  /* a 4-byte length */
+            if (n - pos < 4)
+                return 0;
+            skip = 4 + (unsigned long long)le32(p + pos);
+            break;
+        case 0x8d: case 0x8e: case 0x96:  /* an 8-byte length */
+            if (n - pos < 8)
+                return 0;
+            skip = le64(p + pos);
+            if (skip > (unsigned long long)n)
+                return 0;
+            skip += 8;
+            break;
+        case 'I': case 'L': case 'F': case 'S': case 'V': case 'P': case 'p':
+        case 'c': case 'i': {  /* text lines: one, or two for GLOBAL and INST */
+            int lines = code == 'c' || code == 'i' ? 2 : 1;
+            Py_ssize_t at = pos;
+            while (lines--) {
+                const unsigned char *nl = memchr(p + at, '\n', (size_t)(n - at));
+                if (nl == NULL)
+                    return 0;
+                at = (Py_ssize_t)(nl - p) + 1;
+            }
+            skip = (unsigned long long)(at - pos);
+            break;
+        }
+        default:
+            return 0;
+        }
+        if (skip > (unsigned long long)(n - pos))
+            return 0;
+        pos += (Py_ssize_t)skip;
+    }
+}
+
+/* value, or None where the pickle never reads memo index ``index`` (borrowed) */
+static PyObject *
+kept(Machine *m, Py_ssize_t index, PyObject *value)
+{
+    if (m->keep_all || index < 0)
+        return value;
+    if (index < m->read_nbits)
+        return m->read_bits[index >> 3] & (1u << (index & 7)) ? value : Py_None;
+    return value;  /* (the set's indices are looked up by sparse_put) */
+}
+
 static int
 sparse_put(Machine *m, PyObject *key, PyObject *value)
 {
@@ -418,6 +567,24 @@ sparse_put(Machine *m, PyObject *key, PyObject *value)
     int has = PyDict_Contains(m->sparse, key);
     if (has < 0 || (!has && charge(m, 128) < 0))
         return -1;
+    if (!m->keep_all) {
+        Py_ssize_t index = PyLong_AsSsize_t(key);
+        if (index == -1 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+                return -1;
+            PyErr_Clear();
+            index = PY_SSIZE_T_MAX;  /* past the bits: the set decides */
+        }
+        if (index < m->read_nbits) {
+            value = kept(m, index, value);
+        } else {
+            int read = m->read_far ? PySet_Contains(m->read_far, key) : 0;
+            if (read < 0)
+                return -1;
+            if (!read)
+                value = Py_None;
+        }
+    }
     return PyDict_SetItem(m->sparse, key, value);
 }
 
@@ -426,6 +593,7 @@ memo_append(Machine *m, PyObject *value)
 {
     if (grow((void **)&m->memo, &m->memo_cap, m->memo_len + 1, sizeof(PyObject *)) < 0)
         return -1;
+    value = kept(m, m->memo_len, value);
     Py_INCREF(value);
     m->memo[m->memo_len++] = value;
     return charge(m, 16);
@@ -438,6 +606,7 @@ memo_put(Machine *m, Py_ssize_t index, PyObject *value)
         return memo_append(m, value);
     if (index < m->memo_len) {
         PyObject *old = m->memo[index];
+        value = kept(m, index, value);
         Py_INCREF(value);
         m->memo[index] = value;
         Py_DECREF(old);
@@ -472,19 +641,6 @@ memo_get(Machine *m, Py_ssize_t index, PyObject *key)
 }
 
 /* -- reading ---------------------------------------------------------------------------- */
-static uint32_t
-le32(const unsigned char *q)
-{
-    return (uint32_t)q[0] | ((uint32_t)q[1] << 8) | ((uint32_t)q[2] << 16) |
-           ((uint32_t)q[3] << 24);
-}
-
-static uint64_t
-le64(const unsigned char *q)
-{
-    return (uint64_t)le32(q) | ((uint64_t)le32(q + 4) << 32);
-}
-
 /* _Machine.take for a declared length (``negative``: the length is -nbytes): the bytes at
  * the position, which moves past them. */
 static const unsigned char *
@@ -876,13 +1032,18 @@ persistent_load(Machine *m, PyObject *pid)
     return PyObject_CallOneArg(m->persistent, pid);
 }
 
-/* ``target.<attr>.extend(items)``: a Reduced's items or pairs */
+/* _unpickle._extend: ``target.<attr>.extend(items)``, a Reduced's items or pairs; the list
+ * ``items`` itself when the attribute is still the empty tuple a Reduced starts with */
 static int
 call_extend(State *st, PyObject *target, PyObject *attr, PyObject *items)
 {
     PyObject *list = PyObject_GetAttr(target, attr);
     if (list == NULL)
         return -1;
+    if (PyTuple_CheckExact(list) && PyTuple_GET_SIZE(list) == 0) {
+        Py_DECREF(list);
+        return PyObject_SetAttr(target, attr, items);
+    }
     PyObject *done = PyObject_CallMethodOneArg(list, st->s_extend, items);
     Py_DECREF(list);
     if (done == NULL)
@@ -1814,6 +1975,8 @@ machine_clear(Machine *m)
     Py_XDECREF(m->hcache);
     Py_XDECREF(m->seen);
     Py_XDECREF(m->keycache);
+    PyMem_Free(m->read_bits);
+    Py_XDECREF(m->read_far);
 }
 
 /* max(MEMORY_FLOOR, memory_per_byte * n), as a C long long (clamped: no pickle can charge
@@ -1884,7 +2047,7 @@ interpret(PyObject *module, PyObject *args, PyObject *kwargs)
     if (initial_budget(st, memory_per_byte ? memory_per_byte : st->memory_per_byte, m.n,
                        &m.budget) < 0 ||
         (m.globals = PyDict_New()) == NULL || (m.seen = PyList_New(0)) == NULL ||
-        (m.hcache = PyDict_New()) == NULL)
+        (m.hcache = PyDict_New()) == NULL || find_memo_reads(&m) < 0)
         goto done;
     result = run(&m);
 done:
@@ -1943,9 +2106,15 @@ PyDoc_STRVAR(interpret_doc,
 static PyObject *s_fields_key, *s_defaults_key;
 
 static Py_ssize_t
+record_len_of(PyTypeObject *type)
+{
+    return (type->tp_basicsize - (Py_ssize_t)sizeof(PyObject)) / (Py_ssize_t)sizeof(PyObject *);
+}
+
+static Py_ssize_t
 record_len(PyObject *self)
 {
-    return (Py_TYPE(self)->tp_basicsize - (Py_ssize_t)sizeof(PyObject)) / (Py_ssize_t)sizeof(PyObject *);
+    return record_len_of(Py_TYPE(self));
 }
 
 #define RECORD_ITEMS(self) ((PyObject **)((char *)(self) + sizeof(PyObject)))
@@ -1953,11 +2122,20 @@ record_len(PyObject *self)
 static PyObject *
 record_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    PyObject *fields = PyDict_GetItemWithError(type->tp_dict, s_fields_key);
-    PyObject *defaults = fields ? PyDict_GetItemWithError(type->tp_dict, s_defaults_key) : NULL;
-    if (defaults == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "not a record type");
+    /* the class attributes record_type set (public attribute lookups, cached by type) */
+    PyObject *fields = PyObject_GetAttr((PyObject *)type, s_fields_key);
+    PyObject *defaults = fields ? PyObject_GetAttr((PyObject *)type, s_defaults_key) : NULL;
+    if (defaults == NULL || !PyTuple_Check(fields) || !PyTuple_Check(defaults) ||
+        PyTuple_GET_SIZE(fields) != record_len_of(type) ||
+        PyTuple_GET_SIZE(defaults) > PyTuple_GET_SIZE(fields)) {
+        if (defaults == NULL && !PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            Py_XDECREF(fields);
+            return NULL;
+        }
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, "not a record type");
+        Py_XDECREF(fields);
+        Py_XDECREF(defaults);
         return NULL;
     }
     Py_ssize_t n = PyTuple_GET_SIZE(fields), nd = PyTuple_GET_SIZE(defaults);
@@ -2003,9 +2181,13 @@ record_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         }
         items[i] = Py_NewRef(PyTuple_GET_ITEM(defaults, i - (n - nd)));
     }
+    Py_DECREF(fields);
+    Py_DECREF(defaults);
     return self;
 fail:
     Py_DECREF(self);
+    Py_DECREF(fields);
+    Py_DECREF(defaults);
     return NULL;
 }
 
@@ -2060,12 +2242,19 @@ record_hash(PyObject *self)
 static PyObject *
 record_repr(PyObject *self)
 {
-    PyObject *fields = PyDict_GetItemWithError(Py_TYPE(self)->tp_dict, s_fields_key);
+    PyObject *fields = PyObject_GetAttr((PyObject *)Py_TYPE(self), s_fields_key);
     if (fields == NULL)
         return NULL;
+    if (!PyTuple_Check(fields) || PyTuple_GET_SIZE(fields) != record_len(self)) {
+        Py_DECREF(fields);
+        PyErr_SetString(PyExc_TypeError, "not a record type");
+        return NULL;
+    }
     int rc = Py_ReprEnter(self);
-    if (rc != 0)
+    if (rc != 0) {
+        Py_DECREF(fields);
         return rc > 0 ? PyUnicode_FromString("...") : NULL;
+    }
     PyObject *parts = PyList_New(0), *out = NULL;
     PyObject **items = RECORD_ITEMS(self);
     for (Py_ssize_t i = 0; parts && i < PyTuple_GET_SIZE(fields); i++) {
@@ -2083,6 +2272,7 @@ record_repr(PyObject *self)
     Py_XDECREF(sep);
     Py_XDECREF(joined);
     Py_XDECREF(parts);
+    Py_DECREF(fields);
     Py_ReprLeave(self);
     return out;
 }
@@ -2161,8 +2351,8 @@ record_type(PyObject *module, PyObject *args)
                         Py_TPFLAGS_DEFAULT, slots};  /* no Py_TPFLAGS_HAVE_GC */
     PyObject *type = PyType_FromSpec(&spec);
     if (type == NULL ||
-        PyDict_SetItem(((PyTypeObject *)type)->tp_dict, s_fields_key, fields) < 0 ||
-        PyDict_SetItem(((PyTypeObject *)type)->tp_dict, s_defaults_key, defaults) < 0 ||
+        PyObject_SetAttr(type, s_fields_key, fields) < 0 ||
+        PyObject_SetAttr(type, s_defaults_key, defaults) < 0 ||
         PyObject_SetAttrString(type, "__match_args__", fields) < 0)
         Py_CLEAR(type);
     if (type != NULL && namespace != NULL) {  /* properties, a docstring: set on the class */
@@ -2651,9 +2841,15 @@ static PyType_Spec core_spec = {
     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, core_slots,
 };
 
+/* _walk.c */
+PyObject *ckptlab_walk_tensors(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+
 static PyMethodDef methods[] = {
     {"interpret", (PyCFunction)(void (*)(void))interpret, METH_VARARGS | METH_KEYWORDS,
      interpret_doc},
+    {"walk_tensors", (PyCFunction)(void (*)(void))ckptlab_walk_tensors, METH_FASTCALL,
+     "walk_tensors(root, kinds, walk_kind, pending_type, reduced_type, children, path_key, "
+     "max_depth, too_deep): ckptlab.format._pickle._walk_tensors compiled (_walk.c)"},
     {"record_type", record_type, METH_VARARGS,
      "record_type(qualname, fields, defaults=(), namespace=None): an immutable record class "
      "(namespace: extra class attributes, e.g. properties) not tracked by the "

@@ -22,11 +22,11 @@ import reprlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 from typing import Any
 
 from ckptlab.errors import CorruptArchiveError
-from ckptlab.format._bulk import LazyTuple, build
+from ckptlab.format._bulk import LazyTuple, build, columns, fields
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE, STORAGE_DTYPE, canonical_dtype
 from ckptlab.format._records import record_type, replace
 from ckptlab.format._unpickle import (
@@ -710,7 +710,7 @@ def _walk(root: Any) -> tuple[list[tuple[tuple[Any, ...], Any]],
         return [((), root)], []
     if not isinstance(root, _CONTAINERS):
         return [], [((), root)]
-    found, holds_tensor = _walk_tensors(root)
+    found, holds_tensor = walk_tensors(root)
     if id(root) not in holds_tensor:
         return found, [((), root)]
     return found, LazyTuple(None, lambda: _values(root, holds_tensor))
@@ -763,6 +763,33 @@ def _walk_tensors(root: Any) -> tuple[list[tuple[tuple[Any, ...], Any]], set[int
     return found, holds_tensor
 
 
+def _walk_tensors_c(root: Any) -> tuple[list[tuple[tuple[Any, ...], Any]], set[int]]:
+    """:func:`_walk_tensors` compiled (:mod:`ckptlab.format._interp`, ``_walk.c``): the
+    rules it needs (a type's kind, a rare container's children, a path element, the depth
+    error) are this module's, passed in."""
+    return _c_walk(root, _WALK_KIND, _walk_kind, _PendingTensor, Reduced,  # type: ignore[no-any-return]
+                   _children, _path_key, MAX_DEPTH, _too_deep)
+
+
+def walk_tensors(root: Any, impl: str | None = None
+                 ) -> tuple[list[tuple[tuple[Any, ...], Any]], set[int]]:
+    """Every tensor reachable from the container ``root`` with its path, and the ids of the
+    containers that hold one: by ``impl`` (``"python"``, ``"c"``, or None: :data:`_IMPL`,
+    the compiled walk where it is built)."""
+    impl = _IMPL if impl is None else impl
+    if impl == "python" or (impl is None and _c_walk is None):
+        return _walk_tensors(root)
+    if _c_walk is None:
+        raise ImportError("ckptlab.format._interp is not built")
+    return _walk_tensors_c(root)
+
+
+try:
+    from ckptlab.format._interp import walk_tensors as _c_walk
+except ImportError:  # built without a C compiler
+    _c_walk = None
+
+
 def _values(root: Any, holds_tensor: set[int]) -> list[tuple[tuple[Any, ...], Any]]:
     """:func:`_walk`'s second pass: the non-tensor children of the containers that hold
     tensors (ids in ``holds_tensor``, all reachable through each other from ``root``)."""
@@ -805,11 +832,6 @@ _DENSE_NAMES = ("storage", "dtype", "shape", "stride", "storage_offset", "requir
                 "is_parameter", "subclass")
 
 
-def fields_of(objects: Sequence[Any], cls: type, names: Sequence[str]) -> list[Sequence[Any]]:
-    """``[o.name for o in objects]`` for each of ``names``."""
-    return [list(map(attrgetter(name), objects)) for name in names]
-
-
 def _logical(found: list[tuple[tuple[Any, ...], Any]]
              ) -> tuple[tuple[ScannedTensor, ...], tuple[TensorInfo, ...]]:
     """:func:`_scanned` of every tensor found, and the storage-backed tensors among their parts.
@@ -822,9 +844,9 @@ def _logical(found: list[tuple[tuple[Any, ...], Any]]
         return logical, tuple(info for t in logical for _, info in t.parts
                               if info.storage_key or t.kind == "dense")
     count = len(found)
-    paths, refs = zip(*found)
+    paths, refs = columns(found, 2)
     (storages, dtypes, shapes, strides, offsets, grads, params,
-     subclasses) = fields_of(refs, _TensorRef, _DENSE_NAMES)
+     subclasses) = fields(refs, _DENSE_NAMES)
     keys = [s.key if s is not None else "" for s in storages]
     cols = DenseColumns(paths, keys, dtypes, shapes, strides, offsets, grads, params,
                         subclasses)

@@ -76,12 +76,18 @@ except ImportError:
     _c_record_type = None
 
 
+def _asdict(record: Any) -> dict[str, Any]:
+    """The record's fields as a dict, in order (:func:`dataclasses.asdict` for a record)."""
+    return dict(zip(type(record)._fields, record.__reduce__()[1]))
+
+
 def record_type(qualname: str, fields: tuple[str, ...], defaults: tuple[Any, ...] = (),
                 namespace: dict[str, Any] | None = None, *, impl: str | None = None) -> type:
     """An immutable record class named ``qualname`` (``"module.Name"``) with ``fields``,
     the last ``len(defaults)`` of them optional: the compiled one where it is built (or as
     ``impl`` says: ``"c"`` / ``"python"``); ``namespace``: more class attributes
-    (properties, ``__doc__``)."""
+    (properties, ``__doc__``). Every record has ``_asdict()``."""
+    namespace = {"_asdict": _asdict, **(namespace or {})}
     if impl == "python" or (impl is None and _c_record_type is None):
         return _python_record_type(qualname, fields, defaults, namespace)
     if _c_record_type is None:
@@ -95,7 +101,7 @@ def replace(record: Any, **changes: Any) -> Any:
         import dataclasses
 
         return dataclasses.replace(record, **changes)
-    values = dict(zip(type(record)._fields, record.__reduce__()[1]))
+    values = _asdict(record)
     unknown = changes.keys() - values.keys()
     if unknown:
         raise TypeError(f"{type(record).__name__} has no field {sorted(unknown)[0]!r}")

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptlab.errors import PickleBudgetError, PickleDataError
+from ckptlab.format._records import record_type
 
 __all__ = [
     "MAX_INT_NBYTES",
@@ -101,21 +102,20 @@ def path_value(name: str, parts: tuple[Any, ...]) -> str:
     return str(flavour(*parts))
 
 
-class Global:
-    """A global the pickle names: ``module.name``. Never imported, never called."""
+def _global_qualname(self: Any) -> str:
+    return f"{self.module}.{self.name}"
 
-    __slots__ = ("module", "name")
 
-    def __init__(self, module: str, name: str) -> None:
-        self.module = module
-        self.name = name
+def _global_repr(self: Any) -> str:
+    return f"<global {self.module}.{self.name}>"
 
-    @property
-    def qualname(self) -> str:
-        return f"{self.module}.{self.name}"
 
-    def __repr__(self) -> str:
-        return f"<global {self.module}.{self.name}>"
+# A global the pickle names: ``module.name``. Never imported, never called. An immutable
+# record the collector does not track (:mod:`ckptlab.format._records`), so the tuples that
+# hold one (a storage's persistent id) are not tracked either.
+Global = record_type("ckptlab.format._unpickle.Global", ("module", "name"), (), {
+    "qualname": property(_global_qualname), "__repr__": _global_repr,
+    "__doc__": "A global the pickle names: ``module.name``. Never imported, never called."})
 
 
 class Reduced:
@@ -123,7 +123,8 @@ class Reduced:
 
     ``args``/``kwargs`` are the constructor arguments, ``state`` what BUILD gave it, ``items``
     what APPEND(S) added and ``pairs`` what SETITEM(S) added (a ``defaultdict`` or an unknown
-    mapping class), in pickle order.
+    mapping class), in pickle order: lists, or the empty tuple while nothing was added (a
+    module pickled whole holds a Reduced per submodule, none with items or pairs).
     """
 
     __slots__ = ("__weakref__", "args", "func", "items", "kwargs", "pairs", "state")
@@ -134,8 +135,8 @@ class Reduced:
         self.args = args
         self.kwargs = kwargs
         self.state: Any = None
-        self.items: list[Any] = []
-        self.pairs: list[tuple[Any, Any]] = []
+        self.items: list[Any] | tuple[()] = ()
+        self.pairs: list[tuple[Any, Any]] | tuple[()] = ()
 
     def __repr__(self) -> str:
         return f"<{self.func.qualname} object>"
@@ -310,6 +311,74 @@ def _pop_mark(stack: list[Any], metastack: list[list[Any]], code: int
     return stack, metastack.pop()
 
 
+# memo_reads: how many argument bytes follow each opcode (text opcodes: lines)
+_NO_ARG = b"(012NQRabd}el]ost)u\x81\x85\x86\x87\x88\x89\x8f\x90\x91\x92\x93\x94\x97\x98"
+_FIXED = {**dict.fromkeys(b"Kq\x80\x82", 1), **dict.fromkeys(b"M\x83", 2),
+          **dict.fromkeys(b"Jr\x84", 4), **dict.fromkeys(b"G\x95", 8), **dict.fromkeys(_NO_ARG, 0)}
+_COUNTED = {**dict.fromkeys(b"UC\x8c\x8a", (1, "<B")), **dict.fromkeys(b"TBX\x8b", (4, "<I")),
+            **dict.fromkeys(b"\x8d\x8e\x96", (8, "<Q"))}
+_LINES = {**dict.fromkeys(b"ILFSVPp", 1), **dict.fromkeys(b"ci", 2)}
+
+
+def memo_reads(data: Any) -> set[int] | None:
+    """The memo indices the pickle can read, found before it runs: the arguments of every
+    BINGET and LONG_BINGET up to the first STOP.
+
+    A memo entry no GET reads is stored as None (and charged as before): what only the
+    pickler memoized (a tensor's argument tuple, a persistent id) is freed once used, instead
+    of living, and being walked by the cyclic collector, until the end. None (keep every
+    entry) where the scan cannot follow the pickle: a protocol-0 GET (its text is the loop's
+    to parse), an unknown opcode, an argument past the end, no STOP.
+    """
+    if not isinstance(data, bytes):
+        data = bytes(data)
+    n = len(data)
+    pos = 0
+    reads: set[int] = set()
+    while pos < n:
+        code = data[pos]
+        pos += 1
+        if code == 0x2E:  # STOP
+            return reads
+        if code == 0x68:  # BINGET
+            if pos >= n:
+                return None
+            reads.add(data[pos])
+            pos += 1
+        elif code == 0x6A:  # LONG_BINGET
+            if pos + 4 > n:
+                return None
+            reads.add(_unpack_I(data, pos)[0])
+            pos += 4
+        elif code in _FIXED:
+            pos += _FIXED[code]
+        elif code in _COUNTED:
+            width, fmt = _COUNTED[code]
+            if pos + width > n:
+                return None
+            pos += width + struct.unpack_from(fmt, data, pos)[0]
+        elif code in _LINES:
+            for _ in range(_LINES[code]):
+                end = data.find(b"\n", pos)
+                if end < 0:
+                    return None
+                pos = end + 1
+        else:  # a GET (protocol 0), or an opcode the interpreter refuses
+            return None
+        if pos > n:
+            return None
+    return None
+
+
+def _extend(target: Reduced, attr: str, new: list[Any]) -> None:
+    """``target.<attr>.extend(new)``; ``new`` itself while the attribute is still ``()``."""
+    before = getattr(target, attr)
+    if type(before) is tuple and not before:
+        setattr(target, attr, new)
+    else:
+        before.extend(new)
+
+
 def _need(stack: list[Any], k: int, code: int) -> None:
     if len(stack) < k:
         raise PickleDataError(f"opcode {code:#04x} needs {k} items on the stack, "
@@ -331,6 +400,7 @@ class _Machine:
         "persistent",
         "pos",
         "proto",
+        "reads",
         "seen_globals",
     )
 
@@ -347,6 +417,7 @@ class _Machine:
         self.budget = budget
         self.memo: list[Any] = []
         self.memo_sparse: dict[int, Any] = {}
+        self.reads = memo_reads(data)
         self.globals: dict[tuple[str, str], Global] = {}
         self.seen_globals: list[str] = []
         self.keycache: dict[int, tuple[Any, Any]] = {}
@@ -377,6 +448,8 @@ class _Machine:
         return bytes(data[start:start + end]).decode("latin-1")
 
     def memo_put(self, index: int, value: Any) -> None:
+        if self.reads is not None and index not in self.reads:
+            value = None  # (no GET reads it: stored as None, charged the same)
         memo = self.memo
         if index == len(memo):
             memo.append(value)
@@ -439,7 +512,7 @@ class _Machine:
             for i in range(0, len(flat), 2):
                 target[_key(flat[i], cache)] = flat[i + 1]
         elif isinstance(target, Reduced):
-            target.pairs.extend(zip(flat[::2], flat[1::2]))
+            _extend(target, "pairs", list(zip(flat[::2], flat[1::2])))
         else:
             raise PickleDataError(f"SETITEM on a {type(target).__name__}")
 
@@ -448,7 +521,7 @@ class _Machine:
         if type(target) is list:
             target.extend(items)
         elif isinstance(target, Reduced):
-            target.items.extend(items)
+            _extend(target, "items", list(items))
         else:
             raise PickleDataError(f"APPEND on a {type(target).__name__}")
 
@@ -496,6 +569,7 @@ class _Machine:
         metastack: list[list[Any]] = []
         push = stack.append
         memo = self.memo
+        reads = self.reads
         # the budget lives in a local in the loop; methods that charge get it through
         # self.budget (synced around their calls)
         budget = self.budget
@@ -540,7 +614,7 @@ class _Machine:
                         if not stack:
                             raise PickleDataError("LONG_BINPUT with an empty stack")
                     if idx == len(memo):
-                        memo.append(stack[-1])
+                        memo.append(stack[-1] if reads is None or idx in reads else None)
                         budget -= 16
                         if budget < 0:
                             raise self.over_budget()
@@ -667,7 +741,7 @@ class _Machine:
                 if code == 0x94:  # MEMOIZE
                     if not stack:
                         raise PickleDataError("MEMOIZE with an empty stack")
-                    memo.append(stack[-1])
+                    memo.append(stack[-1] if reads is None or len(memo) in reads else None)
                     budget -= 16
                     if budget < 0:
                         raise self.over_budget()

@@ -12,8 +12,9 @@ from typing import Any
 
 from ckptlab.errors import CorruptArchiveError, UnsupportedFormatError
 from ckptlab.format import _zip
-from ckptlab.format._bulk import LazyTuple, build
-from ckptlab.format._pickle import PickleScan, StorageRef, fields_of, scan_pickle
+from ckptlab.format._bulk import LazyTuple, build, fields
+from ckptlab.format._bulk import columns as _columns
+from ckptlab.format._pickle import PickleScan, scan_pickle
 from ckptlab.format.layout import ArchiveLayout, Record, Segment, SegmentKind, StorageInfo
 from ckptlab.source._bytes import ByteSource
 
@@ -418,7 +419,7 @@ def _records(src: ByteSource, trailer: _zip.Trailer, cdir: _zip.CentralDirectory
             "header_offset", "name_nbytes", "method", "crc32", "compressed_nbytes",
             "uncompressed_nbytes"))
     else:
-        _, name_nbytes, _, method, crc32, comp, uncomp, hdr, _, _ = zip(*cdir.entries)
+        _, name_nbytes, _, method, crc32, comp, uncomp, hdr, _, _ = _columns(cdir.entries, 10)
     columns = (names, hdr, name_nbytes, extra, zip64, padding, data_offset, comp, descriptor,
                crc32, uncomp, method)
     return RecordTuple(columns), headers, cols
@@ -604,8 +605,7 @@ def storage_infos(scan: PickleScan, records: dict[str, Record] | _ByName, prefix
     """
     storages = scan.storages
     if storages:
-        keys, dtypes, nbytes, locations, types = fields_of(storages, StorageRef,
-                                                           _STORAGE_NAMES)
+        keys, dtypes, nbytes, locations, types = fields(storages, _STORAGE_NAMES)
         nbytes = tuple(nbytes)
         start = f"{prefix}data/"
         names = [start + key for key in keys]

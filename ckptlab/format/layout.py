@@ -84,17 +84,16 @@ class Record:
         return self.name.split("/", 1)[1] if "/" in self.name else self.name
 
 
-@dataclass(frozen=True, slots=True)
-class StorageInfo:
-    """A storage as the pickle declares it, and where its bytes are."""
-
-    key: str  # storage key in the pickle ("0", "1", ...)
-    record: str  # full record name holding its bytes
-    dtype: str  # element type, torch's name without prefix ("float32", "uint8" if untyped)
-    nbytes: int  # bytes of the storage
-    data_offset: int  # offset of its first byte in the file
-    device: str  # location as saved ("cpu", "cuda:0", ...)
-    storage_type: str = ""  # pickled storage class ("FloatStorage", "UntypedStorage", ...)
+# A storage as the pickle declares it, and where its bytes are: ``key`` (storage key in the
+# pickle: "0", "1", ...), ``record`` (the full record name holding its bytes), ``dtype``
+# (element type, torch's name without prefix; "uint8" if untyped), ``nbytes``, ``data_offset``
+# (of its first byte in the file), ``device`` (location as saved: "cpu", "cuda:0", ...),
+# ``storage_type`` (the pickled storage class: "FloatStorage", "UntypedStorage", ...). An
+# immutable record the collector does not track (:mod:`ckptlab.format._records`).
+StorageInfo = record_type(
+    "ckptlab.format.layout.StorageInfo",
+    ("key", "record", "dtype", "nbytes", "data_offset", "device", "storage_type"), ("",),
+    {"__doc__": "A storage as the pickle declares it, and where its bytes are."})
 
 
 def _numel(self: Any) -> int:
@@ -211,7 +210,7 @@ class ArchiveLayout:
             "overhead_nbytes": self.overhead_nbytes,
             "padding_nbytes": self.padding_nbytes,
             "records": [dict(asdict(r), end_offset=r.end_offset) for r in self.records],
-            "storages": [asdict(s) for s in self.storages],
+            "storages": [s._asdict() for s in self.storages],
             "tensors": [
                 dict(zip(t._fields, t.__reduce__()[1]), path=list(t.path), shape=list(t.shape),
                      stride=list(t.stride))

@@ -13,6 +13,7 @@ from typing import Any
 from ckptlab.errors import InvalidArgumentError, UnsupportedFormatError
 from ckptlab.format import _zip
 from ckptlab.format._pickle import scan_pickle
+from ckptlab.format._records import replace as replace_record
 from ckptlab.format.archive import largest_alignment, record_segments, storage_infos
 from ckptlab.format.layout import ArchiveLayout, Record, StorageInfo, TensorInfo
 
@@ -217,7 +218,7 @@ def realign(layout: ArchiveLayout, alignment: int) -> ArchiveLayout:
     placed = [replace(p, crc32=0 if o.short_name == ".storage_alignment" else o.crc32)
               for p, o in zip(placed, ordered)]
     by_name = {r.name: r for r in placed}
-    storages = tuple(replace(s, data_offset=by_name[s.record].data_offset)
+    storages = tuple(replace_record(s, data_offset=by_name[s.record].data_offset)
                      for s in layout.storages)
     return _assemble(placed, cd_offset, cd_nbytes, path=f"<realigned from {layout.path}>",
                      archive_name=layout.archive_name, storages=storages,

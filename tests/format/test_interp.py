@@ -272,7 +272,7 @@ def test_calls_without_a_handler_are_reduced(interp: Any) -> None:
                                (inst, (6,), None)]:
         assert type(made) is Reduced and made.func.qualname == "m.f"
         assert made.args == args and made.kwargs == kwargs
-        assert made.state is None and made.items == [] and made.pairs == []
+        assert made.state is None and made.items == () and made.pairs == ()
     assert reduce.func is newobj.func is inst.func
 
 
