@@ -2409,7 +2409,7 @@ typedef struct {
 /* the names the core looks up: made once, at import */
 #define CORE_NAMES(X) X(storages) X(storage_order) X(module) X(name) X(dtype) X(nbytes) \
     X(storage) X(storage_offset) X(shape) X(stride) X(subclass) X(attrs) X(persistent_load) \
-    X(rebuild_v2) X(rebuild_parameter) X(ordered_dict)
+    X(rebuild_v2) X(rebuild_parameter) X(ordered_dict) X(make_set) X(make_frozenset)
 #define CORE_NAME_FIELD(f) PyObject *f;
 static struct { CORE_NAMES(CORE_NAME_FIELD) } core_names;
 #undef CORE_NAME_FIELD
@@ -2702,6 +2702,46 @@ core_ordered_dict(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObjec
     return core_fallback((TorchCore *)op, core_names.ordered_dict, args, nargs, kwnames);
 }
 
+/* make_set / make_frozenset: a list or tuple of plain members (str, int, float, bool,
+ * bytes: _TorchHandlers._set_of keeps them as they are) made a set at once; anything else
+ * (other members become OpaqueKeys; not a list or tuple: refused) to the fallback */
+static PyObject *
+core_set_of(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+            int frozen)
+{
+    if ((kwnames == NULL || !PyTuple_GET_SIZE(kwnames)) && nargs <= 1) {
+        PyObject *items = nargs == 1 ? args[0] : NULL;
+        if (items == NULL)
+            return frozen ? PyFrozenSet_New(NULL) : PySet_New(NULL);
+        if (PyList_CheckExact(items) || PyTuple_CheckExact(items)) {
+            Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+            PyObject **item = PySequence_Fast_ITEMS(items);
+            int plain = 1;
+            for (Py_ssize_t i = 0; plain && i < n; i++) {
+                PyTypeObject *t = Py_TYPE(item[i]);
+                plain = t == &PyUnicode_Type || t == &PyLong_Type || t == &PyFloat_Type ||
+                        t == &PyBool_Type || t == &PyBytes_Type;
+            }
+            if (plain)
+                return frozen ? PyFrozenSet_New(items) : PySet_New(items);
+        }
+    }
+    return core_fallback((TorchCore *)op, frozen ? core_names.make_frozenset
+                                                 : core_names.make_set, args, nargs, kwnames);
+}
+
+static PyObject *
+core_make_set(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    return core_set_of(op, args, nargs, kwnames, 0);
+}
+
+static PyObject *
+core_make_frozenset(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    return core_set_of(op, args, nargs, kwnames, 1);
+}
+
 static PyObject *
 core_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
@@ -2816,6 +2856,10 @@ static PyMethodDef core_methods[] = {
      METH_FASTCALL | METH_KEYWORDS, core_rebuild_parameter_doc},
     {"ordered_dict", (PyCFunction)(void (*)(void))core_ordered_dict,
      METH_FASTCALL | METH_KEYWORDS, core_ordered_dict_doc},
+    {"make_set", (PyCFunction)(void (*)(void))core_make_set, METH_FASTCALL | METH_KEYWORDS,
+     "_TorchHandlers.make_set, compiled"},
+    {"make_frozenset", (PyCFunction)(void (*)(void))core_make_frozenset,
+     METH_FASTCALL | METH_KEYWORDS, "_TorchHandlers.make_frozenset, compiled"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -273,10 +273,10 @@ class _TorchHandlers:
             ("torch", "device"): self.device,
             ("torch.serialization", "_get_layout"): self.layout,
             ("collections", "OrderedDict"): hot.ordered_dict,
-            ("builtins", "set"): self.set_of(set),
-            ("__builtin__", "set"): self.set_of(set),
-            ("builtins", "frozenset"): self.set_of(frozenset),
-            ("__builtin__", "frozenset"): self.set_of(frozenset),
+            ("builtins", "set"): hot.make_set,
+            ("__builtin__", "set"): hot.make_set,
+            ("builtins", "frozenset"): hot.make_frozenset,
+            ("__builtin__", "frozenset"): hot.make_frozenset,
             ("builtins", "complex"): self.complex,
             ("__builtin__", "complex"): self.complex,
             ("_codecs", "encode"): self.encode,
@@ -557,13 +557,19 @@ class _TorchHandlers:
             raise _bad(f"BUILD applied to {built_name(target)}, which ckptlab never builds")
 
     @staticmethod
-    def set_of(kind: type) -> Any:
-        def build(items: Any = ()) -> Any:
-            if not isinstance(items, (list, tuple)):
-                raise _bad(f"{kind.__name__}() of a {type(items).__name__}")
-            return kind(i if type(i) in (str, int, float, bool, bytes) else OpaqueKey(i)
-                        for i in items)
-        return build
+    def _set_of(kind: type, items: Any) -> Any:
+        if not isinstance(items, (list, tuple)):
+            raise _bad(f"{kind.__name__}() of a {type(items).__name__}")
+        return kind(i if type(i) in (str, int, float, bool, bytes) else OpaqueKey(i)
+                    for i in items)
+
+    def make_set(self, items: Any = ()) -> set[Any]:
+        """``set(items)``: plain members as they are, others as :class:`OpaqueKey`."""
+        return self._set_of(set, items)  # type: ignore[no-any-return]
+
+    def make_frozenset(self, items: Any = ()) -> frozenset[Any]:
+        """``frozenset(items)``, as :meth:`make_set`."""
+        return self._set_of(frozenset, items)  # type: ignore[no-any-return]
 
     @staticmethod
     def complex(real: Any = 0.0, imag: Any = 0.0) -> complex:

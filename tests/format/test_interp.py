@@ -794,7 +794,8 @@ def test_interpreter_choice() -> None:
 # argument list, by doing the common case in C and giving anything else to the Python method
 # (``core.fallback``). Each case below calls both on the same arguments and compares results,
 # errors (type and message) and the storage tables they leave.
-HOT = ("persistent_load", "rebuild_v2", "rebuild_parameter", "ordered_dict")
+HOT = ("persistent_load", "rebuild_v2", "rebuild_parameter", "ordered_dict", "make_set",
+       "make_frozenset")
 
 
 @pytest.fixture
@@ -817,6 +818,9 @@ def _state(value: Any) -> Any:
 
     if isinstance(value, (_PendingTensor, _CompositeRef)):
         return type(value), tuple(_state(getattr(value, f)) for f in type(value).__slots__)
+    if isinstance(value, (set, frozenset)):  # (OpaqueKey members are equal by identity)
+        return type(value), sorted(repr(_state(m.value if isinstance(m, OpaqueKey) else m))
+                                   for m in value)
     return type(value), value
 
 
@@ -1059,6 +1063,25 @@ def test_core_ordered_dict(core_pair: tuple[Any, Any]) -> None:
     made = c.core.ordered_dict()
     assert made == {} and type(made) is dict and not gc.is_tracked(made)
     assert c.core.ordered_dict(None) is not made
+
+
+@pytest.mark.parametrize("name", ["make_set", "make_frozenset"])
+def test_core_sets(core_pair: tuple[Any, Any], name: str) -> None:
+    py, c = core_pair
+
+    class Text(str):
+        pass
+
+    for args in [(), ([],), ((),), (["a", 1, 2.5, True, b"x"],), (("a", "a", 1, 1.0),),
+                 ([float("nan")],), ([(1, 2)],), ([[1]],), ([None],), ([Text("t")],),
+                 ({1, 2},), ("ab",), (None,), (0,), ([1], [2]), (OrderedDict(),)]:
+        assert_same_call(py, c, name, *args)
+    assert_same_call(py, c, name, items=[1])
+    assert_same_call(py, c, name, other=[1])
+    kind = set if name == "make_set" else frozenset
+    assert type(getattr(c.core, name)([1, "a"])) is kind
+    member = next(iter(getattr(c.core, name)([(1, 2)])))
+    assert isinstance(member, OpaqueKey) and member.value == (1, 2)  # (by the fallback)
 
 
 def test_core_rebuild_from_type_dispatches_to_it(core_pair: tuple[Any, Any]) -> None:
