@@ -47,6 +47,9 @@ def _python_record_type(qualname: str, fields: tuple[str, ...],
     def __setattr__(self: Any, key: str, value: Any) -> None:
         raise AttributeError(f"{name}.{key} is read-only")
 
+    def __delattr__(self: Any, key: str) -> None:
+        raise AttributeError(f"{name}.{key} is read-only")
+
     def __eq__(self: Any, other: object) -> Any:
         return astuple(self) == astuple(other) if type(other) is type(self) else NotImplemented
 
@@ -63,7 +66,7 @@ def _python_record_type(qualname: str, fields: tuple[str, ...],
         return (type(self), astuple(self))
 
     body = {"__slots__": fields, "__init__": __init__, "__setattr__": __setattr__,
-                 "__delattr__": __setattr__, "__eq__": __eq__, "__ne__": __ne__,
+                 "__delattr__": __delattr__, "__eq__": __eq__, "__ne__": __ne__,
                  "__hash__": __hash__, "__repr__": __repr__, "__reduce__": __reduce__,
                  "_fields": fields, "_field_defaults": defaults, "__match_args__": fields,
                  "__module__": module, "__qualname__": name, **(namespace or {})}
