@@ -241,7 +241,7 @@ def _dense_entries(logical: list[Any], storages: dict[str, StorageInfo], file: s
 
 def _dense_columns(logical: list[Any], storages: dict[str, StorageInfo], file: str,
                    prefix: tuple[Any, ...], build: Any) -> list[TensorEntry] | None:
-    """:func:`_dense_entries`' work (the collector paused by the caller)."""
+    """:func:`_dense_entries`' work."""
     count = len(logical)
     roles, infos = columns(list(map(itemgetter(0), map(_PARTS, logical))), 2)
     keys, dtypes, shapes, strides, offsets = fields(infos, _INFO_NAMES)

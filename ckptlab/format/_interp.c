@@ -1,7 +1,7 @@
 /* ckptlab.format._interp: ckptlab's pickle interpreter, compiled.
  *
  * interpret(data, *, handlers=None, persistent_load=None, build=None, memory_per_byte=...)
- * is ``ckptlab.format._unpickle.interpret(data, ..., fast_paths=False)`` in C, the way
+ * is ``ckptlab.format._unpickle.interpret(data, ...)`` in C, the way
  * CPython's _pickle.c is pickle.py in C: the whole interface, the same rules (see
  * _unpickle's module docstring), the same results, and the same test suite
  * (tests/format/test_interp.py runs every case against both). It is one loop over the
@@ -10,6 +10,7 @@
  * - the stack is one C array of references; MARK pushes the stack's length on a second array
  *   (the metastack), so "the stack" of an opcode is what lies above the last mark;
  * - the memo is a C array for the dense indices picklers write and a dict for sparse ones;
+ *   an entry no GET of the pickle reads (find_memo_reads, before the loop) holds None;
  * - what the pickle names or builds is made by calling _unpickle's own classes and functions
  *   (Global, Reduced, OpaqueKey, Interpretation, canonical_global) and the caller's handlers
  *   and persistent_load, in the order and with the arguments the Python loop calls them;
@@ -21,12 +22,10 @@
  * or allocated; nothing recurses (nesting depth is only the length of the two arrays, bounded
  * by the input's length); only CPython's public C API is used.
  *
- * Two inputs the Python loop lets through as a bare Python exception are a PickleDataError
- * here: a protocol-0 STRING with a malformed escape (ValueError there) and a GET of a
- * negative memo index (the list's negative indexing there: IndexError or the wrong entry).
- *
  * The module also has TorchCore, the hot torch handlers of ckptlab.format._pickle in C (see
- * below), and record_type, the immutable records they make.
+ * below), record_type, the immutable records they make, and walk_tensors (_walk.c), the walk
+ * of ckptlab.format._pickle in C. Each is one side of a seam whose other side is Python,
+ * with one test suite run against both.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -2087,7 +2086,7 @@ module_free(void *module)
 PyDoc_STRVAR(interpret_doc,
 "interpret(data, *, handlers=None, persistent_load=None, build=None, memory_per_byte=64)\n"
 "--\n\n"
-"ckptlab.format._unpickle.interpret(data, ..., fast_paths=False), compiled: the same\n"
+"ckptlab.format._unpickle.interpret(data, ...), compiled: the same\n"
 "Interpretation, handler calls, memo, budget and errors (PickleDataError with .offset).");
 
 

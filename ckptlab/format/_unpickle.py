@@ -9,13 +9,16 @@ unpicklers, so every rule below holds by construction rather than by overriding 
   name, nothing more). Calling it (REDUCE, NEWOBJ, NEWOBJ_EX, OBJ, INST) runs the caller's
   *handler* for that name, which is ckptlab code, or builds an inert :class:`Reduced` record.
   EXT1/2/4 are refused without consulting :mod:`copyreg`'s process-wide extension registry.
-- **BUILD only fills ckptlab's own plain records** (:class:`Reduced`); applied to a global, a
-  handler's result or a built-in value it is an error. Nothing can be ``setattr``'d on a class.
+- **BUILD only fills ckptlab's own plain records** (:class:`Reduced`), or is given to the
+  caller's ``build`` hook (ckptlab code: torch's handlers keep an ``OrderedDict``'s
+  ``_metadata`` beside it); anything else is an error. Nothing can be ``setattr``'d on a class.
 - **Memory is bounded by the input.** Every opcode charges an estimate of the memory it makes
   live against a budget of :data:`MEMORY_PER_BYTE` bytes per input byte (plus a small floor);
   declared lengths are checked against the bytes left before anything is read; the memo is a
-  list (dense indices, as picklers write them) with a dict only for sparse indices; ints are at
-  most :data:`MAX_INT_NBYTES` bytes (so ``str()`` of any of them works).
+  list (dense indices, as picklers write them) with a dict only for sparse indices, and an
+  entry no GET of the pickle reads holds None (:func:`memo_reads`: what only the pickler
+  memoized is freed once used); ints are at most :data:`MAX_INT_NBYTES` bytes (so ``str()``
+  of any of them works).
 - **Work is linear.** Each opcode consumes at least one input byte and does work amortised over
   the bytes that pushed its operands. Repeated globals are one dictionary lookup.
 - **Nothing attacker-deep is hashed or compared.** Dict keys and set members that are not
