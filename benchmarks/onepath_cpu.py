@@ -1,14 +1,16 @@
-"""CPU-time figures for issue 27's one-interpreter prototype (branch onepath-proto).
+"""CPU time of opening a checkpoint with one interpreter (issue 27), the collector on.
 
 End to end ``ckptlab.inspect(path)`` / ``ckptlab.open(path)`` against
 ``torch.load(path, map_location="meta")`` (``weights_only=False`` for a whole module), on
 the checkpoints of benchmarks/open.py (``plain``: ``{"layer.{i}.weight": torch.empty(2)}``;
 ``module``: ``n / 4`` blocks of [Linear(2, 2), LayerNorm(2)] pickled whole). CPU time
 (``time.process_time``), best of N, the garbage collector ON (as users get it), one untimed
-warm-up call each. Files are written once into --dir and reused.
+warm-up call each. Files are written once into --dir and reused. ``--impl python`` runs
+the pickle interpreter, torch's handlers and the walk in Python (the reference without the
+compiled seam; ``c``, the default where it is built, is what users get).
 
     python benchmarks/onepath_cpu.py [--sizes 10000 100000] [--kinds plain module]
-        [--repeat 5] [--torch-repeat 2] [--no-torch-large] [--json out.json]
+        [--repeat 5] [--torch-repeat 2] [--no-torch-large] [--impl c|python] [--json out.json]
 """
 from __future__ import annotations
 
@@ -25,17 +27,17 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
-
-import ckptlab  # noqa: E402
 from open import KINDS  # noqa: E402
 
+import ckptlab  # noqa: E402
 
-def cpu(fn, n):
+
+def cpu(fn, n, *args, **kwargs):
     best = float("inf")
     for _ in range(n):
         gc.collect()
         t = time.process_time()
-        fn()
+        fn(*args, **kwargs)
         best = min(best, time.process_time() - t)
     return best
 
@@ -49,8 +51,12 @@ def main() -> None:
     ap.add_argument("--no-torch-large", action="store_true")
     ap.add_argument("--dir", default="/tmp/onepath-bench")
     ap.add_argument("--json")
+    ap.add_argument("--impl", choices=["c", "python"], default=None)
     a = ap.parse_args()
-    print(f"ckptlab {ckptlab.__file__}  gc enabled {gc.isenabled()}  "
+    from ckptlab.format import _pickle
+
+    _pickle._IMPL = a.impl
+    print(f"ckptlab {ckptlab.__file__}  impl {a.impl or 'default'}  gc {gc.isenabled()}  "
           f"load {os.getloadavg()[0]:.2f}")
     out = []
     for kind in a.kinds:
@@ -60,14 +66,12 @@ def main() -> None:
                 torch.save(KINDS[kind](n), path)
             ckptlab.inspect(path), ckptlab.open(path)
             rep = a.repeat if n < 100_000 else max(2, a.repeat // 2)
-            ins = cpu(lambda: ckptlab.inspect(path), rep)
-            opn = cpu(lambda: ckptlab.open(path), rep)
+            ins = cpu(ckptlab.inspect, rep, path)
+            opn = cpu(ckptlab.open, rep, path)
             tl = None
             if not (a.no_torch_large and n >= 100_000):
-                wo = kind == "module"
-                tl = cpu(lambda: torch.load(path, map_location="meta",
-                                            **({"weights_only": False} if wo else {})),
-                         a.torch_repeat)
+                extra = {"weights_only": False} if kind == "module" else {}
+                tl = cpu(torch.load, a.torch_repeat, path, map_location="meta", **extra)
             r = {"kind": kind, "n": n, "inspect_ms": ins * 1e3, "open_ms": opn * 1e3,
                  "torch_ms": None if tl is None else tl * 1e3}
             out.append(r)
