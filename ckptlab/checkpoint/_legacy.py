@@ -30,7 +30,6 @@ FRAME (kind ``pickle``), and are recognised by interpreting their first pickle.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pickletools
 from collections.abc import Iterable
@@ -58,6 +57,7 @@ from ckptlab.format._pickle import (  # the scan's own pieces, shared rather tha
     StorageRef,
     scan_pickle_refs,
 )
+from ckptlab.format._records import replace as replace_record
 from ckptlab.format._unpickle import (
     Global,
     PickleDataError,
@@ -390,7 +390,7 @@ def model_legacy(src: ByteSource, rel: str) -> FileModel:
     for key, (root_key, offset, numel) in views.items():
         root = infos[root_key]
         itemsize = DTYPE_ITEMSIZE[root.dtype]
-        infos[key] = dataclasses.replace(root, key=key, nbytes=numel * itemsize,
+        infos[key] = replace_record(root, key=key, nbytes=numel * itemsize,
                                          data_offset=root.data_offset + offset * itemsize)
     check_parts_inside(scan.logical, infos, src.name)
     storages = tuple(infos.values())

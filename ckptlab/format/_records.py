@@ -98,15 +98,16 @@ def record_type(qualname: str, fields: tuple[str, ...], defaults: tuple[Any, ...
     return _c_record_type(qualname, fields, defaults, namespace or {})  # type: ignore[no-any-return]
 
 
-def replace(record: Any, **changes: Any) -> Any:
-    """A copy of ``record`` with ``changes`` (:func:`dataclasses.replace` for a dataclass)."""
-    if not hasattr(type(record), "_field_defaults"):
+def replace(obj: Any, /, **changes: Any) -> Any:
+    """A copy of the record ``obj`` with ``changes`` (:func:`dataclasses.replace` for a
+    dataclass). ``obj`` is positional-only: a record may have a field named ``record``."""
+    if not hasattr(type(obj), "_field_defaults"):
         import dataclasses
 
-        return dataclasses.replace(record, **changes)
-    values = _asdict(record)
+        return dataclasses.replace(obj, **changes)
+    values = _asdict(obj)
     unknown = changes.keys() - values.keys()
     if unknown:
-        raise TypeError(f"{type(record).__name__} has no field {sorted(unknown)[0]!r}")
+        raise TypeError(f"{type(obj).__name__} has no field {sorted(unknown)[0]!r}")
     values.update(changes)
-    return type(record)(**values)
+    return type(obj)(**values)

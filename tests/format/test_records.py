@@ -115,3 +115,8 @@ def test_both_implementations_agree_on_every_case() -> None:
         assert repr(a) == repr(b)
         if not kwargs.get("a"):
             assert hash(a) == hash(b)
+
+
+def test_replace_of_a_field_named_like_its_argument(impl: str) -> None:
+    Info = record_type(f"{__name__}.Info", ("key", "record", "obj"), impl=impl)
+    assert replace(Info("k", "r", "o"), record="s", obj="p") == Info("k", "s", "p")
