@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,8 +41,22 @@ class CacheEvent:
     status: str
     changed_ranks: tuple[int, ...]
     world_size: int
-    seconds: float
-    started: float  # time.perf_counter() at the start
+    duration_s: float
+    started_s: float  # time.perf_counter() at the start
+
+    @property
+    def seconds(self) -> float:
+        """Deprecated name of :attr:`duration_s`."""
+        warnings.warn("CacheEvent.seconds is deprecated; use CacheEvent.duration_s",
+                      DeprecationWarning, stacklevel=2)
+        return self.duration_s
+
+    @property
+    def started(self) -> float:
+        """Deprecated name of :attr:`started_s`."""
+        warnings.warn("CacheEvent.started is deprecated; use CacheEvent.started_s",
+                      DeprecationWarning, stacklevel=2)
+        return self.started_s
 
 
 def structure_fingerprint(fingerprints: Sequence[str]) -> str:

@@ -504,13 +504,13 @@ def cache_timeline_figure(events: Sequence[CacheEvent]) -> go.Figure:
     for e in events:
         if not isinstance(e, CacheEvent):
             raise InvalidArgumentError(f"expected PlanCache events, got {type(e).__name__}")
-    events = sorted(events, key=lambda e: e.started)
-    t0 = events[0].started if events else 0.0
+    events = sorted(events, key=lambda e: e.started_s)
+    t0 = events[0].started_s if events else 0.0
     namespaces = list(dict.fromkeys(e.namespace for e in events))
     rows_shown = [plain_text(ns) for ns in namespaces]  # the y categories plotly draws
     rows = [{"namespace": e.namespace, "status": e.status, "changed_ranks": len(e.changed_ranks),
-             "world_size": e.world_size, "start_ms": 1e3 * (e.started - t0),
-             "ms": 1e3 * e.seconds} for e in events]
+             "world_size": e.world_size, "start_ms": 1e3 * (e.started_s - t0),
+             "ms": 1e3 * e.duration_s} for e in events]
     counts = {s: sum(r["status"] == s for r in rows) for s in STATUS_COLORS}
     fig = go.Figure()
     for status, color in STATUS_COLORS.items():

@@ -111,3 +111,17 @@ def test_metadata_bytes_cached_and_written_atomically(tmp_path):
         cache.metadata("m", ["z"], lambda: "text")
     with pytest.raises(StorageIOError, match="could not write the metadata"):
         write_metadata(tmp_path / "missing", b"xyz")
+
+
+def test_cache_event_seconds_are_named_in_seconds() -> None:
+    """``CacheEvent.duration_s`` / ``started_s`` (``*_s``: seconds); the old names warn."""
+    import warnings
+
+    from ckptlab.plan.cache import CacheEvent
+
+    e = CacheEvent("ns", "hit", (), 2, 0.25, 10.0)
+    assert (e.duration_s, e.started_s) == (0.25, 10.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert (e.seconds, e.started) == (0.25, 10.0)
+    assert [w.category for w in caught] == [DeprecationWarning] * 2

@@ -353,14 +353,14 @@ def test_cache_timeline_has_one_mark_per_event() -> None:
     assert [(r["namespace"], r["status"], r["changed_ranks"]) for r in meta["events"]] == \
         [("model", "miss", 8), ("optim", "miss", 8), ("model", "hit", 0), ("model", "delta", 1),
          ("optim", "hit", 0)]
-    t0 = events[0].started
+    t0 = events[0].started_s
     for bar in bars:
         status = bar.name
         assert bar.marker.color == STATUS_COLORS[status]
         mine = [e for e in events if e.status == status]
         assert list(bar.y) == [e.namespace for e in mine]
-        assert list(bar.base) == pytest.approx([1e3 * (e.started - t0) for e in mine])
-        assert list(bar.x) == pytest.approx([1e3 * e.seconds for e in mine])
+        assert list(bar.base) == pytest.approx([1e3 * (e.started_s - t0) for e in mine])
+        assert list(bar.x) == pytest.approx([1e3 * e.duration_s for e in mine])
     assert "5 lookups" in fig.layout.title.text
 
 
