@@ -132,6 +132,9 @@ SYMBOLS: dict[str, PrivateSymbol] = dict([
            "torch.distributed.checkpoint.staging",
            "the AsyncStager attribute DCP reads to decide whether to call "
            "synchronize_staging(): write/writer.py sets it False on AsyncWriter"),
+    _entry("torch._neg_view", "torch",
+           "a tensor's negative-bit view, as torch.load gives one saved with the bit set "
+           "(_rebuild_tensor_v2's metadata {'neg': True}): checkpoint/_tensors.py"),
     _entry("torch._empty_affine_quantized", "torch",
            "an empty per-tensor quantized tensor to set_() raw bytes into: "
            "checkpoint/_tensors.py"),
@@ -313,6 +316,11 @@ def async_stager_sync_attribute() -> str:
     name = "torch.distributed.checkpoint.staging.AsyncStager._synchronize_after_execute"
     resolve(name)
     return name.rsplit(".", 1)[1]
+
+
+def neg_view() -> Any:
+    """``torch._neg_view``."""
+    return resolve("torch._neg_view")
 
 
 def empty_affine_quantized() -> Any:

@@ -23,6 +23,7 @@ ACCESSORS = {
     "torch._subclasses.fake_tensor.FakeTensorMode": tc.fake_tensor_mode,
     "torch.distributed.checkpoint._nested_dict.flatten_state_dict": tc.flatten_state_dict,
     "torch.distributed.checkpoint.filesystem._StorageInfo": tc.storage_info_class,
+    "torch._neg_view": tc.neg_view,
     "torch._empty_affine_quantized": tc.empty_affine_quantized,
     "torch._empty_per_channel_affine_quantized": tc.empty_per_channel_affine_quantized,
     "torch._nested_view_from_buffer": tc.nested_view_from_buffer,

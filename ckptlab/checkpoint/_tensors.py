@@ -404,6 +404,10 @@ def build_tensor(entry: TensorEntry, part_bytes: Any, name_of: Any, *,
             f"{entry.kind} tensor of {entry.subclass or entry.layout}: ckptlab never imports a "
             "class a file names; read its parts with Checkpoint.read_part(name, role)",
             path=source, record=entry.name)
+    if extra.get("conj"):  # saved with the conjugate bit: torch.load's tensor is the view
+        tensor = tensor.conj()
+    if extra.get("neg"):  # and with the negative bit
+        tensor = tc.neg_view()(tensor)
     if entry.requires_grad and not (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
         raise CorruptArchiveError(
             f"a {entry.dtype} tensor that requires grad: torch allows that only for floating "

@@ -2613,9 +2613,14 @@ core_rebuild_v2(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject 
     TorchCore *self = (TorchCore *)op;
     if (nargs < 4 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames)))
         goto fallback;
+    /* a seventh argument, torch's tensor metadata (the conjugate / negative bits), unless
+     * None or an empty dict: Python's */
+    if (nargs > 6 && args[6] != Py_None &&
+        !(PyDict_CheckExact(args[6]) && PyDict_GET_SIZE(args[6]) == 0))
+        goto fallback;
     /* rebuild_v2's inline check: storage a StorageRef (exactly); size and stride tuples
      * (exactly) of one length, at most 64, of non-negative ints; offset a non-negative int;
-     * requires_grad True or False. Arguments past the fifth are ignored, as *rest is. */
+     * requires_grad True or False. Arguments past the seventh are ignored, as *rest is. */
     PyObject *storage = args[0], *offset = args[1], *size = args[2], *stride = args[3];
     PyObject *requires_grad = nargs > 4 ? args[4] : Py_False;
     if (!Py_IS_TYPE(storage, (PyTypeObject *)self->storage_ref) ||

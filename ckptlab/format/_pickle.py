@@ -22,7 +22,7 @@ import reprlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 from ckptlab.errors import CorruptArchiveError
@@ -73,8 +73,12 @@ def _bad(message: str) -> PickleDataError:
 _TensorRef = record_type(
     "ckptlab.format._pickle._TensorRef",
     ("storage", "storage_offset", "shape", "stride", "requires_grad", "dtype", "is_parameter",
-     "subclass", "attrs"),
-    (False, None, None))
+     "subclass", "attrs", "metadata"),
+    (False, None, None, ()))
+
+# what _rebuild_tensor_v2's ``metadata`` may set (torch's set_tensor_metadata): the
+# conjugate and negative bits; torch.load's tensor is a view with the bit set
+TENSOR_METADATA = ("conj", "neg")
 
 
 class _PendingTensor:
@@ -214,6 +218,16 @@ def _dense(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any
         requires_grad is not False and bool(requires_grad)), dtype or storage.dtype)
 
 
+def _tensor_metadata(metadata: Any) -> tuple[tuple[str, bool], ...]:
+    """``_rebuild_tensor_v2``'s metadata as sorted ``(key, bool)`` pairs; what ckptlab cannot
+    apply when reading is refused rather than silently dropped."""
+    if not (isinstance(metadata, dict) and all(
+            k in TENSOR_METADATA and type(v) is bool for k, v in metadata.items())):
+        raise _bad(f"tensor metadata ckptlab does not know: {_short(metadata)} (it knows "
+                   f"{', '.join(TENSOR_METADATA)})")
+    return tuple(sorted((k, v) for k, v in metadata.items() if v))
+
+
 def _is_dense(value: Any) -> bool:
     """Whether ``value`` is a dense tensor record (an old pickle's, once BUILD filled it)."""
     return type(value) is _TensorRef or (type(value) is _PendingTensor and not value.pending)
@@ -324,7 +338,11 @@ class _TorchHandlers:
         return _dense(storage, offset, size, stride, False, None)
 
     def rebuild_v2(self, storage: Any = None, offset: Any = None, size: Any = None,
-                   stride: Any = None, requires_grad: Any = False, *rest: Any) -> _TensorRef:
+                   stride: Any = None, requires_grad: Any = False, hooks: Any = None,
+                   metadata: Any = None, *rest: Any) -> _TensorRef:
+        if metadata:  # the conjugate / negative bits (torch.save of .conj(), _neg_view())
+            ref = _dense(storage, offset, size, stride, requires_grad, None)
+            return replace(ref, metadata=_tensor_metadata(metadata))
         # what _dense checks, inline for the common case (one call per tensor saved)
         if type(storage) is StorageRef and type(size) is tuple and type(stride) is tuple \
                 and len(size) == len(stride) <= 64 and type(offset) is int and offset >= 0 \
@@ -828,7 +846,8 @@ def _scanned(path: tuple[Any, ...], ref: Any) -> ScannedTensor:
     if isinstance(ref, _DENSE):
         return ScannedTensor(path, "subclass" if ref.subclass else "dense", ref.dtype, ref.shape,
                              ref.stride, ref.requires_grad, ref.is_parameter, "strided",
-                             (("data", _info(path, ref)),), ref.subclass)
+                             (("data", _info(path, ref)),), ref.subclass,
+                             getattr(ref, "metadata", ()))
     parts = tuple((role, _info((*path, role), p)) for role, p in ref.parts)
     return ScannedTensor(path, ref.kind, ref.dtype, ref.shape, ref.stride, ref.requires_grad,
                          False, ref.layout, parts, ref.subclass, tuple(ref.extra.items()))
@@ -838,6 +857,9 @@ _DENSE_NAMES = ("storage", "dtype", "shape", "stride", "storage_offset", "requir
                 "is_parameter", "subclass")
 
 
+_METADATA = attrgetter("metadata")
+
+
 def _logical(found: list[tuple[tuple[Any, ...], Any]]
              ) -> tuple[tuple[ScannedTensor, ...], tuple[TensorInfo, ...]]:
     """:func:`_scanned` of every tensor found, and the storage-backed tensors among their parts.
@@ -845,7 +867,8 @@ def _logical(found: list[tuple[tuple[Any, ...], Any]]
     Dense tensors (most checkpoints hold nothing else) are built all at once, field by field
     (:func:`ckptlab.format._bulk.build`); anything else one by one.
     """
-    if not found or set(map(type, map(itemgetter(1), found))) != {_TensorRef}:
+    if not found or set(map(type, map(itemgetter(1), found))) != {_TensorRef} or \
+            any(map(_METADATA, map(itemgetter(1), found))):
         logical = tuple(_scanned(p, ref) for p, ref in found)
         return logical, tuple(info for t in logical for _, info in t.parts
                               if info.storage_key or t.kind == "dense")

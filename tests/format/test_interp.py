@@ -986,6 +986,12 @@ def test_core_rebuild_v2(core_pair: tuple[Any, Any]) -> None:
     assert_same_call(py, c, "rebuild_v2", storage=storage, offset=0, size=(1,), stride=(1,))
     assert_same_call(py, c, "rebuild_v2", storage, 0, (1,), (1,), requires_grad=True)
     assert_same_call(py, c, "rebuild_v2", storage, 0, (1,), (1,), nonsense=True)
+    # torch's metadata argument (the conjugate / negative bits): empty or None as without it
+    for metadata in (None, {}, {"conj": True}, {"neg": True}, {"conj": True, "neg": False},
+                     {"conj": 1}, {"other": True}, [], "conj", OrderedDict(conj=True)):
+        assert_same_call(py, c, "rebuild_v2", storage, 0, (2,), (1,), False, {}, metadata)
+    assert c.core.rebuild_v2(storage, 0, (2,), (1,), False, {}, {"neg": True}).metadata == \
+        (("neg", True),)
 
 
 @settings(max_examples=300)
