@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
-from ckptlab.format.layout import Segment, SegmentKind
+from ckptlab.format.layout import Segment, SegmentKind, contiguous_strides
 
 __all__ = ["Checkpoint", "FileEntry", "Part", "TensorEntry", "plain_value", "tensor_name"]
 
@@ -67,14 +67,6 @@ class Part:
             out["compression"] = self.compression
             out["stored_nbytes"] = self.stored_nbytes
         return out
-
-
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for dim in reversed(shape):
-        strides.append(acc)
-        acc *= max(dim, 1)
-    return tuple(reversed(strides))
 
 
 def span_nbytes(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> int:

@@ -13,6 +13,7 @@ from ckptlab.format._records import record_type
 
 __all__ = [
     "ArchiveLayout",
+    "contiguous_strides",
     "Record",
     "Segment",
     "SegmentKind",
@@ -94,6 +95,17 @@ StorageInfo = record_type(
     "ckptlab.format.layout.StorageInfo",
     ("key", "record", "dtype", "nbytes", "data_offset", "device", "storage_type"), ("",),
     {"__doc__": "A storage as the pickle declares it, and where its bytes are."})
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides torch gives a contiguous tensor of ``shape``
+    (``torch.empty(shape).stride()``): a dimension of size 0 counts as 1, so shape (2, 0)
+    has stride (1, 1)."""
+    strides, acc = [], 1
+    for dim in reversed(shape):
+        strides.append(acc)
+        acc *= max(dim, 1)
+    return tuple(reversed(strides))
 
 
 def _numel(self: Any) -> int:

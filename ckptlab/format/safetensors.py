@@ -13,7 +13,14 @@ from ckptlab.format._dtypes import (
     SAFETENSORS_SUBBYTE_BITS,
 )
 from ckptlab.format.archive import largest_alignment
-from ckptlab.format.layout import ArchiveLayout, Segment, SegmentKind, StorageInfo, TensorInfo
+from ckptlab.format.layout import (
+    ArchiveLayout,
+    Segment,
+    SegmentKind,
+    StorageInfo,
+    TensorInfo,
+    contiguous_strides,
+)
 from ckptlab.source._bytes import ByteSource
 
 __all__ = ["looks_like_safetensors", "scan_safetensors"]
@@ -28,14 +35,6 @@ def looks_like_safetensors(head: bytes, file_nbytes: int) -> bool:
         return False
     (n,) = struct.unpack_from("<Q", head)
     return 2 <= n <= min(MAX_HEADER_NBYTES, file_nbytes - 8) and head[8:9] == b"{"
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for dim in reversed(shape):
-        strides.append(acc)
-        acc *= dim
-    return tuple(reversed(strides))
 
 
 def scan_safetensors(src: ByteSource) -> ArchiveLayout:
@@ -131,7 +130,7 @@ def scan_safetensors(src: ByteSource) -> ArchiveLayout:
         cursor = max(cursor, end)
         storages.append(StorageInfo(name, name, dtype, end - begin, data_start + begin, "",
                                     "safetensors"))
-        tensors.append(TensorInfo((name,), name, dtype, shape, _contiguous_strides(shape), 0))
+        tensors.append(TensorInfo((name,), name, dtype, shape, contiguous_strides(shape), 0))
     if cursor < data_nbytes:
         segments.append(Segment(SegmentKind.UNKNOWN, data_start + cursor, data_nbytes - cursor))
     return ArchiveLayout(

@@ -258,3 +258,22 @@ def test_safetensors_deeply_nested_header() -> None:
         ckptlab.inspect(data)
 
 
+
+
+@pytest.mark.parametrize("shape", [(2, 0), (0,), (0, 3), (3, 0, 2), (1, 0, 0), (4, 1, 0, 5),
+                                   (), (2, 3)])
+def test_strides_of_empty_tensors_are_torchs(tmp_path: Path, shape: tuple[int, ...]) -> None:
+    """A dimension of size 0 counts as 1 in torch's contiguous strides: shape (2, 0) has
+    stride (1, 1), as torch.empty and safetensors' own loader give it."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "empty.safetensors"
+    save_file({"t": torch.zeros(shape)}, str(path))
+    want = load_file(str(path))["t"]
+    assert want.stride() == torch.empty(shape).stride()
+    ck = ckptlab.open(path)
+    assert ck.tensors["t"].stride == want.stride()
+    got = ck.read("t")
+    assert got.stride() == want.stride() and got.shape == want.shape
+    (info,) = ckptlab.inspect(path).tensors
+    assert info.stride == want.stride()
