@@ -13,12 +13,12 @@ from ckptlab.format._records import record_type
 
 __all__ = [
     "ArchiveLayout",
-    "contiguous_strides",
     "Record",
     "Segment",
     "SegmentKind",
     "StorageInfo",
     "TensorInfo",
+    "contiguous_strides",
 ]
 
 

@@ -55,3 +55,40 @@ def test_unknown_tensor_metadata_is_refused_not_dropped(tmp_path: Path) -> None:
     path.write_bytes(data)
     with pytest.raises(CorruptArchiveError, match="tensor metadata ckptlab does not know"):
         ckptlab.open(path)
+
+
+class _OldStyle:
+    """Pickles as ``torch.Tensor()`` filled by BUILD with ``(storage, offset, size, stride)``
+    (``Tensor.__setstate__``), as torch's backward-compatibility tests write tensors."""
+
+    def __init__(self, t: Any) -> None:
+        self.t = t
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (TypedStorage is deprecated)
+            storage = self.t.storage()
+        return (torch.Tensor, (), (storage, self.t.storage_offset(), tuple(self.t.size()),
+                                   self.t.stride()))
+
+
+@pytest.mark.parametrize("impl", ["python", "c"])
+def test_tensor_built_by_setstate_is_a_tensor(tmp_path: Path, impl: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    if impl == "c":
+        pytest.importorskip("ckptlab.format._interp")
+    monkeypatch.setattr(_pickle, "_IMPL", impl)
+    path = tmp_path / "old.pt"
+    base = torch.arange(12.0)
+    torch.save({"old": _OldStyle(base[2:8].view(2, 3)), "w": torch.ones(2)}, path)
+    theirs = torch.load(path, weights_only=False)
+    ck = ckptlab.open(path)
+    assert set(ck.tensors) == {"old", "w"} and not ck.objects
+    entry = ck.tensors["old"]
+    want = theirs["old"]
+    assert (entry.dtype, entry.shape, entry.stride) == ("float32", tuple(want.shape),
+                                                         want.stride())
+    assert entry.parts[0].storage_offset == want.storage_offset()
+    assert torch.equal(ck.read("old"), want)
