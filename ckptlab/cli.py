@@ -231,6 +231,11 @@ def checkpoint_json(ck: Any, tensors: list[Any]) -> dict[str, Any]:
     base.update(format=ck.format, path=ck.path, files=[f.to_dict() for f in ck.files],
                 tensors=[t.to_dict() for t in tensors], objects=ck.objects,
                 notes=list(ck.notes))
+    if "segments" not in base:  # every format has the key: a single file's segments, else []
+        from ckptlab.format.layout import segments_json
+
+        one = ck.files[0] if len(ck.files) == 1 and ck.format != "dcp" else None
+        base["segments"] = segments_json(one.segments) if one is not None else []
     return base
 
 

@@ -293,6 +293,14 @@ def check_beyond_schema(verb: str, kind: str, doc: dict[str, Any]) -> None:
         files = {f["path"] for f in doc["files"]}
         for t in doc["tensors"]:
             assert {p["file"] for p in t["parts"]} <= files, t["name"]
+        segments = doc["segments"]  # a single file's tile it; a directory has none
+        if len(doc["files"]) == 1 and doc["format"] != "dcp":
+            assert segments and segments[0]["offset"] == 0
+            for a, b in zip(segments, segments[1:]):
+                assert a["offset"] + a["nbytes"] == b["offset"], (a, b)
+            assert segments[-1]["offset"] + segments[-1]["nbytes"] == doc["files"][0]["nbytes"]
+        else:
+            assert segments == []
     elif verb == "records":
         assert doc["format"] == MADE_FORMATS[kind]
     elif doc["method"] in ("cursor", "central_directory"):

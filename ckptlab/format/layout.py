@@ -6,6 +6,7 @@ All offsets are absolute byte offsets in the file; all sizes are in bytes (``*_n
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -95,6 +96,12 @@ StorageInfo = record_type(
     "ckptlab.format.layout.StorageInfo",
     ("key", "record", "dtype", "nbytes", "data_offset", "device", "storage_type"), ("",),
     {"__doc__": "A storage as the pickle declares it, and where its bytes are."})
+
+
+def segments_json(segments: Sequence[Segment]) -> list[dict[str, Any]]:
+    """Segments as the CLI's JSON gives them: ``{"kind", "offset", "nbytes", "record"}``."""
+    return [{"kind": s.kind.value, "offset": s.offset, "nbytes": s.nbytes, "record": s.record}
+            for s in segments]
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -228,10 +235,7 @@ class ArchiveLayout:
                      stride=list(t.stride))
                 for t in self.tensors
             ],
-            "segments": [
-                {"kind": s.kind.value, "offset": s.offset, "nbytes": s.nbytes, "record": s.record}
-                for s in self.segments
-            ],
+            "segments": segments_json(self.segments),
         }
         if self.metadata is not None:
             out["metadata"] = dict(self.metadata)
