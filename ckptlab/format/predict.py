@@ -140,7 +140,10 @@ def predict_layout(obj: Any, *, alignment: int = 64, archive_name: str = "archiv
     Parameters
     ----------
     obj
-        Anything torch.save accepts (a state dict, a model, nested containers).
+        What torch.save accepts and can pickle without the tensors' values (a state dict, a
+        model, nested containers): quantized tensors and strided nested tensors cannot be,
+        since torch's ``skip_data`` needs their values (their scales, their sizes), and are
+        refused with :class:`~ckptlab.errors.UnsupportedFormatError`.
     alignment
         ``torch.utils.serialization.config.save.storage_alignment``: 1..65504, any integer.
     archive_name
