@@ -135,6 +135,7 @@ def model_zip(src: ByteSource, rel: str) -> FileModel:
     is torch.export's of torch 2.7 and earlier. Anything else keeps the torch.save refusal.
     """
     from ckptlab.checkpoint.open import _torch_zip
+    from ckptlab.format._kinds import foreign_zip, looks_like_export
 
     try:
         return _torch_zip(src, rel)
@@ -156,6 +157,10 @@ def model_zip(src: ByteSource, rel: str) -> FileModel:
             raise UnsupportedFormatError("an early TorchScript archive (model.json with "
                                          "attributes.pkl): load it with torch.jit.load and "
                                          "save it again", path=src.name) from None
+        names = [r.name for r in zs.records]
+        if "data.pkl" not in shorts and looks_like_export(names):  # but it is not one
+            raise UnsupportedFormatError(foreign_zip(names, export_checked=True),
+                                         path=src.name) from None
         raise refusal from None
 
 

@@ -113,12 +113,13 @@ def archive_prefix(entries: list[_zip.CentralEntry] | _zip.CentralDirectory, pat
         pkl = [name for name in names if name.endswith("/data.pkl") or name == "data.pkl"]
     if torchscript:
         raise UnsupportedFormatError(
-            "a TorchScript archive (torch.jit.save); inspect a torch.save checkpoint, or load it "
-            "with torch.jit.load", path=path)
+            "a TorchScript archive (torch.jit.save), not a torch.save checkpoint: open it with "
+            "ckptlab.open (`ckptlab inspect` without --records), or load it with "
+            "torch.jit.load", path=path)
     if not pkl:
-        raise UnsupportedFormatError(
-            f"a zip archive without data.pkl ({len(names)} entries), not a torch.save "
-            "checkpoint", path=path)
+        from ckptlab.format._kinds import foreign_zip
+
+        raise UnsupportedFormatError(foreign_zip(names), path=path)
     if len(pkl) > 1:
         raise UnsupportedFormatError(f"a zip archive with {len(pkl)} data.pkl records", path=path)
     prefix = pkl[0][: -len("data.pkl")].rstrip("/")

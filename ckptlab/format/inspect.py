@@ -45,10 +45,11 @@ def detect_format(head: bytes, file_nbytes: int) -> str:
 
 _UNSUPPORTED = {
     "legacy-pickle": "a legacy torch.save file (pre-1.6 pickle format, or "
-                     "_use_new_zipfile_serialization=False); re-save it with torch.save to get a "
-                     "zip archive",
-    "legacy-tar": "a legacy torch.save tar archive (torch < 0.4); re-save it with torch.save",
-    "pickle": "a plain pickle, not a torch.save archive",
+                     "_use_new_zipfile_serialization=False): ckptlab.open reads it (`ckptlab "
+                     "inspect` without --records); re-save it with torch.save to get a zip "
+                     "archive",
+    # legacy-tar and pickle: ckptlab.format._kinds words them (torch's tar or any tar; a plain
+    # pickle or a legacy torch.save file of protocol 3-5)
     "safetensors": "a safetensors file, not a torch.save archive (ckptlab.inspect reads its "
                    "tensor offsets from the header)",
 }
@@ -102,15 +103,30 @@ def sniff(src: ByteSource) -> str:
 
 
 def not_a_checkpoint(src: ByteSource, kind: str) -> ArchiveError:
-    """The error for a file of ``kind`` that is neither a torch zip nor safetensors."""
+    """The error for a file of ``kind`` that is neither a torch zip nor safetensors.
+
+    The message names the file, what it is (from its magic bytes: compressed, NumPy, HDF5,
+    GGUF, tensorizer, ONNX, a pickle, ...; see :mod:`ckptlab.format._kinds`), what to do, and
+    its first bytes in hex.
+    """
+    from ckptlab.format._kinds import describe
+
     if kind == "empty":
         return TruncatedArchiveError("empty file", path=src.name, offset=0,
                                      expected="a checkpoint", actual="0 bytes")
-    if kind in _UNSUPPORTED:
-        return UnsupportedFormatError(_UNSUPPORTED[kind], path=src.name, offset=0)
-    head = src.read(0, min(8, src.nbytes))
-    return UnsupportedFormatError(f"not a checkpoint format ckptlab knows (first bytes "
-                                  f"{head.hex(' ')})", path=src.name, offset=0)
+    head = src.read(0, min(512, src.nbytes), what="file header")
+    first = head[:8].hex(" ")
+    found = describe(head, src.nbytes, src.name,
+                     lambda n: src.read(0, n, what="file header"), kind)
+    if found is not None and found.truncated:
+        return TruncatedArchiveError(found.message(head[:8]), path=src.name, offset=0)
+    if found is not None:
+        message = found.message(head[:8])
+    elif kind in _UNSUPPORTED:
+        message = f"{_UNSUPPORTED[kind]} (first bytes {first})"
+    else:
+        message = f"not a checkpoint format ckptlab knows (first bytes {first})"
+    return UnsupportedFormatError(message, path=src.name, offset=0)
 
 
 def read_range(source: str | os.PathLike[str] | BinaryIO | bytes, offset: int,
