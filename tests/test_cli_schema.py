@@ -15,6 +15,7 @@ schemas themselves must be valid, must not be vacuous (a dropped key, a negative
 
 from __future__ import annotations
 
+import itertools
 import contextlib
 import copy
 import io
@@ -296,7 +297,7 @@ def check_beyond_schema(verb: str, kind: str, doc: dict[str, Any]) -> None:
         segments = doc["segments"]  # a single file's tile it; a directory has none
         if len(doc["files"]) == 1 and doc["format"] != "dcp":
             assert segments and segments[0]["offset"] == 0
-            for a, b in zip(segments, segments[1:]):
+            for a, b in itertools.pairwise(segments):
                 assert a["offset"] + a["nbytes"] == b["offset"], (a, b)
             assert segments[-1]["offset"] + segments[-1]["nbytes"] == doc["files"][0]["nbytes"]
         else:
