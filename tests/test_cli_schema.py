@@ -15,10 +15,10 @@ schemas themselves must be valid, must not be vacuous (a dropped key, a negative
 
 from __future__ import annotations
 
-import itertools
 import contextlib
 import copy
 import io
+import itertools
 import json
 import os
 import shutil
