@@ -31,7 +31,6 @@ FRAME (kind ``pickle``), and are recognised by interpreting their first pickle.
 from __future__ import annotations
 
 import json
-import pickletools
 from collections.abc import Iterable
 from typing import Any
 
@@ -59,6 +58,9 @@ from ckptlab.format._pickle import (  # the scan's own pieces, shared rather tha
 )
 from ckptlab.format._records import replace as replace_record
 from ckptlab.format._unpickle import (
+    LENGTH_NBYTES,
+    LINE,
+    OPCODE_ARGUMENTS,
     Global,
     PickleDataError,
     failure_offset,
@@ -78,28 +80,9 @@ COUNT_NBYTES = 8  # the int64 element count before each storage's bytes
 
 
 # -- where a pickle ends ------------------------------------------------------------------------
-_LINE = -1  # pickletools' UP_TO_NEWLINE
-_LENGTH_NBYTES = {-2: (1, False), -3: (4, True), -4: (4, False), -5: (8, False)}
 _MAX_LINE = 4096  # as the interpreter: protocol-0 text arguments are short
 _CHUNK = 1 << 16
-
-
-def _opcode_table() -> dict[int, tuple[int, int]]:
-    """opcode -> (argument kind, count): fixed bytes (n > 0), lines (-1, 1 or 2), a length
-    prefix (-2..-5) or no argument (0). From pickletools' opcode table (data only)."""
-    table = {}
-    for op in pickletools.opcodes:
-        code = op.code.encode("latin-1")[0]
-        if op.arg is None:
-            table[code] = (0, 0)
-        elif op.arg.n == _LINE:
-            table[code] = (_LINE, 2 if op.arg.name == "stringnl_noescape_pair" else 1)
-        else:
-            table[code] = (op.arg.n, 0)
-    return table
-
-
-_OPCODES = _opcode_table()
+_OPCODES = OPCODE_ARGUMENTS  # (the interpreter's table of argument layouts)
 _STOP = ord(".")
 
 
@@ -148,7 +131,7 @@ def pickle_end(src: ByteSource, start: int, *, what: str) -> int:
         if kind > 0:
             window(kind)
             pos += kind
-        elif kind == _LINE:
+        elif kind == LINE:
             for _ in range(count):
                 at = window(min(_MAX_LINE, nbytes - pos))
                 newline = buf.find(b"\n", at, at + _MAX_LINE)
@@ -162,7 +145,7 @@ def pickle_end(src: ByteSource, start: int, *, what: str) -> int:
                         path=src.name, record=what, offset=op)
                 pos += newline - at + 1
         elif kind < 0:
-            width, signed = _LENGTH_NBYTES[kind]
+            width, signed = LENGTH_NBYTES[kind]
             at = window(width)
             length = int.from_bytes(buf[at:at + width], "little", signed=signed)
             pos += width

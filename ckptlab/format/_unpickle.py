@@ -314,13 +314,31 @@ def _pop_mark(stack: list[Any], metastack: list[list[Any]], code: int
     return stack, metastack.pop()
 
 
-# memo_reads: how many argument bytes follow each opcode (text opcodes: lines)
-_NO_ARG = b"(012NQRabd}el]ost)u\x81\x85\x86\x87\x88\x89\x8f\x90\x91\x92\x93\x94\x97\x98"
-_FIXED = {**dict.fromkeys(b"Kq\x80\x82", 1), **dict.fromkeys(b"M\x83", 2),
-          **dict.fromkeys(b"Jr\x84", 4), **dict.fromkeys(b"G\x95", 8), **dict.fromkeys(_NO_ARG, 0)}
-_COUNTED = {**dict.fromkeys(b"UC\x8c\x8a", (1, "<B")), **dict.fromkeys(b"TBX\x8b", (4, "<I")),
-            **dict.fromkeys(b"\x8d\x8e\x96", (8, "<Q"))}
-_LINES = {**dict.fromkeys(b"ILFSVPp", 1), **dict.fromkeys(b"ci", 2)}
+# How each opcode's argument is laid out, from pickletools' opcode table (data only):
+# opcode -> (kind, count): kind > 0 fixed bytes; LINE text lines (count 1, or 2 for
+# GLOBAL/INST); a length prefix (LENGTH_NBYTES: -2 one byte, -3 four signed, -4 four, -5
+# eight); 0 no argument. The one table for walking opcodes without interpreting them
+# (memo_reads here, the legacy format's pickle_end).
+LINE = -1  # pickletools' UP_TO_NEWLINE
+LENGTH_NBYTES = {-2: (1, False), -3: (4, True), -4: (4, False), -5: (8, False)}
+
+
+def _opcode_table() -> dict[int, tuple[int, int]]:
+    import pickletools
+
+    table = {}
+    for op in pickletools.opcodes:
+        code = op.code.encode("latin-1")[0]
+        if op.arg is None:
+            table[code] = (0, 0)
+        elif op.arg.n == LINE:
+            table[code] = (LINE, 2 if op.arg.name == "stringnl_noescape_pair" else 1)
+        else:
+            table[code] = (op.arg.n, 0)
+    return table
+
+
+OPCODE_ARGUMENTS = _opcode_table()
 
 
 def memo_reads(data: Any) -> set[int] | None:
@@ -348,26 +366,32 @@ def memo_reads(data: Any) -> set[int] | None:
                 return None
             reads.add(data[pos])
             pos += 1
-        elif code == 0x6A:  # LONG_BINGET
+            continue
+        if code == 0x6A:  # LONG_BINGET
             if pos + 4 > n:
                 return None
             reads.add(_unpack_I(data, pos)[0])
             pos += 4
-        elif code in _FIXED:
-            pos += _FIXED[code]
-        elif code in _COUNTED:
-            width, fmt = _COUNTED[code]
-            if pos + width > n:
-                return None
-            pos += width + struct.unpack_from(fmt, data, pos)[0]
-        elif code in _LINES:
-            for _ in range(_LINES[code]):
+            continue
+        kind, count = OPCODE_ARGUMENTS.get(code, (None, 0))
+        if kind is None or code == 0x67:  # an unknown opcode, or a GET (its text: the loop's)
+            return None
+        if kind > 0:
+            pos += kind
+        elif kind == LINE:
+            for _ in range(count):
                 end = data.find(b"\n", pos)
                 if end < 0:
                     return None
                 pos = end + 1
-        else:  # a GET (protocol 0), or an opcode the interpreter refuses
-            return None
+        elif kind < 0:
+            width, signed = LENGTH_NBYTES[kind]
+            if pos + width > n:
+                return None
+            length = int.from_bytes(data[pos:pos + width], "little", signed=signed)
+            if length < 0:
+                return None
+            pos += width + length
         if pos > n:
             return None
     return None

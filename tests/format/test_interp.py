@@ -1253,3 +1253,27 @@ def test_one_switch_picks_interpreter_and_handlers(impl: str,
     assert (handlers.core is None) == (impl == "python")
     assert used == [handlers.load_pid]
     assert result.root is handlers.storages["0"]
+
+
+def test_memo_reads_are_the_pickles_gets() -> None:
+    """``memo_reads``: exactly the indices BINGET / LONG_BINGET read (as pickletools lists
+    them), None where it cannot follow the pickle; the memo keeps only those entries."""
+    import pickle
+    import pickletools
+
+    from ckptlab.format._unpickle import memo_reads
+
+    shared = [1, 2]
+    obj = {"a": shared, "b": shared, "c": [shared] * 3, "d": ("x",) * 300, "e": [[0]] * 260}
+    for protocol in (2, 3, 4, 5):
+        data = pickle.dumps(obj, protocol=protocol)
+        gets = {arg for op, arg, _ in pickletools.genops(data)
+                if op.name in ("BINGET", "LONG_BINGET")}
+        assert memo_reads(data) == gets and gets
+        assert memo_reads(bytearray(data)) == gets
+        for cut in (1, len(data) // 2, len(data) - 1):
+            assert memo_reads(data[:cut]) is None  # (no STOP: keep every entry)
+    assert memo_reads(pickle.dumps(obj, protocol=0)) is None  # a protocol-0 GET
+    assert memo_reads(b"\x80\x02\xff.") is None  # an unknown opcode
+    assert memo_reads(b"\x80\x02T\xff\xff\xff\xff.") is None  # a negative BINSTRING length
+    assert memo_reads(b"\x80\x02N.") == set()
