@@ -8,7 +8,8 @@ Verbs (``ckptlab VERB --help`` tells each one's arguments):
   :mod:`ckptlab.checkpoint.query`); ``--records`` shows its bytes instead.
 - ``offsets PATH [--json] [--scan]``: where each tensor's bytes start: a torch.save file's
   storage data offsets, computed without random reads; for a safetensors file, a Hugging Face,
-  DCP or plain directory, every tensor part's file, offset and bytes, from headers only.
+  DCP or plain directory, every tensor part's file, offset and bytes, from headers only; for a
+  legacy, TorchScript or torch.export file, the same from its checkpoint model.
 - ``sample PATH [--alignment N]``: write the embedded sample checkpoint (N: a power of two,
   1 to :data:`MAX_STORAGE_ALIGNMENT`).
 - ``report [PATH] [-o OUT]``: a self-contained offline HTML report with the figures, of any
@@ -338,17 +339,38 @@ def _indent(text: str, by: str = "  ") -> str:
 
 
 # -- offsets of any checkpoint ----------------------------------------------------------------
-def _is_torch_zip_file(path: str) -> bool:
-    """A single file that is a zip (or no checkpoint at all): the torch.save offsets path, with
-    its own errors for an empty or foreign file. Safetensors, legacy files and directories go
-    through the checkpoint model."""
+def _sniff_file(path: str) -> str | None:
+    """:func:`ckptlab.format.inspect.sniff` of a local file; None for a directory."""
     from ckptlab.format.inspect import sniff
     from ckptlab.source._bytes import ByteSource
 
     if os.path.isdir(path):
-        return False
+        return None
     with ByteSource(path) as src:
-        return sniff(src) in ("torch-zip", "empty", "unknown")
+        return sniff(src)
+
+
+# sniff's kinds that take the torch.save offsets path first: a zip, and files that are no
+# checkpoint at all (its own errors for an empty or foreign file); safetensors, legacy files
+# and directories go through the checkpoint model
+_STORAGE_OFFSETS_KINDS = ("torch-zip", "empty", "unknown")
+
+
+def _other_zip(refusal: Exception, open_model: Callable[[], Any]) -> Any:
+    """The checkpoint model of a zip that :func:`ckptlab.format.storage_offsets` refused
+    (``refusal``, an UnsupportedFormatError) as no torch.save archive: sniff says "torch-zip"
+    of any zip, so what it is is told by its records, as :func:`ckptlab.open` tells it
+    (``ckptlab.checkpoint._torchscript.model_zip``: TorchScript, torch.export). A zip the
+    model does not read as one of those keeps the refusal."""
+    from ckptlab.errors import UnsupportedFormatError
+
+    try:
+        ck = open_model()
+    except UnsupportedFormatError:
+        raise refusal from None
+    if ck.format == "torch-zip":  # a torch.save archive after all: the refusal stands
+        raise refusal
+    return ck
 
 
 class _Count:
@@ -970,29 +992,46 @@ def url_offsets(path: str, scan: bool = False) -> dict[str, Any]:
     A torch.save file: :func:`ckptlab.format.storage_offsets` through the remote file (the
     tail request, the directory if longer, the head records: at most 3 requests). Other
     checkpoints: the offsets of the opened model (each format's headers, see
-    :func:`ckptlab.open`).
+    :func:`ckptlab.open`), read through the same store from the bytes already moved: a
+    TorchScript or torch.export zip (told by its records), a directory URL written without
+    its ``/`` (the redirect that says it is one is counted).
     """
     import dataclasses
 
+    from ckptlab.checkpoint.open import directory_location, open_location
     from ckptlab.cli import storage_offsets
-    from ckptlab.source._remote import RemoteFileObject, RemoteSource, RemoteStore, url_name
+    from ckptlab.errors import UnsupportedFormatError
+    from ckptlab.format._placed import looks_like_zip
+    from ckptlab.source import IsDirectoryError, locate
+    from ckptlab.source._remote import RemoteFileObject, RemoteSource
 
-    if not path.endswith("/") and not url_name(path).endswith((".json", ".metadata",
-                                                               ".safetensors")):
-        store = RemoteStore(path)
-        src = RemoteSource(store, path, first="tail")
-        from ckptlab.format._placed import looks_like_zip
-
-        if looks_like_zip(src):
-            result = storage_offsets(RemoteFileObject(src), scan=scan)
-            result = dataclasses.replace(result, reads=store.stats.requests,
-                                         bytes_read=store.stats.bytes_moved)
-            return {**result.to_dict(), "format": "torch-zip", "path": path}
+    where = locate(path)
+    assert where.tree is not None and where.tree.store is not None  # a URL, not file://
+    store = where.tree.store
+    src = ck = None
+    if where.file is not None and not (where.rel or "").endswith((".json", ".metadata",
+                                                                  ".safetensors")):
+        try:
+            src = RemoteSource(store, where.file, first="tail")
+        except IsDirectoryError as exc:  # "dir": the server says it is "dir/"
+            where = directory_location(where, exc)
+        else:
+            if looks_like_zip(src):
+                try:
+                    result = storage_offsets(RemoteFileObject(src), scan=scan)
+                except UnsupportedFormatError as refusal:
+                    opened = src
+                    ck = _other_zip(refusal, lambda: open_location(where, opened)[0])
+                else:
+                    result = dataclasses.replace(result, reads=store.stats.requests,
+                                                 bytes_read=store.stats.bytes_moved)
+                    return {**result.to_dict(), "format": "torch-zip", "path": path}
     if scan:
         raise InvalidArgumentError(
             f"{path}: --scan takes the storage order from a torch.save file's data.pkl; "
             "this is not a torch.save file: run without --scan")
-    ck, store = _open(path)
+    if ck is None:
+        ck, _ = open_location(where, src)
     from ckptlab.gds.readiness import tensor_ranges
 
     parts = [(r.name, p) for r, p in zip(
@@ -1041,22 +1080,32 @@ def _run(args: argparse.Namespace) -> None:
             else:
                 print(render_offsets(doc))
             return
-        if _is_torch_zip_file(path):  # torch.save: storage keys, in at most 3 reads
-            from ckptlab.cli import storage_offsets  # this module's name (tests replace it)
-
-            result = storage_offsets(path, scan=args.scan)
-            if args.json:
-                _print_json({**result.to_dict(), "format": "torch-zip"})
-            else:
-                print(_table(sorted(result.offsets.items(), key=lambda kv: kv[1]),
-                             ("storage", "data offset"), {1}))
-                print(f"{result.reads} read{'s' * (result.reads != 1)}, "
-                      f"{result.bytes_read:,} bytes read, method "
-                      f"{result.method}" + (f" ({result.reason})" if result.reason else ""))
-            return
         from ckptlab.checkpoint import open_checkpoint
 
-        ck = open_checkpoint(path)
+        ck = None
+        kind = _sniff_file(path)
+        if kind in _STORAGE_OFFSETS_KINDS:  # torch.save: storage keys, in at most 3 reads
+            from ckptlab.cli import storage_offsets  # this module's name (tests replace it)
+            from ckptlab.errors import UnsupportedFormatError
+
+            try:
+                result = storage_offsets(path, scan=args.scan)
+            except UnsupportedFormatError as refusal:
+                if kind != "torch-zip":
+                    raise
+                ck = _other_zip(refusal, lambda: open_checkpoint(path))  # TorchScript, pt2
+            else:
+                if args.json:
+                    _print_json({**result.to_dict(), "format": "torch-zip"})
+                else:
+                    print(_table(sorted(result.offsets.items(), key=lambda kv: kv[1]),
+                                 ("storage", "data offset"), {1}))
+                    print(f"{result.reads} read{'s' * (result.reads != 1)}, "
+                          f"{result.bytes_read:,} bytes read, method {result.method}"
+                          + (f" ({result.reason})" if result.reason else ""))
+                return
+        if ck is None:
+            ck = open_checkpoint(path)
         if args.scan:
             raise InvalidArgumentError(
                 f"{path}: --scan takes the storage order from a torch.save file's data.pkl; "

@@ -193,6 +193,74 @@ def test_offsets_scan_is_for_torch_save_files(made, cli) -> None:
     assert "--scan" in line and "safetensors" in line
 
 
+class Small(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = torch.nn.Linear(3, 2)
+        self.register_buffer("steps", torch.arange(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l(x) + self.steps.sum()
+
+
+@pytest.fixture(scope="module")
+def other_zips(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Zips torch writes that are no torch.save archive: a TorchScript archive
+    (``torch.jit.save``) and a torch.export one (``torch.export.save``, .pt2) of one module."""
+    base = tmp_path_factory.mktemp("other-zips")
+    torch.manual_seed(0)
+    module = Small()
+    with warnings.catch_warnings():  # torch.jit is deprecated
+        warnings.simplefilter("ignore")
+        torch.jit.save(torch.jit.script(module), str(base / "scripted.pt"))
+        torch.export.save(torch.export.export(module, (torch.randn(1, 3),)),
+                          base / "exported.pt2")
+    return {"torchscript": base / "scripted.pt", "pt2": base / "exported.pt2"}
+
+
+def loaded_back(kind: str, path: Path) -> dict[str, torch.Tensor]:
+    """The tensors torch itself loads from ``path``, by state dict name."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if kind == "torchscript":
+            return dict(torch.jit.load(str(path)).state_dict())
+        return dict(torch.export.load(path).state_dict)
+
+
+@pytest.mark.parametrize("kind", ["torchscript", "pt2"])
+def test_offsets_of_torchscript_and_torch_export_zips_are_torchs_records(other_zips, kind,
+                                                                         cli) -> None:
+    """A TorchScript or torch.export zip is no torch.save archive: ``offsets`` prints each
+    tensor's data offset from the checkpoint model, and each is where torch's own zip reader
+    puts the data of the record holding the tensor's storage
+    (``PyTorchFileReader.get_record_offset``), plus the tensor's place in that storage."""
+    path = other_zips[kind]
+    proc = cli("offsets", str(path), "--json")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["format"] == kind and doc["method"] == "model"
+    assert doc["uncounted_files"] == [path.name] and doc["reads"] is None
+    tensors = loaded_back(kind, path)
+    assert sorted(doc["tensors"].values()) == sorted(tensors)
+    reader = torch._C.PyTorchFileReader(str(path))
+    records = {name: reader.get_record(name) for name in reader.get_all_records()}
+    for key, offset in doc["offsets"].items():
+        t = tensors[doc["tensors"][key]]
+        storage = bytes(t.untyped_storage().tolist())
+        (record,) = [name for name, data in records.items() if data == storage]
+        assert offset == reader.get_record_offset(record) + t.storage_offset() * t.element_size()
+        assert doc["nbytes"][key] == t.nbytes and doc["files"][key] == path.name
+        with open(path, "rb") as f:
+            f.seek(offset)
+            assert f.read(t.nbytes) == raw(t), key
+    text = cli("offsets", str(path))
+    assert text.returncode == 0 and text.stderr == "" and text.stdout.startswith("tensor")
+    for key, offset in doc["offsets"].items():
+        assert re.search(rf"^{re.escape(key)} +{offset:,} ", text.stdout, re.M), key
+    line = one_error_line(cli("offsets", str(path), "--scan"))
+    assert "--scan" in line and kind in line
+
+
 # ---------------------------------------------------------------------------------------------
 # report
 

@@ -76,11 +76,6 @@ MADE_FORMATS = {
 # the local paths are refused in one line (behind a URL, a single file of any kind has one)
 NO_RECORDS = ("torch-legacy", "torchscript", "pt2", "pt2-torch27", "hf", "hf-single",
               "hf-dcp-shards", "dir")
-# README: "`offsets` ... take the same PATHs as `inspect`"; a TorchScript or torch.export zip
-# is sent down the torch.save storage-key path, which refuses it (exit 2)
-OFFSETS_REFUSED = ("torchscript", "pt2", "pt2-torch27")
-OFFSETS_BUG = ("ckptlab offsets refuses TorchScript and torch.export zips (it takes them for "
-               "torch.save files: 'a TorchScript archive', 'a zip archive without data.pkl')")
 
 
 # -- running the command -----------------------------------------------------------------------
@@ -281,9 +276,7 @@ def _cases() -> list[Any]:
         for verb in VERBS:
             if verb == "records" and kind in NO_RECORDS:
                 continue
-            marks = [pytest.mark.xfail(strict=True, reason=OFFSETS_BUG)] \
-                if verb == "offsets" and kind in OFFSETS_REFUSED else []
-            cases.append(pytest.param(kind, verb, marks=marks, id=f"{verb}-{kind}"))
+            cases.append(pytest.param(kind, verb, id=f"{verb}-{kind}"))
     return cases
 
 
@@ -380,7 +373,8 @@ URL_CASES = (
     ("torch-zip-training", "training.pt", ("inspect", "records", "offsets")),
     ("torch-legacy", "legacy.pt", ("inspect", "records", "offsets")),
     ("torchscript", "scripted.pt", ("inspect", "records", "offsets")),
-    ("pt2", "exported.pt2", ("inspect", "records")),
+    ("pt2", "exported.pt2", ("inspect", "records", "offsets")),
+    ("pt2-torch27", PT2_27.name, ("inspect", "offsets")),
     ("safetensors", "model.safetensors", ("inspect", "records", "offsets")),
     ("hf", "hf/model.safetensors.index.json", ("inspect", "offsets")),
     ("dcp", "dcp/", ("inspect", "records", "offsets")),
@@ -392,9 +386,7 @@ def _url_cases() -> list[Any]:
     cases = []
     for kind, rel, verbs in URL_CASES:
         for verb in verbs:
-            marks = [pytest.mark.xfail(strict=True, reason=OFFSETS_BUG)] \
-                if verb == "offsets" and kind in OFFSETS_REFUSED else []
-            cases.append(pytest.param(kind, rel, verb, marks=marks, id=f"{verb}-{kind}"))
+            cases.append(pytest.param(kind, rel, verb, id=f"{verb}-{kind}"))
     return cases
 
 
@@ -407,6 +399,29 @@ def test_json_output_of_a_url_matches_its_schema(made, server, validators, kind:
     doc = json.loads(out)
     assert_valid(validators[VERBS[verb][0]], doc)
     assert doc["format"] == MADE_FORMATS[kind]
+
+
+@pytest.mark.parametrize(("kind", "rel"), [("torchscript", "scripted.pt"),
+                                         ("pt2", "exported.pt2"),
+                                         ("pt2-torch27", PT2_27.name),
+                                         ("torch-legacy", "legacy.pt")])
+def test_offsets_of_a_url_of_no_torch_save_archive_are_the_local_ones(
+        made, server, kind: str, rel: str) -> None:
+    """A file that is no torch.save archive (a zip told by its records, a legacy file) behind
+    a URL: the offsets of its model, read from the bytes the first request moved (not asked
+    for again); ``reads`` are the requests nginx answered."""
+    status, out, err = run_verb("offsets", made[kind])
+    assert status == 0, err
+    local = json.loads(out)
+    server.mark()
+    status, out, err = run_verb("offsets", server.url(rel))
+    seen = server.requests()
+    assert status == 0 and err == "", err
+    doc = json.loads(out)
+    for key in ("offsets", "nbytes", "tensors", "format"):
+        assert doc[key] == local[key], key
+    assert doc["reads"] == len(seen) == 1, seen  # a small zip arrives whole in the first
+    assert doc["bytes_read"] == sum(r.body_nbytes for r in seen)
 
 
 # -- the schemas are not vacuous -----------------------------------------------------------------

@@ -50,9 +50,17 @@ from ckptlab.errors import (
 from ckptlab.format._bulk import BuiltOnce
 from ckptlab.format.inspect import not_a_checkpoint, sniff
 from ckptlab.format.layout import ArchiveLayout, Segment, SegmentKind
-from ckptlab.source import ByteSource, IsDirectoryError, NotFoundError, Tree, locate
+from ckptlab.source import (
+    ByteSource,
+    IsDirectoryError,
+    Location,
+    NotFoundError,
+    Tree,
+    locate,
+)
 
-__all__ = ["DIR_PROBES", "FILE_ADAPTERS", "open_checkpoint", "open_url"]
+__all__ = ["DIR_PROBES", "FILE_ADAPTERS", "directory_location", "open_checkpoint",
+           "open_location", "open_url"]
 
 Source = str | os.PathLike[str] | BinaryIO | bytes
 
@@ -241,16 +249,19 @@ def _renamed(t: TensorEntry, path: tuple[Any, ...]) -> TensorEntry:
     return dataclasses.replace(t, name=tensor_name(path), path=path)
 
 
-def _open_file(tree: Tree | None, full: str | None, rel: str | None, obj: Any) -> Checkpoint:
+def _open_file(tree: Tree | None, full: str | None, rel: str | None, obj: Any,
+               opened: ByteSource | None = None) -> Checkpoint:
     """One file: ``full`` (its path or URL, ``rel`` its own name) in ``tree``, or ``obj``
-    (bytes, a file object, read from where it stands as ``torch.load`` reads it)."""
+    (bytes, a file object, read from where it stands as ``torch.load`` reads it).
+    ``opened``: ``full`` opened already (``tree.open``; the bytes it kept are not read
+    again), closed here."""
     if tree is None:
         with ByteSource(obj) as src:
             model = _model_file(src, src.name)
         model.entry = _with_full_path(model.entry, "")
         return _checkpoint(model.format, src.name, [model], _reader(None), False)
     assert full is not None and rel is not None
-    with tree.open(full) as src, task(f"reading {rel}"):
+    with tree.open(full) if opened is None else opened as src, task(f"reading {rel}"):
         model = _model_file(src, rel)
     return _checkpoint(model.format, full, [model], _reader(tree), False)
 
@@ -485,9 +496,20 @@ def _open_probed(tree: Tree) -> Checkpoint:
 def _open_location(source: Any, storage_options: dict[str, Any] | None
                    ) -> tuple[Checkpoint, Tree | None]:
     """:func:`open_checkpoint`, and the tree it read from (None: bytes or a file object)."""
+    return open_location(locate(source, storage_options))
+
+
+def open_location(where: Location, opened: ByteSource | None = None
+                  ) -> tuple[Checkpoint, Tree | None]:
+    """:func:`open_checkpoint` of what :func:`~ckptlab.source.locate` found, and the tree it
+    read from (None: bytes or a file object). ``opened``: the file ``where.file`` opened
+    already by the caller (``where.tree.open``; what it kept is not asked for again), closed
+    here.
+
+    A URL taken for a file whose first request says it is a directory opens as that
+    directory (:func:`directory_location`)."""
     from ckptlab.dcp import METADATA
 
-    where = locate(source, storage_options)
     tree = where.tree
     if tree is None:
         return _open_file(None, None, None, where.obj), None
@@ -498,12 +520,21 @@ def _open_location(source: Any, storage_options: dict[str, Any] | None
     if rel == METADATA or _HF_INDEX_RE.fullmatch(rel):  # opens its directory, no probing
         return _open_dir(tree, rel), tree
     try:
-        return _open_file(tree, where.file, rel, None), tree
+        return _open_file(tree, where.file, rel, None, opened), tree
     except IsDirectoryError as exc:  # "dir" of a URL: the server says it is "dir/"
-        if exc.path != where.file:
-            raise
-        inside = _directory_of(tree, where.file)
+        inside = directory_location(where, exc).tree
+        assert inside is not None
         return _open_dir(inside), inside
+
+
+def directory_location(where: Location, exc: IsDirectoryError) -> Location:
+    """``where``, a URL taken for a file, as the directory ``exc`` says it is: the first
+    request of ``dir`` was redirected to ``dir/`` (nginx: 301, then 403 without a listing).
+    The new location reads through the same store (its requests, the redirect's included,
+    are counted together). ``exc`` is raised again when it is about another file."""
+    if where.tree is None or exc.path != where.file:
+        raise exc
+    return Location(_directory_of(where.tree, exc.path))
 
 
 def _directory_of(tree: Tree, full: str) -> Tree:

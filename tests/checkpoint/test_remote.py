@@ -513,6 +513,31 @@ def test_cli_inspect_of_a_directory_url_without_its_slash(server, hf_dir, capsys
     assert json.loads(capsys.readouterr().out) == want
 
 
+@pytest.mark.parametrize("rel", ["dcp", "hf"])
+def test_cli_offsets_of_a_directory_url_without_its_slash(server, dcp_dir, hf_dir, rel,
+                                                          capsys):
+    """``offsets dir`` is ``offsets dir/`` (ckptlab.open's rule: the redirect says it is a
+    directory): the same JSON but for the two requests of the redirect (301, then 403), which
+    ``reads`` and ``bytes_read`` count as the server logged them."""
+    server.mark()
+    assert cli.main(["offsets", server.url(rel + "/"), "--json"]) == 0
+    want = json.loads(capsys.readouterr().out)
+    want_seen = _requests(server)
+    server.mark()
+    assert cli.main(["offsets", server.url(rel), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    seen = _requests(server)
+    assert [(r.status, r.path) for r in seen[:2]] == [(301, f"/{rel}"), (403, f"/{rel}/")]
+    assert [(r.path, r.range, r.status) for r in seen[2:]] == \
+        [(r.path, r.range, r.status) for r in want_seen]
+    assert (want["reads"], doc["reads"]) == (len(want_seen), len(seen))
+    assert doc["bytes_read"] == want["bytes_read"] + seen[1].body_nbytes  # the 403's page
+    counted = ("reads", "bytes_read")
+    assert {k: v for k, v in doc.items() if k not in counted} == \
+        {k: v for k, v in want.items() if k not in counted}
+    assert doc["path"] == server.url(rel) and doc["format"] == rel and doc["offsets"]
+
+
 # -- errors, CLI, local paths ----------------------------------------------------------------------
 def test_missing_file_and_empty_directory_url_are_ckptlab_errors(server, tmp_path):
     with pytest.raises(ArchiveError, match="404") as exc:
