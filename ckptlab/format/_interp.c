@@ -2665,6 +2665,16 @@ core_rebuild_parameter(PyObject *op, PyObject *const *args, Py_ssize_t nargs,
     if (!Py_IS_TYPE(data, (PyTypeObject *)self->tensor_ref) || state != Py_None ||
         (requires_grad != Py_True && requires_grad != Py_False))
         goto fallback;
+    {   /* a tensor with the conjugate / negative bits (its metadata): Python's, which keeps
+         * them */
+        PyObject *metadata = PyObject_GetAttrString(data, "metadata");
+        int bits = metadata == NULL ? -1 : PyObject_IsTrue(metadata);
+        Py_XDECREF(metadata);
+        if (bits < 0)
+            return NULL;
+        if (bits)
+            goto fallback;
+    }
     PyObject *names[7] = {core_names.storage, core_names.storage_offset, core_names.shape,
                           core_names.stride, core_names.dtype, core_names.subclass,
                           core_names.attrs};

@@ -992,6 +992,10 @@ def test_core_rebuild_v2(core_pair: tuple[Any, Any]) -> None:
         assert_same_call(py, c, "rebuild_v2", storage, 0, (2,), (1,), False, {}, metadata)
     assert c.core.rebuild_v2(storage, 0, (2,), (1,), False, {}, {"neg": True}).metadata == \
         (("neg", True),)
+    # a Parameter of such a tensor keeps the bits, on both sides
+    bits = _TensorRef(storage, 0, (2,), (1,), False, "float32", metadata=(("conj", True),))
+    made = assert_same_call(py, c, "rebuild_parameter", bits, True, {})[1]
+    assert made.metadata == (("conj", True),) and made.is_parameter
 
 
 @settings(max_examples=300)
