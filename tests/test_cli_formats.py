@@ -24,6 +24,7 @@ import torch
 import ckptlab as cl
 from ckptlab.cli import main
 from ckptlab.gds.readiness import tensor_ranges
+from ckptlab.testing.modules import Small
 
 TIMEOUT_S = 120
 
@@ -191,16 +192,6 @@ def test_offsets_text_speaks_the_format(made, kind, words, cli) -> None:
 def test_offsets_scan_is_for_torch_save_files(made, cli) -> None:
     line = one_error_line(cli("offsets", str(made["safetensors"]), "--scan"))
     assert "--scan" in line and "safetensors" in line
-
-
-class Small(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.l = torch.nn.Linear(3, 2)
-        self.register_buffer("steps", torch.arange(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.l(x) + self.steps.sum()
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,7 @@ from ckptlab.format._dtypes import DTYPE_ITEMSIZE, SAFETENSORS_PACKED, SAFETENSO
 from ckptlab.format.layout import SegmentKind
 from ckptlab.schemas import NAMES, schema, schema_text
 from ckptlab.testing.archives import mixed_state_dict
+from ckptlab.testing.modules import Small
 
 ROOT = Path(__file__).resolve().parents[1]
 PT2_27 = ROOT / "tests" / "checkpoint" / "data" / "pt2_27_const.pt2"
@@ -121,16 +122,6 @@ class Made(dict):
 
     def __missing__(self, kind: str) -> Path:
         pytest.skip(f"torch {torch.__version__} here cannot write a {kind!r} checkpoint")
-
-
-class Small(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.l = torch.nn.Linear(3, 2)
-        self.register_buffer("steps", torch.arange(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.l(x) + self.steps.sum()
 
 
 def training_checkpoint() -> dict[str, Any]:
