@@ -15,6 +15,15 @@ from ckptlab.errors import CorruptArchiveError
 from ckptlab.format import _pickle
 
 
+@pytest.fixture(params=["python", "c"])
+def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The scan's implementation (interpreter, handlers and walk) for the test."""
+    if request.param == "c":
+        pytest.importorskip("ckptlab.format._interp")
+    monkeypatch.setattr(_pickle, "_IMPL", request.param)
+    return request.param  # type: ignore[no-any-return]
+
+
 def _saved(path: Path) -> dict[str, Any]:
     z = torch.complex(torch.arange(6.0).reshape(2, 3), torch.linspace(-1, 1, 6).reshape(2, 3))
     obj = {"c": torch.tensor([1 + 2j]).conj(), "n": torch.tensor([1.5])._neg_view(),
@@ -23,12 +32,7 @@ def _saved(path: Path) -> dict[str, Any]:
     return obj
 
 
-@pytest.mark.parametrize("impl", ["python", "c"])
-def test_read_gives_the_saved_bits(tmp_path: Path, impl: str,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    if impl == "c":
-        pytest.importorskip("ckptlab.format._interp")
-    monkeypatch.setattr(_pickle, "_IMPL", impl)
+def test_read_gives_the_saved_bits(tmp_path: Path, impl: str) -> None:
     path = tmp_path / "bits.pt"
     _saved(path)
     theirs = torch.load(path)
@@ -74,12 +78,7 @@ class _OldStyle:
                                    self.t.stride()))
 
 
-@pytest.mark.parametrize("impl", ["python", "c"])
-def test_tensor_built_by_setstate_is_a_tensor(tmp_path: Path, impl: str,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    if impl == "c":
-        pytest.importorskip("ckptlab.format._interp")
-    monkeypatch.setattr(_pickle, "_IMPL", impl)
+def test_tensor_built_by_setstate_is_a_tensor(tmp_path: Path, impl: str) -> None:
     path = tmp_path / "old.pt"
     base = torch.arange(12.0)
     torch.save({"old": _OldStyle(base[2:8].view(2, 3)), "w": torch.ones(2)}, path)
