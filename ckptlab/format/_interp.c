@@ -10,7 +10,8 @@
  * - the stack is one C array of references; MARK pushes the stack's length on a second array
  *   (the metastack), so "the stack" of an opcode is what lies above the last mark;
  * - the memo is a C array for the dense indices picklers write and a dict for sparse ones;
- *   an entry no GET of the pickle reads (find_memo_reads, before the loop) holds None;
+ *   an entry no GET of the pickle reads (find_memo_reads, before the loop) holds None, and
+ *   the dense array keeps a slot only for the entries a GET reads (the memo_reads section);
  * - what the pickle names or builds is made by calling _unpickle's own classes and functions
  *   (Global, Reduced, OpaqueKey, Interpretation, canonical_global) and the caller's handlers
  *   and persistent_load, in the order and with the arguments the Python loop calls them;
@@ -188,8 +189,10 @@ typedef struct {
     Py_ssize_t size, cap;
     Py_ssize_t *marks;     /* the metastack: the stack's length at each open MARK */
     Py_ssize_t nmarks, mcap;
-    PyObject **memo;       /* the dense memo: indices 0..memo_len-1, owned references */
-    Py_ssize_t memo_len, memo_cap;
+    PyObject **memo;       /* the dense memo's slots, owned references (see slot_of) */
+    Py_ssize_t memo_len;   /* dense indices 0..memo_len-1 are stored */
+    Py_ssize_t memo_slots, memo_cap;
+    Py_ssize_t *rank;      /* read bits before each 512-bit block of read_bits */
     PyObject *sparse;      /* {index: object} for the others, made when first needed */
     PyObject *globals;     /* {(module, name): Global} */
     PyObject *seen;        /* ["module.name", ...] in order of first appearance */
@@ -452,6 +455,38 @@ mark_read(Machine *m, unsigned long long index)
 }
 
 static int
+popcount64(uint64_t x)
+{
+#if defined(__GNUC__) || defined(__clang__)
+    return __builtin_popcountll(x);
+#else
+    int count = 0;
+    for (; x; x &= x - 1)
+        count++;
+    return count;
+#endif
+}
+
+/* The rank table: how many read bits precede each 512-bit block (read_bits is padded to
+ * whole blocks), so a dense index's slot is a table lookup and at most eight popcounts. */
+static int
+rank_reads(Machine *m)
+{
+    Py_ssize_t blocks = m->read_nbits / 512 + 1;
+    if ((m->rank = PyMem_Malloc((size_t)blocks * sizeof(Py_ssize_t))) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t total = 0;
+    for (Py_ssize_t b = 0; b < blocks; b++) {
+        m->rank[b] = total;
+        for (int k = 0; k < 8; k++)
+            total += popcount64(le64(m->read_bits + 64 * b + 8 * k));
+    }
+    return 0;
+}
+
+static int
 find_memo_reads(Machine *m)
 {
     const unsigned char *p = m->p;
@@ -459,7 +494,7 @@ find_memo_reads(Machine *m)
     Py_ssize_t pos = 0;
     m->keep_all = 1;
     m->read_nbits = n + 1;
-    if ((m->read_bits = PyMem_Calloc((size_t)(n / 8 + 1), 1)) == NULL) {
+    if ((m->read_bits = PyMem_Calloc((size_t)(m->read_nbits / 512 + 1), 64)) == NULL) {
         PyErr_NoMemory();
         return -1;
     }
@@ -471,7 +506,7 @@ find_memo_reads(Machine *m)
         switch (code) {
         case '.':  /* STOP */
             m->keep_all = 0;
-            return 0;
+            return rank_reads(m);
         case 'h':  /* BINGET */
             if (pos >= n)
                 return 0;
@@ -588,13 +623,40 @@ sparse_put(Machine *m, PyObject *key, PyObject *value)
 }
 
 static int
+is_read(Machine *m, Py_ssize_t index)
+{
+    return (m->read_bits[index >> 3] >> (index & 7)) & 1;
+}
+
+/* The slot of dense memo index ``index``: the index itself when every entry is kept, else
+ * the number of read indices before it (-1: no GET reads it, nothing is kept). Dense
+ * indices are below the input's length, so within read_bits. */
+static Py_ssize_t
+slot_of(Machine *m, Py_ssize_t index)
+{
+    if (m->keep_all)
+        return index;
+    if (!is_read(m, index))
+        return -1;
+    const unsigned char *block = m->read_bits + 64 * (index >> 9);
+    Py_ssize_t slot = m->rank[index >> 9];
+    int bit = (int)(index & 511);
+    for (int k = 0; k < bit >> 6; k++)
+        slot += popcount64(le64(block + 8 * k));
+    uint64_t below = (UINT64_C(1) << (bit & 63)) - 1;
+    return slot + popcount64(le64(block + 8 * (bit >> 6)) & below);
+}
+
+static int
 memo_append(Machine *m, PyObject *value)
 {
-    if (grow((void **)&m->memo, &m->memo_cap, m->memo_len + 1, sizeof(PyObject *)) < 0)
-        return -1;
-    value = kept(m, m->memo_len, value);
-    Py_INCREF(value);
-    m->memo[m->memo_len++] = value;
+    if (m->keep_all || is_read(m, m->memo_len)) {  /* its slot is the next one */
+        if (grow((void **)&m->memo, &m->memo_cap, m->memo_slots + 1, sizeof(PyObject *)) < 0)
+            return -1;
+        Py_INCREF(value);
+        m->memo[m->memo_slots++] = value;
+    }
+    m->memo_len++;
     return charge(m, 16);
 }
 
@@ -604,11 +666,13 @@ memo_put(Machine *m, Py_ssize_t index, PyObject *value)
     if (index == m->memo_len)
         return memo_append(m, value);
     if (index < m->memo_len) {
-        PyObject *old = m->memo[index];
-        value = kept(m, index, value);
-        Py_INCREF(value);
-        m->memo[index] = value;
-        Py_DECREF(old);
+        Py_ssize_t slot = slot_of(m, index);
+        if (slot >= 0) {
+            PyObject *old = m->memo[slot];
+            Py_INCREF(value);
+            m->memo[slot] = value;
+            Py_DECREF(old);
+        }
         return 0;
     }
     PyObject *key = PyLong_FromSsize_t(index);
@@ -624,8 +688,10 @@ static PyObject *
 memo_get(Machine *m, Py_ssize_t index, PyObject *key)
 {
     if (index >= 0 && index < m->memo_len) {
-        Py_INCREF(m->memo[index]);
-        return m->memo[index];
+        Py_ssize_t slot = slot_of(m, index);
+        PyObject *value = slot < 0 ? Py_None : m->memo[slot];
+        Py_INCREF(value);
+        return value;
     }
     PyObject *made = NULL;
     if (key == NULL && (key = made = PyLong_FromSsize_t(index)) == NULL)
@@ -1966,9 +2032,10 @@ machine_clear(Machine *m)
     truncate_to(m, 0);
     PyMem_Free(m->stack);
     PyMem_Free(m->marks);
-    for (Py_ssize_t i = 0; i < m->memo_len; i++)
+    for (Py_ssize_t i = 0; i < m->memo_slots; i++)
         Py_DECREF(m->memo[i]);
     PyMem_Free(m->memo);
+    PyMem_Free(m->rank);
     Py_XDECREF(m->sparse);
     Py_XDECREF(m->globals);
     Py_XDECREF(m->hcache);

@@ -1281,3 +1281,37 @@ def test_memo_reads_are_the_pickles_gets() -> None:
     assert memo_reads(b"\x80\x02\xff.") is None  # an unknown opcode
     assert memo_reads(b"\x80\x02T\xff\xff\xff\xff.") is None  # a negative BINSTRING length
     assert memo_reads(b"\x80\x02N.") == set()
+
+
+@st.composite
+def memo_programs(draw: Any) -> bytes:
+    """Protocol-4 pickles that store many memo entries (past several 512-index blocks of
+    the compiled memo's rank table), overwrite some with BINPUT / LONG_BINPUT, and read a
+    scattered few with BINGET / LONG_BINGET: a list of what each step pushed."""
+    out = [b"\x80\x04]\x94(K\x07\x94"]  # EMPTY_LIST MEMOIZE(0) MARK 7 MEMOIZE(1)
+    stored = 2
+    for _ in range(draw(st.integers(1, 300))):
+        step = draw(st.integers(0, 9))
+        if step <= 5:  # a run of new entries
+            for _ in range(draw(st.integers(1, 40))):
+                out.append(b"J" + struct.pack("<i", stored) + b"\x94")
+                stored += 1
+        elif step <= 7:  # read one stored entry
+            index = draw(st.integers(1, stored - 1))  # (0: the list itself)
+            out.append(b"h" + bytes([index]) if index < 256 else
+                       b"j" + struct.pack("<I", index))
+        else:  # overwrite a stored entry (read or not) with a new value
+            index = draw(st.integers(1, stored - 1))
+            value = draw(st.integers(-1000, -1))
+            put = b"q" + bytes([index]) if index < 256 else b"r" + struct.pack("<I", index)
+            out.append(b"J" + struct.pack("<i", value) + put)
+    out.append(b"e.")  # APPENDS STOP
+    return b"".join(out)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=memo_programs())
+def test_memo_slots_for_read_entries_only(interp: Any, data: bytes) -> None:
+    """The compiled memo keeps a slot only for entries some GET reads (found by a rank over
+    the read bits); every read still sees the last value stored at its index."""
+    assert interp(data).root == pickle.loads(data)
