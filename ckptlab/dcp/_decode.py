@@ -16,6 +16,7 @@ import functools
 from typing import Any
 
 from ckptlab._torch_compat import memory_format_encoding, storage_info_class
+from ckptlab.format import _pickle
 from ckptlab.format._unpickle import (
     PATH_CLASSES,
     Global,
@@ -24,11 +25,11 @@ from ckptlab.format._unpickle import (
     PickleDataError,
     Reduced,
     failure_offset,
-    interpret,
+    interpreter,
     path_value,
 )
 
-__all__ = ["MetadataDecodeError", "decode_metadata"]
+__all__ = ["MetadataDecodeError", "decode_metadata", "foreign_global", "handlers", "record_state"]
 
 _DCP = "torch.distributed.checkpoint"
 _MD = f"{_DCP}.metadata"
@@ -67,30 +68,47 @@ def _path(cls: str, *parts: Any) -> str:
     return path_value(cls, parts)
 
 
-class _Size:
+class Size(tuple):  # type: ignore[type-arg]
     """``torch.Size(...)`` as the pickle calls it: a validated tuple of ints."""
 
-    __slots__ = ("value",)
+    __slots__ = ()
 
-    def __init__(self, value: tuple[int, ...]) -> None:
-        self.value = value
+    @property
+    def value(self) -> tuple[int, ...]:
+        return tuple(self)
 
 
-def _handlers() -> dict[tuple[str, str], Any]:
+class Layout:
+    """``torch.serialization._get_layout(name)``: one of :data:`LAYOUTS`, by name."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+_Size = Size
+
+
+def handlers() -> dict[tuple[str, str], Any]:
+    """The functions a DCP ``.metadata`` pickle may call, as ckptlab code (every other
+    global builds an inert record): ``torch.Size``, ``_get_layout``, ``OrderedDict()`` and
+    the ``pathlib`` path classes. Both readers of ``.metadata`` interpret it with these (the
+    converter here and :mod:`ckptlab.dcp.columns`)."""
+
+    ints = {int}
+
     def size(value: Any = ()) -> _Size:
-        if isinstance(value, list):
-            value = tuple(value)
-        if not (isinstance(value, tuple) and len(value) <= 64 and
-                all(type(v) is int and 0 <= v <= _MAX_INDEX for v in value)):
+        if type(value) not in (tuple, list) or len(value) > 64 or (value and not (
+                set(map(type, value)) == ints and 0 <= min(value) and
+                max(value) <= _MAX_INDEX)):
             raise PickleDataError("torch.Size of something other than non-negative ints")
         return _Size(value)
 
-    def layout(value: Any = "") -> Any:
+    def layout(value: Any = "") -> Layout:
         if value not in LAYOUTS:
             raise PickleDataError(f"_get_layout of {str(value)[:60]!r}")
-        import torch
-
-        return getattr(torch, value.removeprefix("torch."))
+        return Layout(value)
 
     def ordered_dict(items: Any = None) -> dict[Any, Any]:
         if items not in (None, (), []):
@@ -103,6 +121,26 @@ def _handlers() -> dict[tuple[str, str], Any]:
     for cls in PATH_CLASSES:
         table[("pathlib", cls)] = functools.partial(_path, cls)
     return table
+
+
+def record_state(value: Any) -> Any:
+    """A dataclass record's state as pickle gives it: a dict of fields, None (no fields),
+    or a slotted dataclass's ``(None, slots)``; anything else as it is (for the caller to
+    refuse)."""
+    if isinstance(value, tuple) and len(value) == 2 and value[0] is None:
+        value = value[1]
+    return {} if value is None else value
+
+
+def foreign_global(globals_: list[str]) -> str | None:
+    """The first global a ``.metadata`` pickle names that is not one of DCP's metadata
+    classes, torch's (``torch.*``), a ``pathlib`` path or ``OrderedDict``; None if none."""
+    for qualname in globals_:
+        module = qualname.rsplit(".", 1)[0]
+        if not (module.startswith(_DCP) or qualname.startswith(("torch.", "pathlib.")) or
+                qualname == "collections.OrderedDict"):
+            return qualname
+    return None
 
 
 class _Converter:
@@ -161,11 +199,7 @@ class _Converter:
                             foreign=isinstance(value, Reduced))
         if value.args or value.kwargs or value.items or value.pairs:
             raise self.fail(f"{cls} built with arguments or items")
-        state = value.state
-        if isinstance(state, tuple) and len(state) == 2 and state[0] is None:
-            state = state[1]  # (None, slots) from a slotted dataclass
-        if state is None:
-            state = {}
+        state = record_state(value.state)
         if not isinstance(state, dict) or not all(type(k) is str for k in state):
             raise self.fail(f"{cls} state is not a dict of field names")
         extra = set(state) - set(allowed)
@@ -249,10 +283,11 @@ class _Converter:
             encoding = memory_format_encoding()(fmt.args[0])
         except ValueError:
             raise self.fail(f"unknown memory format code {fmt.args[0]}") from None
-        if not isinstance(layout, type(self.torch.strided)):
+        if not isinstance(layout, Layout):
             raise self.fail(f"TensorProperties.layout must be a layout, got {_name(layout)}")
         props = object.__new__(self.md.TensorProperties)
-        props.__setstate__((self.dtype(dtype, "TensorProperties.dtype"), layout,
+        props.__setstate__((self.dtype(dtype, "TensorProperties.dtype"),
+                            getattr(self.torch, layout.name.removeprefix("torch.")),
                             self.bool_(requires_grad, "TensorProperties.requires_grad"),
                             encoding, self.bool_(pin, "TensorProperties.pin_memory")))
         return props
@@ -326,18 +361,16 @@ def decode_metadata(data: bytes) -> Any:
         the pickle names a class outside DCP's metadata classes.
     """
     try:
-        result = interpret(data, handlers=_handlers())
+        result = interpreter(_pickle._IMPL)(data, handlers=handlers())
     except PickleDataError as exc:
         kind = "over ckptlab's budget" if isinstance(exc, PickleBudgetError) else "malformed"
         raise MetadataDecodeError(f"not a readable pickle ({kind}): {exc}",
                                   failure_offset(exc)) from None
     if result.end != len(data):
         raise MetadataDecodeError("bytes after the pickle's STOP opcode", result.end)
-    for qualname in result.globals:
-        module = qualname.rsplit(".", 1)[0]
-        if not (module.startswith(_DCP) or qualname.startswith(("torch.", "pathlib.")) or
-                qualname == "collections.OrderedDict"):
-            raise MetadataDecodeError(
-                f"names {qualname}, which is not a DCP metadata class; refusing it (loading it "
-                "with pickle would run it)", foreign=True)
+    qualname = foreign_global(result.globals)
+    if qualname is not None:
+        raise MetadataDecodeError(
+            f"names {qualname}, which is not a DCP metadata class; refusing it (loading it "
+            "with pickle would run it)", foreign=True)
     return _Converter().metadata(result.root)

@@ -2968,6 +2968,8 @@ static PyType_Spec core_spec = {
 
 /* _walk.c */
 PyObject *ckptlab_walk_tensors(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+/* ckptlab/dcp/_rows.c */
+extern PyType_Spec ckptlab_dcp_rows_spec;
 
 static PyMethodDef methods[] = {
     {"interpret", (PyCFunction)(void (*)(void))interpret, METH_VARARGS | METH_KEYWORDS,
@@ -3014,5 +3016,12 @@ PyInit__interp(void)
         return NULL;
     }
     Py_DECREF(core);
+    PyObject *rows = PyType_FromModuleAndSpec(module, &ckptlab_dcp_rows_spec, NULL);
+    if (rows == NULL || PyModule_AddObjectRef(module, "DcpRows", rows) < 0) {
+        Py_XDECREF(rows);
+        Py_DECREF(module);
+        return NULL;
+    }
+    Py_DECREF(rows);
     return module;
 }
