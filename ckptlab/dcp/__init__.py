@@ -5,10 +5,11 @@ How a DCP directory is read, in order:
 1. :func:`is_dcp_dir`: a directory with a ``.metadata`` file (:func:`is_dcp_shards_dir`: the
    ``shard-*.safetensors`` files ``HuggingFaceStorageWriter(save_distributed=True)`` writes
    without one).
-2. ``.metadata``, a pickle (:mod:`ckptlab.dcp.metadata`): decoded into typed columns by a
-   strict recogniser (:mod:`ckptlab.dcp.columns`), or, for anything it does not recognise and
-   whenever DCP's own ``Metadata`` object is wanted (:func:`load_metadata`), by ckptlab's
-   bounded interpreter and a field-by-field converter over an allow-list of DCP classes
+2. ``.metadata``, a pickle (:mod:`ckptlab.dcp.metadata`), run by ckptlab's one bounded
+   pickle interpreter (:mod:`ckptlab.format._unpickle`) with DCP's handlers, for one of two
+   consumers: typed columns, one row per item (:mod:`ckptlab.dcp.columns`), or, for what the
+   columns do not represent and whenever DCP's own ``Metadata`` object is wanted
+   (:func:`load_metadata`), a field-by-field converter over an allow-list of DCP classes
    (:mod:`ckptlab.dcp._decode`). Nothing the file names is imported or called.
 3. The data files' items (:mod:`ckptlab.dcp.items`): each item's own layout (a torch.save
    zip, a file's safetensors blob, a zstd frame), read through a window on its file without
