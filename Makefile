@@ -103,7 +103,7 @@ test-oldest-torch: nginx
 # this runs the suites that need no torch. CI runs it after `make test`.
 NEWEST_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13) $(shell command -v python3.13))
 NEWEST_VENV   ?= .venv-newest
-NEWEST_TESTS  := tests/format/test_interp.py tests/format/test_records.py tests/test_io.py \
+NEWEST_TESTS  := tests/format/test_interp.py tests/format/test_records.py tests/dcp/test_rows.py tests/test_io.py \
 	tests/test_lazy.py tests/write/test_state.py tests/write/test_commit.py \
 	tests/write/test_files.py tests/write/test_worker.py
 test-newest-python:
