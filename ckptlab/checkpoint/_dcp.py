@@ -168,6 +168,17 @@ def open_dcp(tree: Tree | str, *, fast: bool = True) -> Checkpoint:
     return Checkpoint("dcp", tree.name, files, tensors, objects, _reader(tree), notes)
 
 
+# who adds which attribute to DCP's Metadata, for the notes
+_WRITERS = {"all_local_plans": " (Megatron-Core keeps its planners' local plans there)"}
+
+
+def added_fields(record: Any) -> list[str]:
+    """The attributes of a DCP record beyond its dataclass fields (what a writer added, as
+    Megatron-Core adds ``all_local_plans`` to ``Metadata``), in the order written."""
+    known = {f.name for f in dataclasses.fields(record)}
+    return [name for name in getattr(record, "__dict__", {}) if name not in known]
+
+
 def _model(layout: Any, root: str) -> tuple[dict[str, TensorEntry], dict[str, Any],
                                             tuple[str, ...]]:
     """The tensors, values and notes of a directory's :class:`~ckptlab.dcp.DcpLayout`."""
@@ -176,7 +187,9 @@ def _model(layout: Any, root: str) -> tuple[dict[str, TensorEntry], dict[str, An
     meta = layout.metadata
     chunks: dict[str, list[Part]] = {}
     objects: dict[str, Any] = {}
-    notes: list[str] = []
+    notes = [f"{METADATA}: Metadata.{name} is an attribute its writer added beyond DCP's "
+             f"fields{_WRITERS.get(name, '')}: kept as an inert value (layout.metadata), "
+             "nothing in it built or run" for name in added_fields(meta)]
     for item in layout.items:
         if item.kind == "bytes":
             values = item.layout.objects if item.layout is not None else ()

@@ -154,6 +154,7 @@ class _Converter:
         self.torch, self.md, self.fs = torch, md, fs
         self.done: dict[int, Any] = {}
         self.keep: list[Any] = []  # keeps converted sources alive so ids stay unique
+        self.extras: dict[int, dict[str, Any]] = {}  # record id -> fields beyond its class's
 
     def fail(self, message: str, foreign: bool = False) -> MetadataDecodeError:
         return MetadataDecodeError(message, foreign=foreign)
@@ -202,15 +203,29 @@ class _Converter:
         state = record_state(value.state)
         if not isinstance(state, dict) or not all(type(k) is str for k in state):
             raise self.fail(f"{cls} state is not a dict of field names")
-        extra = set(state) - set(allowed)
-        if extra:
-            raise self.fail(f"{cls} has unknown fields {sorted(extra)[:5]}")
+        extra = {k: v for k, v in state.items() if k not in allowed}
+        if extra:  # attributes a writer added (Megatron-Core: Metadata.all_local_plans)
+            self.extras[id(value)] = extra
         return state
+
+    def attach(self, obj: Any, value: Any) -> Any:
+        """``obj`` (converted from the record ``value``) with the attributes its writer added
+        beyond the class's fields, as pickle would set them, but each an inert rendering
+        (:func:`ckptlab.checkpoint.model.plain_value`: nothing built, nothing run)."""
+        extra = self.extras.pop(id(value), None)
+        if extra:
+            from ckptlab.checkpoint.model import plain_value
+
+            if not hasattr(obj, "__dict__"):
+                raise self.fail(f"{type(obj).__name__} has unknown fields "
+                                f"{sorted(extra)[:5]} and no room for them")
+            vars(obj).update({k: plain_value(v) for k, v in extra.items()})
+        return obj
 
     def memo(self, value: Any, build: Any) -> Any:
         hit = self.done.get(id(value))
         if hit is None:
-            hit = build(value)
+            hit = self.attach(build(value), value)
             self.done[id(value)] = hit
             self.keep.append(value)
         return hit
@@ -238,11 +253,12 @@ class _Converter:
         kwargs = {"state_dict_metadata": entries, "planner_data": self.plain(
                       state.get("planner_data"), "Metadata.planner_data"),
                   "storage_data": storage_data,
-                  "storage_meta": None if meta is None else self.storage_meta(meta)}
+                  "storage_meta": None if meta is None else self.attach(
+                      self.storage_meta(meta), meta)}
         if "version" in names:
             kwargs["version"] = self.str_(state.get("version"), "Metadata.version",
                                           optional=True)
-        return self.md.Metadata(**kwargs)
+        return self.attach(self.md.Metadata(**kwargs), value)
 
     def storage(self, value: Any) -> Any:
         qualname = _name(value)
