@@ -214,7 +214,7 @@ class _Converter:
         (:func:`ckptlab.checkpoint.model.plain_value`: nothing built, nothing run)."""
         extra = self.extras.pop(id(value), None)
         if extra:
-            from ckptlab.checkpoint.model import plain_value
+            from ckptlab.format._plain import plain_value
 
             if not hasattr(obj, "__dict__"):
                 raise self.fail(f"{type(obj).__name__} has unknown fields "
