@@ -169,6 +169,9 @@ def render_checkpoint(ck: Any, tensors: list[Any], pattern: str | None = None) -
                                                            key=lambda kv: -kv[1][2])))
     for note in ck.notes:
         out.append(f"  note: {note}")
+    if ck.run is not None:
+        out.append("")
+        out.append(_render_run(ck.run))
     out.append("")
     shown = f" matching {pattern!r}" if pattern else ""
     out.append(f"tensors{shown} ({len(tensors):,}):")
@@ -193,6 +196,23 @@ def render_checkpoint(ck: Any, tensors: list[Any], pattern: str | None = None) -
         out.append(_table([(_text(k), _text(_short_value(v))) for k, v in values.items()],
                           ("name", "value"), set()))
     return "\n".join(out)
+
+
+def _render_run(run: Any) -> str:
+    """The saves of a training run, the one shown marked (the run's resume rule or --step)."""
+    import datetime
+
+    rows = []
+    for s in run.steps:
+        when = datetime.datetime.fromtimestamp(s.mtime).strftime("%Y-%m-%d %H:%M")
+        rows.append(["*" if s.name == run.opened else "", _text(s.name),
+                     "-" if s.number is None else f"{s.number:,}", _human(s.nbytes), when,
+                     "yes" if s.complete else "NO (incomplete)"])
+    head = (f"{run.framework} run: {len(run.steps)} save{'s' * (len(run.steps) != 1)}; "
+            f"resumes from {run.resume.name if run.resume else 'none'} ({_text(run.rule)}); "
+            f"shown: {run.opened} (*)")
+    return head + "\n" + _table(rows, ("", "save", "step", "size", "modified", "complete"),
+                                {2, 3})
 
 
 def _text(value: Any) -> str:
@@ -232,6 +252,8 @@ def checkpoint_json(ck: Any, tensors: list[Any]) -> dict[str, Any]:
     base.update(format=ck.format, path=ck.path, files=[f.to_dict() for f in ck.files],
                 tensors=[t.to_dict() for t in tensors], objects=ck.objects,
                 notes=list(ck.notes))
+    if ck.run is not None:
+        base["run"] = ck.run.to_dict()
     if "segments" not in base:  # every format has the key: a single file's segments, else []
         from ckptlab.format.layout import segments_json
 
@@ -639,6 +661,40 @@ def _sort_key(text: str) -> str:
     return text
 
 
+_STEP_HELP = ("for a training run's directory (checkpoint-N/, iter_N/, global_stepN/, "
+              "step-N/, epoch_N/, *.ckpt): the save of step N (default: the one the "
+              "framework resumes from)")
+
+
+def _step(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a step number (0 or more), not {text!r}")
+    return value
+
+
+def _resolve_run(args: argparse.Namespace) -> Any:
+    """For a training run's directory: put the save to read in ``args.path`` (``--step N``,
+    else the one the framework resumes from) and give the run; None for anything else."""
+    path, step = getattr(args, "path", None), getattr(args, "step", None)
+    run = None
+    if path is not None and not _is_url(path) and os.path.isdir(path):
+        from ckptlab.checkpoint.runs import choose_step, find_run
+
+        run = find_run(path)
+        if run is not None:
+            run = choose_step(run, step)
+            args.path = run.opened_path
+    if step is not None and run is None:
+        raise InvalidArgumentError(
+            f"{path}: --step is for a training run's directory (saves side by side: "
+            "checkpoint-N/, iter_N/, global_stepN/, step-N/, epoch_N/, *.ckpt); this is not one")
+    return run
+
+
 def _parser() -> _Parser:
     p = _Parser(prog="ckptlab", description="See inside PyTorch checkpoints.")
     p.add_argument("--version", action="version", version=f"ckptlab {__version__}")
@@ -647,6 +703,7 @@ def _parser() -> _Parser:
     ins = sub.add_parser("inspect", help=VERBS["inspect"], description=VERBS["inspect"])
     ins.add_argument("path", nargs="?", metavar="PATH",
                      help="checkpoint file or DCP directory" + default)
+    ins.add_argument("--step", type=_step, default=None, metavar="N", help=_STEP_HELP)
     ins.add_argument("--json", action="store_true", help="print one JSON object")
     ins.add_argument("--records", action="store_true",
                      help="the byte-level view: zip records / DCP items instead of tensors")
@@ -660,6 +717,7 @@ def _parser() -> _Parser:
     off = sub.add_parser("offsets", help=VERBS["offsets"], description=VERBS["offsets"])
     off.add_argument("path", metavar="PATH",
                      help="checkpoint file or directory (safetensors, Hugging Face, DCP)")
+    off.add_argument("--step", type=_step, default=None, metavar="N", help=_STEP_HELP)
     off.add_argument("--json", action="store_true", help="print one JSON object")
     off.add_argument("--scan", action="store_true",
                      help="torch.save files only: take the storage order from data.pkl "
@@ -673,15 +731,18 @@ def _parser() -> _Parser:
     rep = sub.add_parser("report", help=VERBS["report"], description=VERBS["report"])
     rep.add_argument("path", nargs="?", metavar="PATH",
                      help="checkpoint file or directory" + default)
+    rep.add_argument("--step", type=_step, default=None, metavar="N", help=_STEP_HELP)
     rep.add_argument("-o", "--output", default="report.html", metavar="OUT",
                      help="HTML file to write (default report.html)")
     rdy = sub.add_parser("readiness", help=VERBS["readiness"], description=VERBS["readiness"])
     rdy.add_argument("path", metavar="PATH", help="checkpoint file or directory")
+    rdy.add_argument("--step", type=_step, default=None, metavar="N", help=_STEP_HELP)
     rdy.add_argument("--json", action="store_true", help="print one JSON object")
     srv = sub.add_parser("serve", help=VERBS["serve"], description=VERBS["serve"])
     srv.add_argument("path", nargs="?", metavar="PATH",
                      help="checkpoint file or directory (any format ckptlab.open reads)"
                      + default)
+    srv.add_argument("--step", type=_step, default=None, metavar="N", help=_STEP_HELP)
     srv.add_argument("--port", type=_port, default=5006, metavar="N",
                      help="port, 1 to 65535 (default 5006)")
     srv.add_argument("--address", default="127.0.0.1", metavar="A",
@@ -1047,6 +1108,7 @@ def url_offsets(path: str, scan: bool = False) -> dict[str, Any]:
 
 def _run(args: argparse.Namespace) -> None:
     verb = args.verb
+    run = _resolve_run(args)
     if verb == "inspect":
         path = _input_path(args.path, verb, directory=True)
         if args.records:
@@ -1061,6 +1123,7 @@ def _run(args: argparse.Namespace) -> None:
                       else render_layout(layout))
             return
         ck, _ = _open(path)
+        ck.run = run
         tensors = select_tensors(ck, args.filter, args.sort)
         if args.json:
             _print_json(checkpoint_json(ck, tensors))

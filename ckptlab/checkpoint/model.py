@@ -286,6 +286,9 @@ class Checkpoint:
         Name -> :class:`TensorEntry`, in the checkpoint's own order.
     objects
         Name -> inert, printable non-tensor value (step, lr, config...).
+    run
+        When a training run's directory was opened: the :class:`~ckptlab.checkpoint.runs.Run`
+        (every save, which one this is); else None. ``steps`` lists its saves.
     """
 
     def __init__(self, format: str, path: str, files: tuple[FileEntry, ...],
@@ -301,6 +304,12 @@ class Checkpoint:
         self._objects = objects
         self._reader = reader
         self.notes = notes  # what ckptlab could not describe fully, in words
+        self.run: Any = None  # the training run it is one save of (runs.Run), if opened so
+
+    @property
+    def steps(self) -> tuple[Any, ...]:
+        """The saves of the training run this checkpoint was opened from (in order), or ()."""
+        return self.run.steps if self.run is not None else ()
 
     @property
     def objects(self) -> dict[str, Any]:
@@ -366,11 +375,15 @@ class Checkpoint:
                        f"{', '.join(p.role for p in entry.parts)})")
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: ``format``, ``path``, ``files``, ``tensors`` (list), ``objects``."""
-        return {"format": self.format, "path": self.path, "file_nbytes": self.nbytes,
-                "files": [f.to_dict() for f in self.files],
-                "tensors": [t.to_dict() for t in self.tensors.values()],
-                "objects": self.objects, "notes": list(self.notes)}
+        """JSON-ready: ``format``, ``path``, ``files``, ``tensors`` (list), ``objects``,
+        ``notes``, and ``run`` for a save opened from its training run's directory."""
+        out = {"format": self.format, "path": self.path, "file_nbytes": self.nbytes,
+               "files": [f.to_dict() for f in self.files],
+               "tensors": [t.to_dict() for t in self.tensors.values()],
+               "objects": self.objects, "notes": list(self.notes)}
+        if self.run is not None:
+            out["run"] = self.run.to_dict()
+        return out
 
 
 def full_path(root: str, relative: str) -> str:

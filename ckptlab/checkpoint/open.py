@@ -554,7 +554,8 @@ def open_url(url: str, storage_options: dict[str, Any] | None = None
 
 
 def open_checkpoint(source: Source, *,
-                    storage_options: dict[str, Any] | None = None) -> Checkpoint:
+                    storage_options: dict[str, Any] | None = None,
+                    step: int | None = None) -> Checkpoint:
     """Open any checkpoint as a :class:`~ckptlab.checkpoint.Checkpoint` (tensor first).
 
     Parameters
@@ -570,6 +571,11 @@ def open_checkpoint(source: Source, *,
         ``.metadata`` opens its directory directly.
     storage_options
         For URLs: passed to fsspec (credentials, endpoints, HTTP ``headers``...).
+    step
+        For a training run's directory (several saves side by side: DeepSpeed, Megatron,
+        the transformers Trainer, torchtune, Lightning, ``step-N`` DCP directories; see
+        :mod:`ckptlab.checkpoint.runs`): open the save of that step instead of the one the
+        framework resumes from. The checkpoint's ``run`` lists every save.
 
     Raises
     ------
@@ -590,4 +596,20 @@ def open_checkpoint(source: Source, *,
     (derived from the central directory by torch's placement rules, verified to tile the
     file); see :mod:`ckptlab.format._placed`. Needs the ``remote`` extra.
     """
-    return _open_location(source, storage_options)[0]
+    run = None
+    if isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
+        from ckptlab.checkpoint.runs import choose_step, find_run
+
+        run = find_run(os.fspath(source))
+        if run is not None:
+            run = choose_step(run, step)
+            source = run.opened_path
+    if step is not None and run is None:
+        raise UnsupportedFormatError("step= is for a training run's directory (saves side by "
+                                     "side: checkpoint-N/, iter_N/, global_stepN/, step-N/, "
+                                     "epoch_N/, *.ckpt); this is not one",
+                                     path=os.fspath(source) if isinstance(
+                                         source, (str, os.PathLike)) else "<source>")
+    ck = _open_location(source, storage_options)[0]
+    ck.run = run
+    return ck
