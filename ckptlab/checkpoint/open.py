@@ -53,6 +53,7 @@ from ckptlab.format.layout import ArchiveLayout, Segment, SegmentKind
 from ckptlab.source import (
     ByteSource,
     IsDirectoryError,
+    LocalTree,
     Location,
     NotFoundError,
     Tree,
@@ -438,9 +439,10 @@ def _open_named(tree: Tree, name: str, names: list[str]) -> Checkpoint:
     return _with_extra_files(ck, tree, [n for n in names if n != name])
 
 
-def _open_dir(tree: Tree, entry: str | None = None) -> Checkpoint:
+def _open_dir(tree: Tree, entry: str | None = None, *, composite: bool = True) -> Checkpoint:
     """A directory: from ``entry`` (a file naming what the directory is: ``.metadata``, an
-    index JSON), else from its listing, else (a URL) from the first of :data:`DIR_PROBES`
+    index JSON), else from its listing (a composite model's components first:
+    :mod:`ckptlab.checkpoint.composite`), else (a URL) from the first of :data:`DIR_PROBES`
     there."""
     from ckptlab.dcp import METADATA
 
@@ -449,6 +451,14 @@ def _open_dir(tree: Tree, entry: str | None = None) -> Checkpoint:
         return _open_named(tree, entry, names or [])
     if names is None:
         return _open_probed(tree)
+    if composite and isinstance(tree, LocalTree):
+        from ckptlab.checkpoint.composite import composite_parts, open_composite
+
+        parts = composite_parts(tree.root, names)
+        if parts is not None:
+            return open_composite(
+                tree.root, parts, lambda path: _open_dir(LocalTree(path), composite=False),
+                lambda rel: _json_entry(tree, rel))
     if METADATA in names:
         return _open_named(tree, METADATA, names)
     index = _hf_model_name(names, HF_INDEXES, _HF_INDEX_RE)
