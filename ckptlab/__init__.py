@@ -32,16 +32,18 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from ckptlab import dcp as dcp
     from ckptlab._inspect import inspect
     from ckptlab.checkpoint import open_checkpoint as open
+    from ckptlab.compare import diff
     from ckptlab.format import predict_layout, storage_offsets
 
 __version__ = "0.1.0"
 
-# The whole public surface: four verbs, the root error, the subpackages. Everything else is a
+# The whole public surface: five verbs, the root error, the subpackages. Everything else is a
 # name of its subpackage (ckptlab.format.ArchiveLayout, ckptlab.checkpoint.Checkpoint, ...).
 __all__ = [
     "CkptlabError",
     "__version__",
     "checkpoint",
+    "diff",
     "errors",
     "format",
     "gds",
@@ -63,6 +65,7 @@ _LAZY_MODULES = ("checkpoint", "dcp", "format", "gds", "plan", "samples", "viz",
                  "write")
 # name -> "module:attribute", imported on first use
 _LAZY_NAMES = {
+    "diff": "ckptlab.compare:diff",
     "inspect": "ckptlab._inspect:inspect",
     "open": "ckptlab.checkpoint:open_checkpoint",
     "predict_layout": "ckptlab.format:predict_layout",

@@ -79,6 +79,7 @@ VERBS: dict[str, str] = {
     "report": "write a self-contained offline HTML report of any checkpoint",
     "readiness": "is a checkpoint ready for GPUDirect Storage / O_DIRECT reads?",
     "serve": "serve the interactive workbench (panel) for any checkpoint on 127.0.0.1",
+    "diff": "what changed between two checkpoints of any formats (exit 1 when anything did)",
 }
 
 
@@ -748,8 +749,65 @@ def _parser() -> _Parser:
     srv.add_argument("--address", default="127.0.0.1", metavar="A",
                      help="address to listen on (default 127.0.0.1: this machine only)")
     srv.add_argument("--show", action="store_true", help="open a browser tab")
+    dif = sub.add_parser("diff", help=VERBS["diff"], description=VERBS["diff"])
+    dif.add_argument("path", metavar="A", help="checkpoint file, directory or URL")
+    dif.add_argument("other", metavar="B", help="checkpoint file, directory or URL")
+    dif.add_argument("--json", action="store_true", help="print one JSON object")
+    dif.add_argument("--filter", metavar="PATTERN", default=None,
+                     help="only tensors whose name contains PATTERN, or matches it whole when "
+                          "it is a glob with * ? or [; case-insensitive")
+    dif.add_argument("--atol", type=_tolerance, default=0.0, metavar="X",
+                     help="absolute tolerance (default 0: any difference counts)")
+    dif.add_argument("--rtol", type=_tolerance, default=0.0, metavar="Y",
+                     help="relative tolerance, of |B| (default 0)")
+    dif.add_argument("--step", type=_step, default=None, metavar="N", help=_STEP_HELP
+                     + "; for each side that is a run")
     p.verbs = sub.choices
     return p
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"a tolerance (a finite number >= 0), not {text!r}")
+    return value
+
+
+def _diff(args: argparse.Namespace) -> int:
+    """``ckptlab diff A B``: the summary or the JSON; 0 when nothing differs beyond the
+    tolerances, 1 when something does (as ``cmp``)."""
+    from ckptlab.checkpoint.query import TensorQuery
+    from ckptlab.compare import diff
+
+    sides = []
+    for path in (args.path, args.other):
+        run = None
+        if not _is_url(path) and os.path.isdir(path):
+            from ckptlab.checkpoint.runs import choose_step, find_run
+
+            run = find_run(path)
+            if run is not None:
+                run = choose_step(run, args.step)
+                path = run.opened_path
+        ck, _ = _open(path)
+        ck.run = run
+        sides.append(ck)
+    if args.step is not None and all(ck.run is None for ck in sides):
+        raise InvalidArgumentError(
+            f"{args.path}, {args.other}: --step is for a training run's directory (saves side "
+            "by side: checkpoint-N/, iter_N/, global_stepN/, step-N/, epoch_N/, *.ckpt); "
+            "neither is one")
+    query = TensorQuery(args.filter or "")
+    result = diff(sides[0], sides[1], names=query.matches if args.filter else None,
+                  atol=args.atol, rtol=args.rtol)
+    if args.json:
+        _print_json(result.to_dict())
+    else:
+        print("\n".join(_text(line) for line in result.summary().splitlines()))
+    return 1 if result.differs else 0
 
 
 def _usage() -> str:
@@ -986,6 +1044,10 @@ def _check(args: argparse.Namespace) -> None:
         _check_servable(args.path)
     elif verb != "sample" and args.path is not None:
         _input_path(args.path, verb, directory=True)
+    if verb == "diff":
+        if _is_url(args.other) and _local_url(args.other) is not None:
+            args.other = _local_url(args.other)
+        _input_path(args.other, verb, directory=True)
     if verb == "sample":
         _output_path(args.path, "sample")
     if verb == "report":
@@ -1106,8 +1168,12 @@ def url_offsets(path: str, scan: bool = False) -> dict[str, Any]:
             "read_per_file": {}, "uncounted_files": []}
 
 
-def _run(args: argparse.Namespace) -> None:
+def _run(args: argparse.Namespace) -> int | None:
+    """The verb; its exit status where it has one of its own (diff: 1 when something
+    differs)."""
     verb = args.verb
+    if verb == "diff":
+        return _diff(args)
     run = _resolve_run(args)
     if verb == "inspect":
         path = _input_path(args.path, verb, directory=True)
@@ -1317,7 +1383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         _check(args)
         with _progress_bars():
-            _run(args)
+            status = _run(args)
+        return status or 0
     except _Exit as done:  # --help, --version
         return done.status
     except CkptlabError as exc:

@@ -1,0 +1,172 @@
+"""``ckptlab.diff`` and ``ckptlab diff``: every figure against torch computing the same thing
+on the tensors its own loaders give (``torch.load``, ``safetensors.torch.load_file``,
+``dcp.load``), across formats: torch.save vs safetensors, DCP vs safetensors, fp32 vs bf16.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import ckptlab as cl
+from ckptlab.cli import main
+
+
+def _state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {"emb.weight": torch.randn(10, 4), "layers.0.w": torch.randn(4, 4),
+            "layers.0.b": torch.randn(4), "layers.1.w": torch.randn(4, 4),
+            "layers.1.b": torch.zeros(4), "steps": torch.arange(6),
+            "mask": torch.tensor([True, False, True])}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A (torch.save) and B (safetensors): layers.0.w fine-tuned, a NaN planted in
+    layers.1.w, steps advanced, layers.0.b renamed, mask dropped, head.w added."""
+    base = tmp_path_factory.mktemp("pair")
+    a = _state()
+    torch.save(a, base / "a.pt")
+    b = {k: v.clone() for k, v in a.items()}
+    b["layers.0.w"] += 0.01 * torch.randn(4, 4)
+    b["layers.1.w"][1, 2] = float("nan")
+    b["steps"] += 1
+    b["layers.0.bias_renamed"] = b.pop("layers.0.b")
+    del b["mask"]
+    b["head.w"] = torch.ones(2, 2)
+    save_file(b, str(base / "b.safetensors"))
+    return base / "a.pt", base / "b.safetensors"
+
+
+def _truth(ta: torch.Tensor, tb: torch.Tensor) -> dict[str, Any]:
+    a, b = ta.double().reshape(-1), tb.double().reshape(-1)
+    nan = torch.isnan(a) | torch.isnan(b)
+    equal = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    d = (a - b)[~nan]
+    na, nb = a[~nan].norm().item(), b[~nan].norm().item()
+    return {"n_diff": int((~equal).sum()), "max_abs": d.abs().max().item() if d.numel() else 0,
+            "rel_l2": d.norm().item() / na if na else (0.0 if d.norm() == 0 else math.inf),
+            "cosine": (a[~nan] @ b[~nan]).item() / (na * nb) if na and nb else None}
+
+
+def test_a_fine_tuning_pair_across_formats(pair: tuple[Path, Path]) -> None:
+    a_path, b_path = pair
+    result = cl.diff(a_path, b_path)
+    ta = torch.load(a_path, weights_only=True)
+    tb = load_file(str(b_path))
+    assert result.mapping == "exact"
+    assert result.only_a == ("layers.0.b", "mask")
+    assert set(result.only_b) == {"layers.0.bias_renamed", "head.w"}
+    assert result.renamed == {"layers.0.b": "layers.0.bias_renamed"}
+    assert {k for k, t in result.tensors.items() if t.identical} == {"emb.weight",
+                                                                     "layers.1.b"}
+    assert {k for k, t in result.tensors.items() if t.changed} == {"layers.0.w", "layers.1.w",
+                                                                   "steps"}
+    for name, t in result.tensors.items():
+        want = _truth(ta[name], tb[name])
+        assert t.n_diff == want["n_diff"], name
+        assert t.max_abs == pytest.approx(want["max_abs"], rel=1e-12, abs=0), name
+        assert t.rel_l2 == pytest.approx(want["rel_l2"], rel=1e-12), name
+        if want["cosine"] is not None:
+            assert t.cosine == pytest.approx(want["cosine"], rel=1e-12), name
+    nan = result.tensors["layers.1.w"]
+    assert (nan.nan_a, nan.nan_b, nan.n_diff) == (0, 1, 1)
+    assert result.differs
+    summary = result.summary()
+    assert "2 identical, 3 changed" in summary and "renamed  layers.0.b" in summary
+
+
+def test_prefixes_are_matched(tmp_path: Path) -> None:
+    state = _state()
+    torch.save(state, tmp_path / "plain.pt")
+    save_file({f"module.{k}": v for k, v in state.items()}, str(tmp_path / "ddp.safetensors"))
+    result = cl.diff(tmp_path / "plain.pt", tmp_path / "ddp.safetensors")
+    assert "'module.' stripped from B" in result.mapping
+    assert not result.differs and len(result.tensors) == len(state)
+    back = cl.diff(tmp_path / "ddp.safetensors", tmp_path / "plain.pt")
+    assert "'module.' stripped from A" in back.mapping and not back.differs
+    forced = cl.diff(tmp_path / "plain.pt", tmp_path / "ddp.safetensors",
+                     rename=lambda n: n)
+    assert forced.mapping.startswith("rename=") and len(forced.only_a) == len(state)
+
+
+def test_fp32_against_bf16(tmp_path: Path) -> None:
+    state = {k: v for k, v in _state().items() if v.is_floating_point()}
+    torch.save(state, tmp_path / "fp32.pt")
+    save_file({k: v.to(torch.bfloat16) for k, v in state.items()},
+              str(tmp_path / "bf16.safetensors"))
+    result = cl.diff(tmp_path / "fp32.pt", tmp_path / "bf16.safetensors")
+    for name, t in result.tensors.items():
+        assert t.dtype == ("float32", "bfloat16") and t.changed
+        want = _truth(state[name], state[name].to(torch.bfloat16))
+        assert t.max_abs == pytest.approx(want["max_abs"], rel=1e-12, abs=0)
+        assert t.max_abs <= state[name].abs().max().item() * 2 ** -8  # bf16 rounding
+
+
+def test_dcp_against_safetensors(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    state = {k: v for k, v in _state().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=tmp_path / "dcp")
+    save_file(state, str(tmp_path / "model.safetensors"))
+    result = cl.diff(tmp_path / "dcp", tmp_path / "model.safetensors")
+    assert not result.differs and all(t.identical for t in result.tensors.values())
+    assert len(result.tensors) == len(state)
+
+
+def test_tolerances(tmp_path: Path) -> None:
+    a = {"w": torch.ones(8)}
+    b = {"w": torch.ones(8) + 1e-6}
+    torch.save(a, tmp_path / "a.pt")
+    torch.save(b, tmp_path / "b.pt")
+    assert cl.diff(tmp_path / "a.pt", tmp_path / "b.pt").differs
+    loose = cl.diff(tmp_path / "a.pt", tmp_path / "b.pt", atol=1e-5)
+    assert not loose.differs and loose.tensors["w"].within and not loose.tensors["w"].identical
+    assert torch.isclose(a["w"], b["w"], atol=1e-5, rtol=0).all()  # the rule it follows
+    assert cl.diff(tmp_path / "a.pt", tmp_path / "b.pt", rtol=1e-5).differs is False
+
+
+def test_an_unreadable_tensor_is_said_and_the_diff_goes_on(tmp_path: Path) -> None:
+    save_file({"a": torch.ones(1000), "b": torch.ones(4)}, str(tmp_path / "x.safetensors"))
+    save_file({"a": torch.ones(1000), "b": torch.ones(4)}, str(tmp_path / "y.safetensors"))
+    ck_y = cl.open(tmp_path / "y.safetensors")
+    data = (tmp_path / "y.safetensors").read_bytes()
+    (tmp_path / "y.safetensors").write_bytes(data[:-100])  # cut after it was opened
+    result = cl.diff(tmp_path / "x.safetensors", ck_y)
+    bad = [k for k, t in result.tensors.items() if t.error]
+    assert bad and all("cannot be read" in result.tensors[k].error for k in bad)
+    assert result.differs and len(result.tensors) == 2
+
+
+def test_cli(pair: tuple[Path, Path], tmp_path: Path, capsys: Any) -> None:
+    a_path, b_path = pair
+    assert main(["diff", str(a_path), str(b_path)]) == 1
+    out = capsys.readouterr().out
+    assert "changed  layers.0.w" in out and "only A   mask" in out
+    assert main(["diff", str(a_path), str(b_path), "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc) >= {"a", "b", "mapping", "only_a", "only_b", "renamed", "tensors",
+                        "summary"}
+    assert set(doc["summary"]) >= {"identical", "changed", "only_a", "only_b"}
+    w = doc["tensors"]["layers.0.w"]
+    assert set(w) >= {"identical", "dtype", "shape", "max_abs", "rel_l2", "cosine", "n_diff"}
+    assert w["dtype"] == ["float32", "float32"] and w["shape"] == [[4, 4], [4, 4]]
+    assert main(["diff", str(a_path), str(a_path)]) == 0
+    capsys.readouterr()
+    assert main(["diff", str(a_path), str(b_path), "--filter", "emb"]) == 0  # only emb.weight
+    capsys.readouterr()
+    assert main(["diff", str(a_path), str(tmp_path / "missing.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ckptlab: error: ") and "missing.pt" in err
+    assert main(["diff", str(a_path), str(b_path), "--step", "3"]) == 2
+    assert "--step is for a training run" in capsys.readouterr().err
+    assert main(["diff", str(a_path), str(b_path), "--atol", "-1"]) == 2
