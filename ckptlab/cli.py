@@ -20,6 +20,14 @@ Verbs (``ckptlab VERB --help`` tells each one's arguments):
   any checkpoint file or directory on this machine; the port opens at once on a quick page
   with the tensor table (:mod:`ckptlab.widgets.quick`), which becomes the workbench.
 
+- ``diff A B [--json] [--filter PATTERN] [--atol X] [--rtol Y] [--step N]``: what changed
+  between two checkpoints of any formats (:func:`ckptlab.compare.diff`); exit 0 when nothing
+  differs beyond the tolerances, 1 when something does, 2 on an error.
+
+A training run's directory (saves side by side) is read as the save its framework resumes
+from; ``--step N`` (inspect, offsets, report, readiness, serve, diff) picks another
+(:mod:`ckptlab.checkpoint.runs`).
+
 Every verb but ``sample`` and ``serve`` also takes an fsspec URL (``https://``, ``s3://``,
 ``hf://``; the ``remote`` extra), read with ranged requests only.
 

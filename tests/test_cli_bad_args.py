@@ -92,6 +92,16 @@ CASES: list[tuple[str, tuple[str, ...], str]] = [
     ("readiness", ("{fifo_dir}",), "FIFO"),
     ("readiness", ("{garbage}",), "not a checkpoint"),
     ("readiness", ("{empty}",), "empty file"),
+    # diff
+    ("diff", (), "required: A, B"),
+    ("diff", ("{garbage}",), "required: B"),
+    ("diff", ("{missing}", "{garbage}"), "No such file"),
+    ("diff", ("{garbage}", "{missing}"), "No such file"),
+    ("diff", ("{garbage}", "{fifo}"), "FIFO"),
+    ("diff", ("{garbage}", "{garbage}"), "not a checkpoint"),
+    ("diff", ("{garbage}", "{garbage}", "--atol", "x"), "a tolerance"),
+    ("diff", ("{garbage}", "{garbage}", "--rtol", "nan"), "a tolerance"),
+    ("diff", ("{garbage}", "{garbage}", "--step", "-1"), "a step number"),
     # serve (none of these may start a server)
     ("serve", ("--port", "{busy_port}"), "already in use"),
     ("serve", ("{garbage}", "--port", "{busy_port}"), "already in use"),
