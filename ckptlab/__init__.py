@@ -32,12 +32,12 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from ckptlab import dcp as dcp
     from ckptlab._inspect import inspect
     from ckptlab.checkpoint import open_checkpoint as open
-    from ckptlab.compare import diff
+    from ckptlab.compare import diff, stats
     from ckptlab.format import predict_layout, storage_offsets
 
 __version__ = "0.1.0"
 
-# The whole public surface: five verbs, the root error, the subpackages. Everything else is a
+# The whole public surface: six verbs, the root error, the subpackages. Everything else is a
 # name of its subpackage (ckptlab.format.ArchiveLayout, ckptlab.checkpoint.Checkpoint, ...).
 __all__ = [
     "CkptlabError",
@@ -52,6 +52,7 @@ __all__ = [
     "plan",
     "predict_layout",
     "samples",
+    "stats",
     "storage_offsets",
     "viz",
     "widgets",
@@ -69,6 +70,7 @@ _LAZY_NAMES = {
     "inspect": "ckptlab._inspect:inspect",
     "open": "ckptlab.checkpoint:open_checkpoint",
     "predict_layout": "ckptlab.format:predict_layout",
+    "stats": "ckptlab.compare:stats",
     "storage_offsets": "ckptlab.format:storage_offsets",
 }
 # names that were top-level before the public surface was cut to __all__: still there, with a

@@ -24,8 +24,12 @@ Verbs (``ckptlab VERB --help`` tells each one's arguments):
   between two checkpoints of any formats (:func:`ckptlab.compare.diff`); exit 0 when nothing
   differs beyond the tolerances, 1 when something does, 2 on an error.
 
+- ``stats PATH [--json] [--filter PATTERN] [--check] [--step N]``: each tensor's statistics
+  (:func:`ckptlab.compare.stats`) and the health lines (NaN/Inf, all-zero, constant tensors,
+  ranges far from their layer peers'); ``--check``: exit 1 when a tensor holds NaN or Inf.
+
 A training run's directory (saves side by side) is read as the save its framework resumes
-from; ``--step N`` (inspect, offsets, report, readiness, serve, diff) picks another
+from; ``--step N`` (inspect, offsets, report, readiness, serve, diff, stats) picks another
 (:mod:`ckptlab.checkpoint.runs`).
 
 Every verb but ``sample`` and ``serve`` also takes an fsspec URL (``https://``, ``s3://``,
@@ -88,6 +92,7 @@ VERBS: dict[str, str] = {
     "readiness": "is a checkpoint ready for GPUDirect Storage / O_DIRECT reads?",
     "serve": "serve the interactive workbench (panel) for any checkpoint on 127.0.0.1",
     "diff": "what changed between two checkpoints of any formats (exit 1 when anything did)",
+    "stats": "each tensor's statistics and the checkpoint's health (--check: exit 1 on NaN/Inf)",
 }
 
 
@@ -770,8 +775,50 @@ def _parser() -> _Parser:
                      help="relative tolerance, of |B| (default 0)")
     dif.add_argument("--step", type=_step, default=None, metavar="N", help=_STEP_HELP
                      + "; for each side that is a run")
+    sts = sub.add_parser("stats", help=VERBS["stats"], description=VERBS["stats"])
+    sts.add_argument("path", metavar="PATH", help="checkpoint file, directory or URL")
+    sts.add_argument("--json", action="store_true", help="print one JSON object")
+    sts.add_argument("--filter", metavar="PATTERN", default=None,
+                     help="only tensors whose name contains PATTERN, or matches it whole when "
+                          "it is a glob with * ? or [; case-insensitive")
+    sts.add_argument("--check", action="store_true",
+                     help="exit 1 when any tensor holds a NaN or an Inf (naming them)")
+    sts.add_argument("--step", type=_step, default=None, metavar="N", help=_STEP_HELP)
     p.verbs = sub.choices
     return p
+
+
+def _stats(args: argparse.Namespace) -> int:
+    """``ckptlab stats PATH``: a row per tensor and the health lines, or the JSON; with
+    ``--check`` 1 when a tensor holds a NaN or an Inf."""
+    from ckptlab.checkpoint.query import TensorQuery
+    from ckptlab.compare import health, stats
+
+    ck, _ = _open(args.path)
+    found = stats(ck, TensorQuery(args.filter).matches if args.filter else None)
+    bad = [n for n, s in found.items() if s.nan or s.inf]
+    if args.json:
+        _print_json({"path": ck.path, "tensors": {n: s.to_dict() for n, s in found.items()},
+                     "health": health(found)})
+    else:
+        def num(x: float | None) -> str:
+            return "-" if x is None else f"{x:.4g}"
+
+        rows = [[_text(n), s.dtype, f"{s.numel:,}", num(s.min), num(s.max), num(s.mean),
+                 num(s.std), f"{s.nan:,}", f"{s.inf:,}", f"{s.zeros:,}"]
+                if s.error is None else [_text(n), s.dtype, "-", _text(s.error), "", "", "",
+                                         "", "", ""]
+                for n, s in found.items()]
+        print(f"{ck.path}: {len(found):,} tensor{'s' * (len(found) != 1)}")
+        print(_table(rows, ("name", "dtype", "numel", "min", "max", "mean", "std", "nan",
+                            "inf", "zeros"), {2, 3, 4, 5, 6, 7, 8, 9}) if rows else "  (none)")
+        lines = health(found)
+        print("health: " + ("; ".join(lines) if lines else "nothing looks wrong"))
+    if args.check and bad:
+        if not args.json:
+            print(f"check failed: NaN or Inf in {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _tolerance(text: str) -> float:
@@ -1183,6 +1230,8 @@ def _run(args: argparse.Namespace) -> int | None:
     if verb == "diff":
         return _diff(args)
     run = _resolve_run(args)
+    if verb == "stats":
+        return _stats(args)
     if verb == "inspect":
         path = _input_path(args.path, verb, directory=True)
         if args.records:

@@ -102,6 +102,13 @@ CASES: list[tuple[str, tuple[str, ...], str]] = [
     ("diff", ("{garbage}", "{garbage}", "--atol", "x"), "a tolerance"),
     ("diff", ("{garbage}", "{garbage}", "--rtol", "nan"), "a tolerance"),
     ("diff", ("{garbage}", "{garbage}", "--step", "-1"), "a step number"),
+    # stats
+    ("stats", (), "required: PATH"),
+    ("stats", ("{missing}",), "No such file"),
+    ("stats", ("{fifo}",), "FIFO"),
+    ("stats", ("{garbage}",), "not a checkpoint"),
+    ("stats", ("{garbage}", "--step", "x"), "a step number"),
+    ("stats", ("{garbage}", "--check=1"), "--check"),
     # serve (none of these may start a server)
     ("serve", ("--port", "{busy_port}"), "already in use"),
     ("serve", ("{garbage}", "--port", "{busy_port}"), "already in use"),

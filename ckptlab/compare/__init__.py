@@ -1,8 +1,11 @@
-"""Comparing checkpoints: :func:`diff` (what changed between two checkpoints of any formats).
+"""Comparing and measuring checkpoints: :func:`diff` (what changed between two checkpoints of
+any formats), :func:`stats` (each tensor's statistics) and :func:`health` (what looks wrong).
 
-``ckptlab.diff`` is this module's :func:`diff`; ``ckptlab diff A B`` its command.
+``ckptlab.diff`` and ``ckptlab.stats`` are these; ``ckptlab diff A B`` and ``ckptlab stats
+PATH`` their commands.
 """
 
-from ckptlab.compare.diff import CheckpointDiff, TensorDiff, diff
+from ckptlab.compare._diff import CheckpointDiff, TensorDiff, diff
+from ckptlab.compare._stats import TensorStats, health, stats
 
-__all__ = ["CheckpointDiff", "TensorDiff", "diff"]
+__all__ = ["CheckpointDiff", "TensorDiff", "TensorStats", "diff", "health", "stats"]

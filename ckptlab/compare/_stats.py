@@ -1,0 +1,172 @@
+"""Tensor statistics and health: :func:`stats`, :func:`health`.
+
+Each tensor is read once (``Checkpoint.read``: its bytes only, no pickle run), one at a time,
+and measured in its value (sparse tensors dense, quantized ones dequantized, complex ones by
+modulus, bool as 0/1) in slices of at most :data:`SLICE` elements converted to float64, so a
+tensor's float64 copy never exists whole. ``min``, ``max``, ``mean``, ``std`` (the population
+standard deviation: ``torch.std(..., correction=0)``), ``abs_max`` and the histogram are over
+the finite elements; ``nan``, ``inf`` and ``zeros`` count elements. The histogram has
+:data:`BINS` equal bins from ``min`` to ``max`` (``torch.histc``'s rule: the last bin holds
+``max``); a constant tensor's finite elements all fall in the first bin.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["BINS", "SLICE", "TensorStats", "health", "stats"]
+
+BINS = 64
+SLICE = 1 << 22  # elements converted to float64 at a time (32 MiB)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorStats:
+    """Statistics of one tensor (see the module docstring); ``error`` where it could not be
+    read (the other fields are then empty)."""
+
+    dtype: str
+    numel: int
+    min: float | None = None
+    max: float | None = None
+    mean: float | None = None
+    std: float | None = None
+    abs_max: float | None = None
+    nan: int = 0
+    inf: int = 0
+    zeros: int = 0
+    edges: tuple[float, ...] = ()
+    counts: tuple[int, ...] = ()
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "numel": self.numel, "min": self.min, "max": self.max,
+                "mean": self.mean, "std": self.std, "abs_max": self.abs_max, "nan": self.nan,
+                "inf": self.inf, "zeros": self.zeros,
+                "hist": {"edges": list(self.edges), "counts": list(self.counts)},
+                "error": self.error}
+
+
+def _flat(t: Any) -> Any:
+    """The tensor's value as a flat tensor of reals."""
+    import torch
+
+    if t.is_quantized:
+        t = t.dequantize()
+    elif t.layout != torch.strided:
+        t = t.to_dense()
+    if t.is_complex():
+        t = t.abs()
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return t.detach().reshape(-1)
+
+
+def measure(t: Any) -> TensorStats:
+    """:class:`TensorStats` of one tensor."""
+    import torch
+
+    dtype = str(t.dtype).removeprefix("torch.")
+    x = _flat(t)
+    n = x.numel()
+    nan = inf = zeros = finite = 0
+    lo, hi = math.inf, -math.inf
+    total = 0.0
+    for start in range(0, n, SLICE):  # pass 1: counts, range, sum
+        s = x[start:start + SLICE].to(torch.float64)
+        isnan, isinf = torch.isnan(s), torch.isinf(s)
+        nan += int(isnan.sum())
+        inf += int(isinf.sum())
+        zeros += int((s == 0).sum())
+        f = s[~(isnan | isinf)]
+        if f.numel():
+            finite += f.numel()
+            lo, hi = min(lo, float(f.min())), max(hi, float(f.max()))
+            total += float(f.sum())
+    if not finite:
+        return TensorStats(dtype, n, nan=nan, inf=inf, zeros=zeros)
+    mean = total / finite
+    squares = 0.0
+    counts = torch.zeros(BINS, dtype=torch.float64)
+    for start in range(0, n, SLICE):  # pass 2: spread around the mean, histogram
+        s = x[start:start + SLICE].to(torch.float64)
+        f = s[torch.isfinite(s)]
+        squares += float(((f - mean) ** 2).sum())
+        if hi > lo:
+            counts += torch.histc(f, bins=BINS, min=lo, max=hi)
+    if hi == lo:
+        counts[0] = finite
+    edges = tuple(float(e) for e in torch.linspace(lo, hi, BINS + 1, dtype=torch.float64))
+    return TensorStats(dtype, n, lo, hi, mean, math.sqrt(squares / finite),
+                       max(abs(lo), abs(hi)), nan, inf, zeros, edges,
+                       tuple(int(c) for c in counts))
+
+
+def stats(source: Any, names: Any = None) -> dict[str, TensorStats]:
+    """Statistics of every tensor of a checkpoint (path, URL or
+    :class:`~ckptlab.checkpoint.Checkpoint`), or of ``names`` (a list of names, or a test of a
+    name), in the checkpoint's order; a tensor that cannot be read gets ``error``."""
+    from ckptlab.checkpoint import Checkpoint, open_checkpoint
+
+    ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
+    if names is None:
+        wanted = list(ck.tensors)
+    elif callable(names):
+        wanted = [n for n in ck.tensors if names(n)]
+    else:
+        wanted = list(names)
+    out = {}
+    for name in wanted:
+        entry = ck.tensors[name]
+        try:
+            t = ck.read(name)
+        except Exception as exc:  # said per tensor; the others are measured
+            out[name] = TensorStats(entry.dtype, 0, error=f"cannot be read: {exc}"[:300])
+            continue
+        out[name] = measure(t)
+        del t
+    return out
+
+
+def _peer_group(name: str) -> str:
+    """A tensor's layer-peer group: its name with every number replaced (layers.3.w ->
+    layers.#.w)."""
+    return re.sub(r"\d+", "#", name)
+
+
+def health(found: dict[str, TensorStats], *, far: float = 100.0) -> list[str]:
+    """What looks wrong, in words: tensors with NaN or Inf, all-zero and constant tensors,
+    and tensors whose ``abs_max`` is more than ``far`` times from the median of their layer
+    peers (the same name but for its numbers, at least 3 of them)."""
+    out = []
+    bad = [n for n, s in found.items() if s.nan or s.inf]
+    if bad:
+        out.append(f"NaN or Inf in {len(bad)} tensor{'s' * (len(bad) != 1)}: "
+                   + ", ".join(bad[:8]) + (" ..." if len(bad) > 8 else ""))
+    zero = [n for n, s in found.items() if s.numel > 1 and s.zeros == s.numel]
+    if zero:
+        out.append(f"all zero: {', '.join(zero[:8])}" + (" ..." if len(zero) > 8 else ""))
+    const = [n for n, s in found.items() if s.numel > 1 and s.min is not None
+             and s.min == s.max and s.zeros != s.numel]
+    if const:
+        out.append(f"constant: {', '.join(const[:8])}" + (" ..." if len(const) > 8 else ""))
+    groups: dict[str, list[str]] = {}
+    for n, s in found.items():
+        if s.abs_max:
+            groups.setdefault(_peer_group(n), []).append(n)
+    odd = []
+    for members in groups.values():
+        if len(members) < 3:
+            continue
+        values = sorted(found[n].abs_max for n in members)  # type: ignore[misc]
+        median = values[len(values) // 2]
+        odd += [n for n in members if median and not (
+            median / far <= found[n].abs_max <= median * far)]  # type: ignore[operator]
+    if odd:
+        out.append(f"range far from its layer peers' (x{far:g}): {', '.join(odd[:8])}"
+                   + (" ..." if len(odd) > 8 else ""))
+    return out
+
