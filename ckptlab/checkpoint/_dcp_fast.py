@@ -349,8 +349,9 @@ def open_fast(tree: Tree) -> tuple[DcpCheckpoint | None, Callable[[], bytes] | N
     heads = head_nbytes(cols, entries)
     for name in cols.files:
         tree.name_of(name)  # a URL refuses names leaving the directory before any request
-    files = tree.sizes(None, listed=True)  # every regular file listed (none behind a URL)
-    files.pop(METADATA, None)
+    named = set(cols.files)  # the data files; the directory's other files are the caller's
+    files = {name: nbytes for name, nbytes in tree.sizes(None, listed=True).items()
+             if name in named}  # (sizes of every regular file listed; none behind a URL)
     items = ItemLayouts(tree, spans=lambda: item_spans(cols, entries))
     try:
         for fid in sorted(range(len(cols.files)), key=cols.files.__getitem__):

@@ -432,7 +432,10 @@ def _open_named(tree: Tree, name: str, names: list[str]) -> Checkpoint:
     if name == METADATA:
         from ckptlab.checkpoint._dcp import open_dcp
 
-        return open_dcp(tree)
+        ck = open_dcp(tree)
+        # files beside DCP's own: Megatron-Core's metadata.json and common.pt, a README...
+        own = {f.path for f in ck.files}
+        return _with_extra_files(ck, tree, [n for n in names if n not in own])
     if _HF_INDEX_RE.fullmatch(name):
         return _open_hf_index(tree, name, names)
     ck = _checkpoint("hf", tree.name, [_model_in(tree, name)], _reader(tree), False)
