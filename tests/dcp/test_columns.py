@@ -8,7 +8,6 @@ nothing is ever unpickled.
 
 from __future__ import annotations
 
-import os
 import pickle
 import pickletools
 import struct
@@ -25,21 +24,7 @@ from ckptlab.testing.pickles import pickle_mutations
 md = pytest.importorskip("torch.distributed.checkpoint.metadata")
 
 
-@pytest.fixture(autouse=True, params=["python", "c"])
-def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test against both implementations of the rows (and of the interpreter): the
-    Python ``_Rows`` and the compiled ``DcpRows`` (``_pickle._IMPL`` switches both)."""
-    from ckptlab.format import _pickle
-
-    if request.param == "c":
-        try:
-            from ckptlab.format._interp import DcpRows  # noqa: F401
-        except ImportError:
-            if os.environ.get("CI"):
-                pytest.fail("ckptlab.format._interp is not built (pip install -e . with gcc)")
-            pytest.skip("ckptlab.format._interp is not built")
-    monkeypatch.setattr(_pickle, "_IMPL", request.param)
-    return request.param
+pytestmark = pytest.mark.usefixtures("impl")  # (tests/dcp/conftest.py)
 torch = pytest.importorskip("torch")
 
 _DTYPES = ("float32", "bfloat16", "float16", "int64", "uint8", "bool", "float64", "int8")

@@ -7,27 +7,11 @@ the rest, each row once and in order. No torch needed (the newest CPython runs t
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 
-
-@pytest.fixture(autouse=True, params=["python", "c"])
-def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test against both implementations of the rows (and of the interpreter): the
-    Python ``_Rows`` and the compiled ``DcpRows`` (``_pickle._IMPL`` switches both)."""
-    from ckptlab.format import _pickle
-
-    if request.param == "c":
-        try:
-            from ckptlab.format._interp import DcpRows  # noqa: F401
-        except ImportError:
-            if os.environ.get("CI"):
-                pytest.fail("ckptlab.format._interp is not built (pip install -e . with gcc)")
-            pytest.skip("ckptlab.format._interp is not built")
-    monkeypatch.setattr(_pickle, "_IMPL", request.param)
-    return request.param
+pytestmark = pytest.mark.usefixtures("impl")  # (tests/dcp/conftest.py)
 
 
 def test_the_rows_hand_out_their_class(impl: str) -> None:
