@@ -214,13 +214,20 @@ def _value(t: Any) -> tuple[Any, str]:
     return t, "values"
 
 
-def _raw(t: Any) -> bytes:
+def _bytes_view(t: Any) -> Any:
+    """A contiguous tensor's bytes as a flat uint8 tensor (no copy where it is contiguous)."""
     import torch
 
-    t = t.detach().contiguous()
-    if t.dtype == torch.bool:
-        t = t.to(torch.uint8)
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    t = t.detach().contiguous().reshape(-1)
+    return t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
+
+
+def _raw(t: Any) -> bytes:
+    view = _bytes_view(t)
+    return view.numpy().tobytes() if view.numel() else b""
+
+
+SLICE = 1 << 22  # elements compared in float64 at a time (32 MiB per side)
 
 
 def _compare(ta: Any, tb: Any, atol: float, rtol: float) -> TensorDiff:
@@ -230,37 +237,45 @@ def _compare(ta: Any, tb: Any, atol: float, rtol: float) -> TensorDiff:
     shape = (tuple(ta.shape), tuple(tb.shape))
     dense = not (ta.is_sparse or tb.is_sparse or ta.is_quantized or tb.is_quantized
                  or ta.layout != torch.strided or tb.layout != torch.strided)
-    if dense and dtype[0] == dtype[1] and shape[0] == shape[1] and _raw(ta) == _raw(tb):
+    if dense and dtype[0] == dtype[1] and shape[0] == shape[1] and torch.equal(
+            _bytes_view(ta), _bytes_view(tb)):
         return TensorDiff(True, dtype, shape, 0.0, 0.0, 1.0, 0, *_nans(ta, tb), within=True)
     va, how = _value(ta)
     vb, _ = _value(tb)
     if va.shape != vb.shape:
         return TensorDiff(False, dtype, shape, compared=how)
     wide = torch.complex128 if va.is_complex() or vb.is_complex() else torch.float64
-    a = va.detach().to(wide).reshape(-1)
-    b = vb.detach().to(wide).reshape(-1)
-    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
-    both_nan = nan_a & nan_b
-    equal = (a == b) | both_nan
-    n_diff = int((~equal).sum())
-    ok = ~(nan_a | nan_b)
-    delta = torch.where(a == b, torch.zeros_like(a), a - b)[ok]  # equal infinities: 0
-    max_abs = float(delta.abs().max()) if delta.numel() else 0.0
-    na = float(torch.linalg.vector_norm(a[ok]))
-    nb = float(torch.linalg.vector_norm(b[ok]))
-    nd = float(torch.linalg.vector_norm(delta)) if delta.numel() else 0.0
+    fa, fb = va.detach().reshape(-1), vb.detach().reshape(-1)
+    n_diff = nan_a = nan_b = 0
+    max_abs = sa = sb = sd = 0.0
+    dot = 0.0
+    within = dtype[0] == dtype[1] and shape[0] == shape[1]
+    for start in range(0, fa.numel(), SLICE):  # in slices: 32 MiB of float64 per side
+        a = fa[start:start + SLICE].to(wide)
+        b = fb[start:start + SLICE].to(wide)
+        na_, nb_ = torch.isnan(a), torch.isnan(b)
+        equal = (a == b) | (na_ & nb_)
+        n_diff += int((~equal).sum())
+        nan_a += int(na_.sum())
+        nan_b += int(nb_.sum())
+        ok = ~(na_ | nb_)
+        a, b = a[ok], b[ok]
+        delta = torch.where(a == b, torch.zeros_like(a), a - b)  # equal infinities: 0
+        if delta.numel():
+            max_abs = max(max_abs, float(delta.abs().max()))
+        sa += float(torch.linalg.vector_norm(a)) ** 2
+        sb += float(torch.linalg.vector_norm(b)) ** 2
+        sd += float(torch.linalg.vector_norm(delta)) ** 2
+        dot += float(torch.vdot(a, b).real if a.is_complex() else torch.dot(a, b)) \
+            if a.numel() else 0.0
+        if within:
+            within = bool((equal[ok] | ((a - b).abs() <= atol + rtol * b.abs())).all()) and \
+                bool((equal | ok).all())
+    na, nb, nd = math.sqrt(sa), math.sqrt(sb), math.sqrt(sd)
     rel = 0.0 if nd == 0 else (math.inf if na == 0 else nd / na)
-    if na == 0 and nb == 0:
-        cosine = 1.0
-    elif na == 0 or nb == 0:
-        cosine = 0.0
-    else:
-        dot = torch.vdot(a[ok], b[ok]) if a.is_complex() else torch.dot(a[ok], b[ok])
-        cosine = float(dot.real if a.is_complex() else dot) / (na * nb)
-    close = equal | (ok & ((a - b).abs() <= atol + rtol * b.abs()))
-    within = dtype[0] == dtype[1] and shape[0] == shape[1] and bool(close.all())
-    return TensorDiff(False, dtype, shape, max_abs, rel, cosine, n_diff, int(nan_a.sum()),
-                      int(nan_b.sum()), within=within, compared=how)
+    cosine = 1.0 if na == 0 and nb == 0 else 0.0 if na == 0 or nb == 0 else dot / (na * nb)
+    return TensorDiff(False, dtype, shape, max_abs, rel, cosine, n_diff, nan_a, nan_b,
+                      within=within, compared=how)
 
 
 def _nans(ta: Any, tb: Any) -> tuple[int, int]:

@@ -170,3 +170,18 @@ def test_cli(pair: tuple[Path, Path], tmp_path: Path, capsys: Any) -> None:
     assert main(["diff", str(a_path), str(b_path), "--step", "3"]) == 2
     assert "--step is for a training run" in capsys.readouterr().err
     assert main(["diff", str(a_path), str(b_path), "--atol", "-1"]) == 2
+
+
+def test_slices_join_exactly(pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compared in slices of 5 elements, every figure is the one-pass figure."""
+    from ckptlab.compare import _diff
+
+    whole = cl.diff(*pair)
+    monkeypatch.setattr(_diff, "SLICE", 5)
+    sliced = cl.diff(*pair)
+    for name, t in whole.tensors.items():
+        s = sliced.tensors[name]
+        assert (s.n_diff, s.nan_a, s.nan_b, s.identical, s.within) == (
+            t.n_diff, t.nan_a, t.nan_b, t.identical, t.within), name
+        for field in ("max_abs", "rel_l2", "cosine"):
+            assert getattr(s, field) == pytest.approx(getattr(t, field), rel=1e-12), name
