@@ -215,16 +215,21 @@ def _value(t: Any) -> tuple[Any, str]:
 
 
 def _bytes_view(t: Any) -> Any:
-    """A contiguous tensor's bytes as a flat uint8 tensor (no copy where it is contiguous)."""
+    """A contiguous tensor's bytes as a flat tensor of 8-, 4- or 1-byte words (no copy where
+    it is contiguous: comparing words is faster than comparing bytes)."""
     import torch
 
     t = t.detach().contiguous().reshape(-1)
-    return t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
+    raw = t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
+    for word, size in ((torch.int64, 8), (torch.int32, 4)):
+        if raw.numel() % size == 0 and raw.data_ptr() % size == 0:
+            return raw.view(word)
+    return raw
 
 
 def _raw(t: Any) -> bytes:
     view = _bytes_view(t)
-    return view.numpy().tobytes() if view.numel() else b""
+    return view.numpy().tobytes() if view.numel() else b""  # (hashed for renames)
 
 
 SLICE = 1 << 22  # elements compared in float64 at a time (32 MiB per side)
@@ -239,7 +244,8 @@ def _compare(ta: Any, tb: Any, atol: float, rtol: float) -> TensorDiff:
                  or ta.layout != torch.strided or tb.layout != torch.strided)
     if dense and dtype[0] == dtype[1] and shape[0] == shape[1] and torch.equal(
             _bytes_view(ta), _bytes_view(tb)):
-        return TensorDiff(True, dtype, shape, 0.0, 0.0, 1.0, 0, *_nans(ta, tb), within=True)
+        nans = _nans(ta)
+        return TensorDiff(True, dtype, shape, 0.0, 0.0, 1.0, 0, nans, nans, within=True)
     va, how = _value(ta)
     vb, _ = _value(tb)
     if va.shape != vb.shape:
@@ -278,12 +284,10 @@ def _compare(ta: Any, tb: Any, atol: float, rtol: float) -> TensorDiff:
                       within=within, compared=how)
 
 
-def _nans(ta: Any, tb: Any) -> tuple[int, int]:
+def _nans(t: Any) -> int:
     import torch
 
-    if ta.is_floating_point() or ta.is_complex():
-        return int(torch.isnan(ta).sum()), int(torch.isnan(tb).sum())
-    return 0, 0
+    return int(torch.isnan(t).sum()) if t.is_floating_point() or t.is_complex() else 0
 
 
 def _digest(ck: Any, name: str) -> tuple[str, tuple[int, ...], str] | None:
