@@ -292,10 +292,16 @@ def torch_dtype(name: str) -> Any:
 
 def tensor_from_bytes(raw: bytes | bytearray, dtype: str, shape: tuple[int, ...],
                       stride: tuple[int, ...]) -> Any:
-    """A dense tensor viewing ``raw`` (its first element at byte 0) with shape and stride."""
+    """A dense tensor viewing ``raw`` (its first element at byte 0) with shape and stride: on
+    ``raw`` itself where it is writable memory read for it (a ``bytearray``, a slice of one),
+    else on a copy."""
     import torch
 
-    storage = torch.frombuffer(bytearray(raw), dtype=torch.uint8).untyped_storage() if raw \
+    if isinstance(raw, memoryview) and not raw.readonly and raw.contiguous:
+        buffer: Any = raw  # a slice of a bytearray read for this tensor: shared, not copied
+    else:
+        buffer = raw if isinstance(raw, bytearray) else bytearray(raw)
+    storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage() if len(raw) \
         else torch.UntypedStorage(0)
     if dtype in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4"):
         tensor = tc.empty_affine_quantized()((0,), scale=1.0, zero_point=0,

@@ -198,9 +198,16 @@ class LocalTree(Tree):
         return out
 
     def fetch(self, full: str, start: int, end: int) -> bytes:
+        # into a bytearray the caller may keep: a tensor built on it needs no second copy
         fd = os.open(full, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         try:
-            return os.pread(fd, end - start, start) if end > start else b""
+            if end <= start:
+                return b""
+            if not hasattr(os, "preadv"):
+                return os.pread(fd, end - start, start)
+            buf = bytearray(end - start)
+            got = os.preadv(fd, [buf], start)
+            return buf if got == len(buf) else buf[:got]  # type: ignore[return-value]
         finally:
             os.close(fd)
 
