@@ -1071,8 +1071,10 @@ def _check_servable(path: str) -> None:
     _input_path(path, "serve", directory=True)
     st = _stat(path)
     if st is not None and stat.S_ISDIR(st.st_mode):
+        from ckptlab.checkpoint.runs import find_run
+
         with os.scandir(path) as entries:
-            if not any(e.is_file() for e in entries):
+            if not any(e.is_file() for e in entries) and find_run(path) is None:
                 raise InvalidArgumentError(
                     f"{path}: a directory without files: give a checkpoint file or a "
                     "directory of one (Hugging Face, DCP, shards)")

@@ -170,3 +170,11 @@ def test_cli_shows_the_steps(trainer_run: Path, capsys: Any) -> None:
     capsys.readouterr()
     assert main(["readiness", str(trainer_run / "checkpoint-1"), "--step", "1"]) == 2
     assert "--step is for a training run's directory" in capsys.readouterr().err
+
+
+def test_serve_accepts_a_run_of_directories(trainer_run: Path) -> None:
+    """A Trainer run holds only its checkpoint-N directories: serve's up-front check lets it
+    through (the server then opens the save the Trainer resumes from)."""
+    from ckptlab.cli import _check_servable
+
+    _check_servable(str(trainer_run))  # no error
