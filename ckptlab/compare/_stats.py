@@ -3,8 +3,9 @@
 Each tensor is read once (``Checkpoint.read``: its bytes only, no pickle run), one at a time,
 and measured in its value (sparse tensors dense, quantized ones dequantized, complex ones by
 modulus, bool as 0/1) in slices of at most :data:`SLICE` elements, the sums accumulated in
-float64 (``std`` from the sums of values and squares), so a tensor's float64 copy never exists
-whole. ``min``, ``max``, ``mean``, ``std`` (the population standard deviation:
+float64, so a tensor's float64 copy never exists
+whole (``std`` from the squares around the mean, in a second pass with the histogram).
+``min``, ``max``, ``mean``, ``std`` (the population standard deviation:
 ``torch.std(..., correction=0)``), ``abs_max`` and the histogram are over the finite elements; ``nan``, ``inf`` and ``zeros`` count elements. The histogram has
 :data:`BINS` equal bins from ``min`` to ``max`` (``torch.histc``'s rule: the last bin holds
 ``max``); a constant tensor's finite elements all fall in the first bin.
@@ -67,8 +68,8 @@ def _flat(t: Any) -> Any:
 
 def measure(t: Any) -> TensorStats:
     """:class:`TensorStats` of one tensor: one pass for the counts, the range and the float64
-    sums of the values and their squares, one for the histogram (on the values' own float
-    type where it is one: no float64 copy)."""
+    sum; one for the squares around the mean and the histogram (on the values' own float
+    type where it is one)."""
     import torch
 
     dtype = str(t.dtype).removeprefix("torch.")
@@ -81,34 +82,31 @@ def measure(t: Any) -> TensorStats:
     total = squares = 0.0
     for start in range(0, n, SLICE):
         s = x[start:start + SLICE]
-        isnan = torch.isnan(s)
-        isinf = torch.isinf(s)
-        k_nan, k_inf = int(isnan.sum()), int(isinf.sum())
-        nan += k_nan
-        inf += k_inf
         zeros += int((s == 0).sum())
-        if k_nan or k_inf:
+        if not bool(torch.isfinite(s).all()):  # (one pass in the usual case of none)
+            isnan, isinf = torch.isnan(s), torch.isinf(s)
+            nan += int(isnan.sum())
+            inf += int(isinf.sum())
             s = s[~(isnan | isinf)]
         if s.numel():
             finite += s.numel()
             low, high = torch.aminmax(s)
             lo, hi = min(lo, float(low)), max(hi, float(high))
-            wide = s.to(torch.float64)
-            total += float(wide.sum())
-            squares += float(torch.dot(wide, wide))
+            total += float(s.sum(dtype=torch.float64))  # accumulated in float64
     if not finite:
         return TensorStats(dtype, n, nan=nan, inf=inf, zeros=zeros)
     mean = total / finite
-    var = max(squares / finite - mean * mean, 0.0)
     counts = torch.zeros(BINS, dtype=torch.float64)
-    if hi > lo:
-        kind = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
-        for start in range(0, n, SLICE):
-            s = x[start:start + SLICE]
-            s = s[torch.isfinite(s)] if nan or inf else s
+    kind = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    for start in range(0, n, SLICE):  # the spread around the mean (exact), the histogram
+        s = x[start:start + SLICE]
+        s = s[torch.isfinite(s)] if nan or inf else s
+        squares += float(torch.linalg.vector_norm(s.to(torch.float64) - mean)) ** 2
+        if hi > lo:
             counts += torch.histc(s.to(kind), bins=BINS, min=lo, max=hi).to(torch.float64)
-    else:
+    if hi == lo:
         counts[0] = finite
+    var = squares / finite
     edges = tuple(float(e) for e in torch.linspace(lo, hi, BINS + 1, dtype=torch.float64))
     return TensorStats(dtype, n, lo, hi, mean, math.sqrt(var), max(abs(lo), abs(hi)), nan,
                        inf, zeros, edges, tuple(int(c) for c in counts))
