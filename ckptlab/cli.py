@@ -121,20 +121,23 @@ def render_layout(layout: ArchiveLayout) -> str:
         + (f" (.storage_alignment {layout.storage_alignment})"
            if layout.storage_alignment is not None else "")
         + f", zip64 {'yes' if layout.zip64 else 'no'}",
-        f"  {len(layout.records)} records, {len(layout.storages)} storages, "
-        f"{len(layout.tensors)} tensors; overhead {layout.overhead_nbytes:,} bytes ({pct:.2f}%), "
+        f"  {_plural(len(layout.records), 'record')}, {_plural(len(layout.storages), 'storage')}, "
+        f"{_plural(len(layout.tensors), 'tensor')}; overhead {layout.overhead_nbytes:,} bytes "
+        f"({pct:.2f}%), "
         f"padding {layout.padding_nbytes:,} bytes",
         "",
     ]
     if layout.records:
         out.append(_table(
-            [(r.short_name, r.header_offset, r.data_offset, r.data_nbytes, r.padding_nbytes,
-              r.zip64_extra_nbytes, r.descriptor_nbytes) for r in layout.records],
+            [(r.short_name, *(f"{x:,}" for x in (r.header_offset, r.data_offset, r.data_nbytes,
+                                                  r.padding_nbytes, r.zip64_extra_nbytes,
+                                                  r.descriptor_nbytes)))
+             for r in layout.records],
             ("record", "header", "data", "nbytes", "pad", "zip64", "desc"), {1, 2, 3, 4, 5, 6}))
         out.append("")
     out.append(_table(
         [(_fmt_path(t.path), t.dtype, "x".join(map(str, t.shape)) or "scalar", t.storage_key,
-          t.storage_offset) for t in layout.tensors],
+          f"{t.storage_offset:,}") for t in layout.tensors],
         ("tensor", "dtype", "shape", "storage", "offset"), {4}))
     return "\n".join(out)
 
@@ -145,6 +148,11 @@ def _human(nbytes: int) -> str:
             return f"{nbytes:,} {unit}" if unit == "B" else f"{nbytes:,.1f} {unit}"
         nbytes /= 1024  # type: ignore[assignment]
     return str(nbytes)
+
+
+def _plural(n: int, word: str, plural: str | None = None) -> str:
+    """``n`` (with separators) and ``word``, in the plural unless ``n`` is 1."""
+    return f"{n:,} {word if n == 1 else plural or word + 's'}"
 
 
 def _count(n: int) -> str:
@@ -170,7 +178,7 @@ def render_checkpoint(ck: Any, tensors: list[Any], pattern: str | None = None) -
     """``ckptlab inspect``: a summary, totals by dtype, the tensor table, the other values."""
     total = ck.parameters
     out = [f"{ck.path}",
-           f"  {ck.format} checkpoint: {len(ck.tensors):,} tensors, {_count(total)} parameters, "
+           f"  {ck.format} checkpoint: {_plural(len(ck.tensors), 'tensor')}, {_count(total)} parameters, "
            f"{_human(ck.nbytes)} in {len(ck.files)} file{'s' * (len(ck.files) != 1)}"]
     by_dtype: dict[str, list[int]] = {}
     for t in ck.tensors.values():
@@ -178,7 +186,7 @@ def render_checkpoint(ck: Any, tensors: list[Any], pattern: str | None = None) -
         acc[0] += 1
         acc[1] += t.parameters
         acc[2] += t.nbytes
-    out.append("  " + "; ".join(f"{d}: {n} tensors, {_count(p)} params, {_human(b)}"
+    out.append("  " + "; ".join(f"{d}: {_plural(n, 'tensor')}, {_count(p)} params, {_human(b)}"
                                 for d, (n, p, b) in sorted(by_dtype.items(),
                                                            key=lambda kv: -kv[1][2])))
     for note in ck.notes:
@@ -279,12 +287,13 @@ def checkpoint_json(ck: Any, tensors: list[Any]) -> dict[str, Any]:
 def render_dcp(layout: DcpLayout) -> str:
     """Readable summary of a DCP directory: files, then one row per item."""
     out = [f"{layout.path}: DCP checkpoint, {layout.file_nbytes:,} bytes in "
-           f"{len(layout.files)} data files + .metadata ({layout.metadata_nbytes:,} B), "
-           f"{len(layout.items)} items, {len(layout.tensors)} tensors"]
-    out.append(_table([(name, n) for name, n in layout.files], ("file", "bytes"), {1}))
+           f"{_plural(len(layout.files), 'data file')} + .metadata "
+           f"({layout.metadata_nbytes:,} B), {_plural(len(layout.items), 'item')}, "
+           f"{_plural(len(layout.tensors), 'tensor')}"]
+    out.append(_table([(name, f"{n:,}") for name, n in layout.files], ("file", "bytes"), {1}))
     rows = [(i.fqn, i.kind, "x".join(map(str, i.chunk_sizes)) or "-",
-             ",".join(map(str, i.chunk_offsets)) or "-", i.file, i.offset, i.nbytes,
-             "-" if i.data_offset is None else i.data_offset,
+             ",".join(map(str, i.chunk_offsets)) or "-", i.file, f"{i.offset:,}",
+             f"{i.nbytes:,}", "-" if i.data_offset is None else f"{i.data_offset:,}",
              "-" if i.data_alignment is None else i.data_alignment) for i in layout.items]
     out.append(_table(rows, ("fqn", "kind", "chunk", "at", "file", "offset", "nbytes",
                              "data offset", "aligned"), {5, 6, 7, 8}))
