@@ -21,9 +21,9 @@ ONNX            a protobuf ``ModelProto``: its first fields parse with ModelProt
                 valid field is enough (onnx itself only goes by the extension)
 pickle 2-5      ``80`` + protocol (``detect_format``'s ``"pickle"``); a first pickle that is
                 torch's magic number makes it a legacy torch.save file
-pickle 0/1      no magic: the first 64 KiB are walked with :func:`pickletools.genops` (opcodes
-                decoded, nothing run) and the stack and memo emulated as ``pickletools.dis``
-                does: the file is one pickle, or pickles back to back, or its first 64 KiB are
+pickle 0/1      no magic: the first 64 KiB are walked by their opcodes' argument lengths
+                and run by ckptlab's one interpreter, inertly (nothing imported or called):
+                the file is one pickle, or pickles back to back, or its first 64 KiB are
                 16 or more well-formed opcodes; a legacy torch.save file of protocol 0/1
                 starts ``L119547037146038801333356L``
 tar             ``ustar`` at 257 (``detect_format``'s ``"legacy-tar"``): torch < 0.4 when the
@@ -37,9 +37,6 @@ safetensors     a header length and ``{`` whose header runs past the end of the 
 
 from __future__ import annotations
 
-import io
-import pickletools
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -275,86 +272,70 @@ def _onnx_ir_version(head: bytes, nbytes: int, named_onnx: bool) -> int | None:
 # -- pickles ------------------------------------------------------------------------------------
 def _proto(code: bytes) -> int | None:
     """The protocol that introduced the opcode ``code``, or None if it is none."""
-    op = pickletools.code2op.get(code.decode("latin-1"))
-    return None if op is None else op.proto
+    from ckptlab.format._unpickle import OPCODE_NAMES
+
+    known = OPCODE_NAMES.get(code[0])
+    return None if known is None else known[1]
 
 
 @dataclass(frozen=True, slots=True)
 class _Walk:
-    ops: list[tuple[str, object]]  # the first opcodes (name, argument)
+    ops: list[str]  # the first opcodes' names
     count: int  # opcodes walked
     complete: bool  # the first pickle's STOP was reached
     max_proto: int
     end: int = 0  # where the pickle ends (complete walks)
+    root: object = None  # what the pickle is (complete walks), as the interpreter makes it
 
 
 def _walk(data: bytes, nbytes: int) -> _Walk | None:
-    """The first pickle in ``data`` (the file's first bytes) walked without running anything.
-
-    The stack, marks and memo are emulated as :func:`pickletools.dis` does; None when the
-    opcodes are not a well-formed pickle; ``complete`` False when the walk went well up to the
-    end of ``data``, shorter than the file.
+    """The first pickle in ``data`` (the file's first bytes), without running anything: its
+    opcodes walked by their argument lengths (:func:`ckptlab.format._unpickle.opcode_spans`)
+    and the pickle run by ckptlab's one interpreter, inertly (every call a record, every
+    persistent id a value). None when it is not a well-formed pickle; ``complete`` False when
+    it went well up to the end of ``data``, shorter than the file.
     """
-    with warnings.catch_warnings():  # pickletools decodes escapes of STRING arguments
-        warnings.simplefilter("ignore")
-        return _walk_quietly(data, nbytes)
+    from ckptlab.format._unpickle import (
+        OPCODE_NAMES,
+        PickleDataError,
+        failure_offset,
+        interpreter,
+        opcode_spans,
+    )
 
-
-def _walk_quietly(data: bytes, nbytes: int) -> _Walk | None:
-    from pickletools import markobject
-
-    stream = io.BytesIO(data)
-    stack: list[object] = []
-    marks = 0
-    memo: set[int] = set()
-    ops: list[tuple[str, object]] = []
+    ops: list[str] = []
     count = max_proto = 0
+    last = end = -1
     try:
-        for op, arg, pos in pickletools.genops(stream):
+        for at, code in opcode_spans(data):
+            name, proto = OPCODE_NAMES[code]
             count += 1
-            max_proto = max(max_proto, op.proto)
+            max_proto = max(max_proto, proto)
             if len(ops) < 8:
-                ops.append((op.name, arg))
-            before, after = op.stack_before, op.stack_after
-            npop = len(before)
-            if markobject in before or (op.name == "POP" and stack and stack[-1] is markobject):
-                if not marks:
-                    return None
-                marks -= 1
-                while stack[-1] is not markobject:
-                    stack.pop()
-                stack.pop()
-                npop = before.index(markobject) if markobject in before else 0
-            if op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
-                key = len(memo) if op.name == "MEMOIZE" else arg
-                if key in memo or not stack or stack[-1] is markobject:
-                    return None
-                memo.add(key)  # type: ignore[arg-type]
-            elif op.name in ("GET", "BINGET", "LONG_BINGET") and arg not in memo:
-                return None
-            if len(stack) < npop or markobject in stack[len(stack) - npop:]:
-                return None  # pops more than there is, or a mark as a value
-            if npop:
-                del stack[-npop:]
-            if markobject in after:
-                marks += 1
-            stack.extend(after)
-            if op.name == "STOP":
-                if stack or marks:
-                    return None
-                return _Walk(ops, count, True, max_proto, (pos or 0) + 1)
-    except Exception:  # any decoding failure: not a pickle (or cut off by the end of data)
-        cut = len(data) < nbytes and stream.tell() >= len(data)
+                ops.append(name)
+            last = at
+            if code == 0x2E:
+                end = at + 1
+    except ValueError:
+        return None
+    run = interpreter()
+    try:
+        result = run(data[:end] if end > 0 else data, persistent_load=lambda pid: pid,
+                     build=lambda target, state: None)
+    except PickleDataError as exc:
+        cut = end < 0 and len(data) < nbytes and failure_offset(exc) >= last
         return _Walk(ops, count, False, max_proto) if cut else None
-    return None
+    if end < 0:
+        return None  # (a STOP the walk did not see)
+    return _Walk(ops, count, True, max_proto, end, result.root)
 
 
 def _is_magic(walk: _Walk) -> bool:
     """Whether the walked pickle is torch's legacy magic number alone."""
-    ops = [(name, arg) for name, arg in walk.ops if name not in ("PROTO", "FRAME")]
-    return (walk.complete and len(ops) == 2 and ops[1][0] == "STOP"
-            and ops[0][0] in ("LONG", "LONG1", "LONG4", "INT")
-            and ops[0][1] == LEGACY_MAGIC_NUMBER)
+    ops = [name for name in walk.ops if name not in ("PROTO", "FRAME")]
+    return (walk.complete and len(ops) == 2 and ops[1] == "STOP"
+            and ops[0] in ("LONG", "LONG1", "LONG4", "INT")
+            and type(walk.root) is int and walk.root == LEGACY_MAGIC_NUMBER)
 
 
 def _pickle_kind(head: bytes, nbytes: int, more: Callable[[int], bytes]) -> Kind | None:

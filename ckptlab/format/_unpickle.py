@@ -341,6 +341,53 @@ def _opcode_table() -> dict[int, tuple[int, int]]:
 OPCODE_ARGUMENTS = _opcode_table()
 
 
+def _opcode_names() -> dict[int, tuple[str, int]]:
+    import pickletools
+
+    return {op.code.encode("latin-1")[0]: (op.name, op.proto) for op in pickletools.opcodes}
+
+
+# opcode -> (its name, the protocol that introduced it), from the same table
+OPCODE_NAMES = _opcode_names()
+
+
+def opcode_spans(data: Any, start: int = 0) -> Any:
+    """The opcodes of the pickle at ``start`` walked by their argument lengths alone
+    (:data:`OPCODE_ARGUMENTS`; nothing decoded or run): ``(offset, code)`` each, up to and
+    including the first STOP. Ends early where ``data`` ends inside an opcode; raises
+    ValueError at an unknown opcode or a negative length."""
+    n = len(data)
+    pos = start
+    while pos < n:
+        at, code = pos, data[pos]
+        spec = OPCODE_ARGUMENTS.get(code)
+        if spec is None:
+            raise ValueError(f"unknown opcode {code:#04x} at {at}")
+        kind, count = spec
+        pos += 1
+        if kind == LINE:
+            for _ in range(count):
+                newline = bytes(data[pos:pos + _MAX_TEXT_LINE]).find(b"\n")
+                if newline < 0:
+                    return
+                pos += newline + 1
+        elif kind in LENGTH_NBYTES:
+            width, signed = LENGTH_NBYTES[kind]
+            if pos + width > n:
+                return
+            length = int.from_bytes(bytes(data[pos:pos + width]), "little", signed=signed)
+            if length < 0:
+                raise ValueError(f"negative length at {at}")
+            pos += width + length
+        else:
+            pos += kind
+        if pos > n:
+            return
+        yield at, code
+        if code == 0x2E:  # STOP
+            return
+
+
 def memo_reads(data: Any) -> set[int] | None:
     """The memo indices the pickle can read, found before it runs: the arguments of every
     BINGET and LONG_BINGET up to the first STOP.

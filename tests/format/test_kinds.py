@@ -346,3 +346,22 @@ def test_a_pickle_probe_reads_little(tmp_path: Path) -> None:
     data = big_pickle(0)
     kind = describe(data[:512], len(data), "p", more(data))
     assert kind is not None and kind.id == "pickle" and reads == [64 << 10]
+
+
+def test_opcode_spans_walk_by_argument_lengths() -> None:
+    """The walk ``_kinds`` uses: each opcode's offset, by ``OPCODE_ARGUMENTS`` alone, as
+    pickletools lists them; it stops at STOP, at a cut, and refuses an unknown opcode."""
+    import pickle
+    import pickletools
+
+    from ckptlab.format._unpickle import opcode_spans
+
+    obj = {"a": [1, 2.5, "x" * 300, b"y" * 1000], "b": (None, True, 2**70)}  # (lines < 4 KiB)
+    for protocol in range(6):
+        data = pickle.dumps(obj, protocol=protocol)
+        want = [(pos, data[pos]) for _, _, pos in pickletools.genops(data)]
+        assert list(opcode_spans(data + b"trailing")) == want
+        cut = list(opcode_spans(data[:len(data) // 2]))
+        assert cut == want[:len(cut)] and len(cut) < len(want)
+    with pytest.raises(ValueError, match="unknown opcode"):
+        list(opcode_spans(b"\x80\x02\xff."))
