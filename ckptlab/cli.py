@@ -250,38 +250,10 @@ def _short_value(value: Any, limit: int = 80) -> str:
 
 
 def checkpoint_json(ck: Any, tensors: list[Any]) -> dict[str, Any]:
-    """The ``inspect --json`` object (README, *The command line*) for any checkpoint: the
-    layout's byte-level keys where the format has them, and ``files``, ``tensors`` (name,
-    kind, nbytes, parts, ...) and ``objects`` from the checkpoint model."""
-    from ckptlab._inspect import inspect
-    from ckptlab.format.archive import largest_alignment
+    """The ``inspect --json`` object: :func:`ckptlab.checkpoint.inspect_json`."""
+    from ckptlab.checkpoint._json import inspect_json
 
-    layout = next((f.layout for f in ck.files if f.layout is not None), None)
-    base: dict[str, Any]
-    if ck.format in ("torch-zip", "safetensors") and layout is not None:
-        base = layout.to_dict()
-    elif ck.format == "dcp":
-        # the fast open's own layout (its columns and the item layouts the tensors read), or
-        # the one kept for a URL (which inspect() cannot list), else inspect_dcp's
-        dcp_layout = _dcp_layout(ck)
-        base = (dcp_layout if dcp_layout is not None else inspect(ck.path)).to_dict()
-    else:
-        offsets = [p.offset for t in ck.tensors.values() for p in t.parts if p.nbytes]
-        base = {"path": ck.path, "file_nbytes": ck.nbytes, "archive_name": "",
-                "alignment": largest_alignment(offsets) if offsets else 4096,
-                "zip64": any(getattr(f.layout, "zip64", False) for f in ck.files),
-                "records": [], "storages": []}
-    base.update(format=ck.format, path=ck.path, files=[f.to_dict() for f in ck.files],
-                tensors=[t.to_dict() for t in tensors], objects=ck.objects,
-                notes=list(ck.notes))
-    if ck.run is not None:
-        base["run"] = ck.run.to_dict()
-    if "segments" not in base:  # every format has the key: a single file's segments, else []
-        from ckptlab.format.layout import segments_json
-
-        one = ck.files[0] if len(ck.files) == 1 and ck.format != "dcp" else None
-        base["segments"] = segments_json(one.segments) if one is not None else []
-    return base
+    return inspect_json(ck, tensors)
 
 
 def render_dcp(layout: DcpLayout) -> str:
@@ -1152,15 +1124,9 @@ def _open(path: str) -> tuple[Any, Any]:
 
 
 def _dcp_layout(ck: Any) -> Any:
-    """The DcpLayout of a DCP checkpoint when it has one at hand: kept on its .metadata file
-    (opened from a URL), or built from the fast open's columns (equal to ``inspect_dcp``'s);
-    None otherwise."""
-    from ckptlab.dcp import DcpLayout
+    from ckptlab.checkpoint._json import dcp_layout_of
 
-    kept = next((f.layout for f in ck.files if isinstance(f.layout, DcpLayout)), None)
-    if kept is None and callable(getattr(ck, "dcp_layout", None)):
-        kept = ck.dcp_layout()
-    return kept
+    return dcp_layout_of(ck)
 
 
 def _url_records_layout(ck: Any) -> Any:

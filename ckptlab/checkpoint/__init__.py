@@ -2,12 +2,13 @@
 
 See :class:`Checkpoint` and :func:`open_checkpoint` (``ckptlab.open``); the one tensor query
 every view uses is :class:`TensorQuery` and :func:`select_tensors`
-(:mod:`ckptlab.checkpoint.query`).
+(:mod:`ckptlab.checkpoint.query`); the ``inspect --json`` object is :func:`inspect_json`.
 """
 
+from ckptlab.checkpoint._json import inspect_json
 from ckptlab.checkpoint.model import Checkpoint, FileEntry, Part, TensorEntry, plain_value
 from ckptlab.checkpoint.open import open_checkpoint
 from ckptlab.checkpoint.query import TensorCatalog, TensorQuery, TensorSelection, select_tensors
 
 __all__ = ["Checkpoint", "FileEntry", "Part", "TensorCatalog", "TensorEntry", "TensorQuery",
-           "TensorSelection", "open_checkpoint", "plain_value", "select_tensors"]
+           "TensorSelection", "inspect_json", "open_checkpoint", "plain_value", "select_tensors"]

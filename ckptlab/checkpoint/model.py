@@ -374,12 +374,14 @@ class Checkpoint:
         raise KeyError(f"{name!r} has no part {role!r} (parts: "
                        f"{', '.join(p.role for p in entry.parts)})")
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: ``format``, ``path``, ``files``, ``tensors`` (list), ``objects``,
-        ``notes``, and ``run`` for a save opened from its training run's directory."""
+    def to_dict(self, tensors: Any = None) -> dict[str, Any]:
+        """JSON-ready: ``format``, ``path``, ``files``, ``tensors`` (list: these entries,
+        default all), ``objects``, ``notes``, and ``run`` for a save opened from its training
+        run's directory."""
+        shown = self.tensors.values() if tensors is None else tensors
         out = {"format": self.format, "path": self.path, "file_nbytes": self.nbytes,
                "files": [f.to_dict() for f in self.files],
-               "tensors": [t.to_dict() for t in self.tensors.values()],
+               "tensors": [t.to_dict() for t in shown],
                "objects": self.objects, "notes": list(self.notes)}
         if self.run is not None:
             out["run"] = self.run.to_dict()
