@@ -201,16 +201,18 @@ def _shared_prefixes(a: list[str], b: list[str]) -> tuple[str, ...]:
 
 
 # -- values -----------------------------------------------------------------------------------
-def _value(t: Any) -> tuple[Any, str]:
-    """A tensor as the dense value to compare, and how it was obtained."""
+def dense_value(t: Any) -> tuple[Any, str]:
+    """A tensor as the dense strided value to compare or measure, and how it was obtained:
+    ``"values"`` (a dense tensor, as it is), ``"padded values"`` (nested, padded with 0),
+    ``"dequantized values"``, ``"dense values"`` (sparse layouts)."""
     import torch
 
-    if t.is_sparse or t.layout != torch.strided:
-        return t.to_dense(), "dense values"
-    if t.is_quantized:
-        return t.dequantize(), "dequantized values"
     if getattr(t, "is_nested", False):
         return torch.nested.to_padded_tensor(t, 0.0), "padded values"
+    if t.is_quantized:
+        return t.dequantize(), "dequantized values"
+    if t.layout != torch.strided:
+        return t.to_dense(), "dense values"
     return t, "values"
 
 
@@ -240,14 +242,12 @@ def _compare(ta: Any, tb: Any, atol: float, rtol: float) -> TensorDiff:
 
     dtype = (str(ta.dtype).removeprefix("torch."), str(tb.dtype).removeprefix("torch."))
     shape = (tuple(ta.shape), tuple(tb.shape))
-    dense = not (ta.is_sparse or tb.is_sparse or ta.is_quantized or tb.is_quantized
-                 or ta.layout != torch.strided or tb.layout != torch.strided)
-    if dense and dtype[0] == dtype[1] and shape[0] == shape[1] and torch.equal(
-            _bytes_view(ta), _bytes_view(tb)):
+    va, how = dense_value(ta)
+    vb, how_b = dense_value(tb)
+    if how == how_b == "values" and dtype[0] == dtype[1] and shape[0] == shape[1] and \
+            torch.equal(_bytes_view(ta), _bytes_view(tb)):
         nans = _nans(ta)
         return TensorDiff(True, dtype, shape, 0.0, 0.0, 1.0, 0, nans, nans, within=True)
-    va, how = _value(ta)
-    vb, _ = _value(tb)
     if va.shape != vb.shape:
         return TensorDiff(False, dtype, shape, compared=how)
     wide = torch.complex128 if va.is_complex() or vb.is_complex() else torch.float64
@@ -297,13 +297,13 @@ def _nans(t: Any) -> int:
     return int(torch.isnan(t).sum())
 
 
-def _digest(ck: Any, name: str) -> tuple[str, tuple[int, ...], str] | None:
-    """(dtype, shape, sha256 of the bytes) of a tensor, None when it cannot be read."""
+def _digest(ck: Any, name: str) -> str | None:
+    """The sha256 of a tensor's bytes, None when it cannot be read."""
     try:
         t = ck.read(name)
     except Exception:  # a side that cannot be read is said, not raised
         return None
-    return str(t.dtype), tuple(t.shape), hashlib.sha256(_raw(t)).hexdigest()
+    return hashlib.sha256(_raw(t)).hexdigest()
 
 
 def _renames(ck_a: Any, ck_b: Any, only_a: list[str], only_b: list[str]) -> dict[str, str]:
@@ -320,12 +320,12 @@ def _renames(ck_a: Any, ck_b: Any, only_a: list[str], only_b: list[str]) -> dict
         for n in names:
             d = _digest(ck_b, n)
             if d is not None:
-                digests.setdefault(d[2], []).append(n)
+                digests.setdefault(d, []).append(n)
     out = {}
     for n in wanted:
         d = _digest(ck_a, n)
-        if d is not None and digests.get(d[2]):
-            out[n] = digests[d[2]].pop(0)
+        if d is not None and digests.get(d):
+            out[n] = digests[d].pop(0)
     return out
 
 

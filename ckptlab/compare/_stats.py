@@ -1,8 +1,8 @@
 """Tensor statistics and health: :func:`stats`, :func:`health`.
 
 Each tensor is read once (``Checkpoint.read``: its bytes only, no pickle run), one at a time,
-and measured in its value (sparse tensors dense, quantized ones dequantized, complex ones by
-modulus, bool as 0/1) in slices of at most :data:`SLICE` elements, the sums accumulated in
+and measured in its value (sparse tensors dense, quantized ones dequantized, nested ones padded
+with 0, complex ones by modulus, bool as 0/1) in slices of at most :data:`SLICE` elements, the sums accumulated in
 float64, so a tensor's float64 copy never exists
 whole (``std`` from the squares around the mean, in a second pass with the histogram).
 ``min``, ``max``, ``mean``, ``std`` (the population standard deviation:
@@ -52,13 +52,13 @@ class TensorStats:
 
 
 def _flat(t: Any) -> Any:
-    """The tensor's value as a flat tensor of reals."""
+    """The tensor's value (:func:`~ckptlab.compare._diff.dense_value`) as a flat tensor of
+    reals."""
     import torch
 
-    if t.is_quantized:
-        t = t.dequantize()
-    elif t.layout != torch.strided:
-        t = t.to_dense()
+    from ckptlab.compare._diff import dense_value
+
+    t, _ = dense_value(t)
     if t.is_complex():
         t = t.abs()
     if t.dtype == torch.bool:
@@ -151,15 +151,14 @@ def health(found: dict[str, TensorStats], *, far: float = 100.0) -> list[str]:
     out = []
     bad = [n for n, s in found.items() if s.nan or s.inf]
     if bad:
-        out.append(f"NaN or Inf in {len(bad)} tensor{'s' * (len(bad) != 1)}: "
-                   + ", ".join(bad[:8]) + (" ..." if len(bad) > 8 else ""))
+        out.append(f"NaN or Inf in {len(bad)} tensor{'s' * (len(bad) != 1)}: {_some(bad)}")
     zero = [n for n, s in found.items() if s.numel > 1 and s.zeros == s.numel]
     if zero:
-        out.append(f"all zero: {', '.join(zero[:8])}" + (" ..." if len(zero) > 8 else ""))
+        out.append(f"all zero: {_some(zero)}")
     const = [n for n, s in found.items() if s.numel > 1 and s.min is not None
              and s.min == s.max and s.zeros != s.numel]
     if const:
-        out.append(f"constant: {', '.join(const[:8])}" + (" ..." if len(const) > 8 else ""))
+        out.append(f"constant: {_some(const)}")
     groups: dict[str, list[str]] = {}
     for n, s in found.items():
         if s.abs_max:
@@ -173,7 +172,11 @@ def health(found: dict[str, TensorStats], *, far: float = 100.0) -> list[str]:
         odd += [n for n in members if median and not (
             median / far <= found[n].abs_max <= median * far)]  # type: ignore[operator]
     if odd:
-        out.append(f"range far from its layer peers' (x{far:g}): {', '.join(odd[:8])}"
-                   + (" ..." if len(odd) > 8 else ""))
+        out.append(f"range far from its layer peers' (x{far:g}): {_some(odd)}")
     return out
+
+
+def _some(names: list[str], most: int = 8) -> str:
+    """The first ``most`` names, comma separated, "..." after them if there are more."""
+    return ", ".join(names[:most]) + (" ..." if len(names) > most else "")
 
