@@ -674,19 +674,15 @@ def _step(text: str) -> int:
 def _resolve_run(args: argparse.Namespace) -> Any:
     """For a training run's directory: put the save to read in ``args.path`` (``--step N``,
     else the one the framework resumes from) and give the run; None for anything else."""
+    from ckptlab.checkpoint.runs import RUN_LAYOUTS, resolve_run
+
     path, step = getattr(args, "path", None), getattr(args, "step", None)
     run = None
-    if path is not None and not _is_url(path) and os.path.isdir(path):
-        from ckptlab.checkpoint.runs import choose_step, find_run
-
-        run = find_run(path)
-        if run is not None:
-            run = choose_step(run, step)
-            args.path = run.opened_path
+    if path is not None and not _is_url(path):
+        args.path, run = resolve_run(path, step)
     if step is not None and run is None:
-        raise InvalidArgumentError(
-            f"{path}: --step is for a training run's directory (saves side by side: "
-            "checkpoint-N/, iter_N/, global_stepN/, step-N/, epoch_N/, *.ckpt); this is not one")
+        raise InvalidArgumentError(f"{path}: --step is for a training run's directory (saves "
+                                   f"side by side: {RUN_LAYOUTS}); this is not one")
     return run
 
 
@@ -816,26 +812,19 @@ def _diff(args: argparse.Namespace) -> int:
     """``ckptlab diff A B``: the summary or the JSON; 0 when nothing differs beyond the
     tolerances, 1 when something does (as ``cmp``)."""
     from ckptlab.checkpoint.query import TensorQuery
+    from ckptlab.checkpoint.runs import RUN_LAYOUTS, resolve_run
     from ckptlab.compare import diff
 
     sides = []
     for path in (args.path, args.other):
-        run = None
-        if not _is_url(path) and os.path.isdir(path):
-            from ckptlab.checkpoint.runs import choose_step, find_run
-
-            run = find_run(path)
-            if run is not None:
-                run = choose_step(run, args.step)
-                path = run.opened_path
+        path, run = resolve_run(path, args.step) if not _is_url(path) else (path, None)
         ck, _ = _open(path)
         ck.run = run
         sides.append(ck)
     if args.step is not None and all(ck.run is None for ck in sides):
         raise InvalidArgumentError(
             f"{args.path}, {args.other}: --step is for a training run's directory (saves side "
-            "by side: checkpoint-N/, iter_N/, global_stepN/, step-N/, epoch_N/, *.ckpt); "
-            "neither is one")
+            f"by side: {RUN_LAYOUTS}); neither is one")
     query = TensorQuery(args.filter or "")
     result = diff(sides[0], sides[1], names=query.matches if args.filter else None,
                   atol=args.atol, rtol=args.rtol)

@@ -609,18 +609,12 @@ def open_checkpoint(source: Source, *,
     (derived from the central directory by torch's placement rules, verified to tile the
     file); see :mod:`ckptlab.format._placed`. Needs the ``remote`` extra.
     """
-    run = None
-    if isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
-        from ckptlab.checkpoint.runs import choose_step, find_run
+    from ckptlab.checkpoint.runs import RUN_LAYOUTS, resolve_run
 
-        run = find_run(os.fspath(source))
-        if run is not None:
-            run = choose_step(run, step)
-            source = run.opened_path
+    source, run = resolve_run(source, step)
     if step is not None and run is None:
-        raise UnsupportedFormatError("step= is for a training run's directory (saves side by "
-                                     "side: checkpoint-N/, iter_N/, global_stepN/, step-N/, "
-                                     "epoch_N/, *.ckpt); this is not one",
+        raise UnsupportedFormatError(f"step= is for a training run's directory (saves side by "
+                                     f"side: {RUN_LAYOUTS}); this is not one",
                                      path=os.fspath(source) if isinstance(
                                          source, (str, os.PathLike)) else "<source>")
     ck = _open_location(source, storage_options)[0]

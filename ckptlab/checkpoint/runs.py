@@ -33,9 +33,11 @@ from typing import Any
 
 from ckptlab.errors import UnsupportedFormatError
 
-__all__ = ["Run", "Step", "choose_step", "find_run"]
+__all__ = ["RUN_LAYOUTS", "Run", "Step", "choose_step", "find_run", "resolve_run"]
 
 _POINTER_NBYTES = 256  # latest / latest_checkpointed_iteration.txt: a tag or a number
+# the saves a run's directory holds, as errors name them
+RUN_LAYOUTS = "checkpoint-N/, iter_N/, global_stepN/, step-N/, epoch_N/, *.ckpt"
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,3 +258,16 @@ def choose_step(run: Run, number: int | None = None) -> Run:
             f"missing: a run killed mid-write?); complete saves: {', '.join(done) or 'none'}",
             path=os.path.join(run.path, chosen.name))
     return dataclasses.replace(run, opened=chosen.name)
+
+
+def resolve_run(source: Any, step: int | None = None) -> tuple[Any, Run | None]:
+    """What to open for ``source``: where it is a local training run's directory, the path of
+    the save (``step``, else the one the framework resumes from; :func:`choose_step`) and the
+    run; else ``source`` itself and None (the caller says what ``step`` on it means)."""
+    if not isinstance(source, (str, os.PathLike)) or not os.path.isdir(source):
+        return source, None
+    run = find_run(os.fspath(source))
+    if run is None:
+        return source, None
+    run = choose_step(run, step)
+    return run.opened_path, run
