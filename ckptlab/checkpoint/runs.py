@@ -147,17 +147,22 @@ def _step(root: str, name: str, number: int | None, complete: bool) -> Step:
     return Step(number, name, nbytes, mtime, complete)
 
 
-def _numbered(root: str, names: list[str], pattern: str, complete: Any,
-              dirs: bool = True) -> list[Step]:
+def _in_order(steps: list[Step]) -> list[Step]:
+    """Saves by number (unnumbered ones last), then name."""
+    return sorted(steps, key=lambda s: (s.number is None, s.number or 0, s.name))
+
+
+def _numbered(root: str, names: list[str], pattern: str, complete: Any) -> list[Step]:
+    """The save directories whose names match ``pattern`` (its group: the number)."""
     regex = re.compile(pattern)
     out = []
     for n in names:
         m = regex.fullmatch(n)
-        if m is None or os.path.isdir(os.path.join(root, n)) != dirs:
+        if m is None or not os.path.isdir(os.path.join(root, n)):
             continue
         number = int(m.group(1)) if m.groups() and m.group(1) else None
         out.append(_step(root, n, number, complete(os.path.join(root, n))))
-    return sorted(out, key=lambda s: (s.number is None, s.number or 0, s.name))
+    return _in_order(out)
 
 
 def _deepspeed(root: str, names: list[str]) -> Run | None:
@@ -208,7 +213,7 @@ def _lightning(root: str, names: list[str]) -> Run | None:
     for n in files:
         m = re.search(r"step=(\d+)", n)
         steps.append(_step(root, n, int(m.group(1)) if m else None, True))
-    steps.sort(key=lambda s: (s.number is None, s.number or 0, s.name))
+    steps = _in_order(steps)
     last = next((s for s in steps if s.name == "last.ckpt"), None)
     numbered = [s for s in steps if s.number is not None]
     resume = last or (max(numbered, key=lambda s: s.number or 0) if numbered else None)
