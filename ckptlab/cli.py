@@ -232,7 +232,8 @@ def _render_run(run: Any) -> str:
                      "yes" if s.complete else "NO (incomplete)"])
     head = (f"{run.framework} run: {len(run.steps)} save{'s' * (len(run.steps) != 1)}; "
             f"resumes from {run.resume.name if run.resume else 'none'} ({_text(run.rule)}); "
-            f"shown: {run.opened} (*)")
+            + (f"shown: {run.opened} (*)" if run.opened else
+               "shown: the directory's own model (--step N shows a save)"))
     return head + "\n" + _table(rows, ("", "save", "step", "size", "modified", "complete"),
                                 {2, 3})
 

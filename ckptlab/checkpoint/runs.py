@@ -268,11 +268,25 @@ def choose_step(run: Run, number: int | None = None) -> Run:
 def resolve_run(source: Any, step: int | None = None) -> tuple[Any, Run | None]:
     """What to open for ``source``: where it is a local training run's directory, the path of
     the save (``step``, else the one the framework resumes from; :func:`choose_step`) and the
-    run; else ``source`` itself and None (the caller says what ``step`` on it means)."""
+    run; without ``step``, a directory that holds a model of its own beside its saves (the
+    Trainer's output directory after ``save_model``) is that model, its run attached with
+    ``opened`` None; else ``source`` itself and None (the caller says what ``step`` on it
+    means)."""
     if not isinstance(source, (str, os.PathLike)) or not os.path.isdir(source):
         return source, None
     run = find_run(os.fspath(source))
     if run is None:
         return source, None
+    if step is None and run.framework != "lightning" and _own_model(os.fspath(source)):
+        return source, run  # a model beside its saves (Trainer.save_model): that model
     run = choose_step(run, step)
     return run.opened_path, run
+
+
+def _own_model(root: str) -> bool:
+    """Whether a run's directory holds checkpoint files of its own, beside its save
+    directories (the final model ``Trainer.save_model`` writes into its output directory)."""
+    from ckptlab.checkpoint.open import CHECKPOINT_SUFFIXES
+
+    return any(e.is_file() and (e.name.endswith(CHECKPOINT_SUFFIXES) or e.name == ".metadata")
+               for e in os.scandir(root))

@@ -178,3 +178,24 @@ def test_serve_accepts_a_run_of_directories(trainer_run: Path) -> None:
     from ckptlab.cli import _check_servable
 
     _check_servable(str(trainer_run))  # no error
+
+
+def test_a_model_beside_its_saves_is_that_model(trainer_run: Path, tmp_path: Path,
+                                                capsys: Any) -> None:
+    """After ``Trainer.save_model`` the output directory holds the final model beside its
+    checkpoint-N saves: it opens as that model (as before runs were read), the saves listed;
+    ``step=N`` opens a save."""
+    import transformers
+
+    run = tmp_path / "run"
+    shutil.copytree(trainer_run, run)
+    model = transformers.GPT2LMHeadModel.from_pretrained(run / "checkpoint-2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(run)  # what save_model writes
+    ck = cl.open(run)
+    assert ck.path == str(run) and ck.run.opened is None
+    assert [s.name for s in ck.steps] == ["checkpoint-1", "checkpoint-2"]
+    assert cl.open(run, step=1).run.opened == "checkpoint-1"
+    assert main(["inspect", str(run)]) == 0
+    assert "shown: the directory's own model" in capsys.readouterr().out
