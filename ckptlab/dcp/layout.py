@@ -146,6 +146,17 @@ class DcpLayout:
 
 
 
+def _referenced_files(root: str, referenced: set[str]) -> dict[str, int]:
+    """The sizes of the data files ``.metadata`` names, in name order: those the directory
+    lists from its listing, the others (a subdirectory's, or missing) one by one, refusing
+    names that leave the directory. Other files beside them (Megatron-Core's
+    ``metadata.json``, a README) are not data files."""
+    listed = data_files(root, [name for name in sorted(os.listdir(root))
+                               if name in referenced], listed=True)
+    listed.update(data_files(root, sorted(referenced - set(listed))))
+    return dict(sorted(listed.items()))
+
+
 def data_files(root: str, names: list[str], *, listed: bool = False) -> dict[str, int]:
     """Bytes of each file ``names`` gives, relative to ``root``; none may leave ``root``.
 
@@ -288,9 +299,7 @@ def _inspect_columns(path: str, item_layouts: bool) -> DcpLayout | None:
         return None
     layouts = ItemLayouts(path)
     try:
-        files = data_files(path, [name for name in sorted(os.listdir(path))
-                                  if name != METADATA], listed=True)
-        files.update(data_files(path, sorted(set(cols.files) - set(files))))
+        files = _referenced_files(path, set(cols.files))
         return columns_layout(path, cols, metadata_nbytes, identity, files, layouts,
                              entries.rows, item_layouts=item_layouts)
     except (ArchiveError, OSError):
@@ -335,8 +344,6 @@ def inspect_dcp(path: str | os.PathLike[str], *, item_layouts: bool = True,
             return quick
     meta = load_metadata(path)
     metadata_nbytes = data_files(path, [METADATA])[METADATA]
-    files = data_files(path, [name for name in sorted(os.listdir(path)) if name != METADATA],
-                       listed=True)
     entries = []
     handles: dict[str, io.BufferedReader] = {}
 
@@ -346,8 +353,8 @@ def inspect_dcp(path: str | os.PathLike[str], *, item_layouts: bool = True,
         return handles[file]
 
     try:
-        referenced = {str(info.relative_path) for info in meta.storage_data.values()}
-        files.update(data_files(path, sorted(referenced - set(files))))  # refuses escapes
+        files = _referenced_files(
+            path, {str(info.relative_path) for info in meta.storage_data.values()})
         for index, info in meta.storage_data.items():
             file = str(info.relative_path)
             if file not in files:

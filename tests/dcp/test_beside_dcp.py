@@ -45,3 +45,29 @@ def test_a_plain_dcp_directory_is_unchanged(tmp_path: Path) -> None:
         dcp.save({"w": torch.ones(3)}, checkpoint_id=tmp_path / "d")
     ck = cl.open(tmp_path / "d")
     assert type(ck).__name__ == "DcpCheckpoint"  # the fast open, nothing added
+
+
+def test_beside_files_on_the_general_path(tmp_path: Path) -> None:
+    """The same directory read by the converter (its Metadata carries Megatron's added
+    attribute, which the columns leave to it): the files beside are not data files there
+    either, and common.pt's tensors are read."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path / "iter_0000009"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(3)}, checkpoint_id=root)
+    meta = pickle.loads((root / ".metadata").read_bytes())  # the test's own file
+    meta.all_local_plans = []
+    (root / ".metadata").write_bytes(pickle.dumps(meta))
+    (root / "metadata.json").write_text("{}")
+    torch.save({"rng": torch.arange(3)}, root / "common.pt")
+    ck = cl.open(root)
+    assert type(ck).__name__ != "DcpCheckpoint"  # (the general path)
+    formats = {f.path: f.format for f in ck.files}
+    assert formats["__0_0.distcp"] == "distcp" and formats["common.pt"] != "distcp"
+    assert formats["metadata.json"] != "distcp"
+    assert torch.equal(ck.read("common.pt.rng"), torch.arange(3))
+    assert [name for name, _ in cl.inspect(root).files] == ["__0_0.distcp"]
