@@ -196,6 +196,7 @@ typedef struct {
     PyObject *sparse;      /* {index: object} for the others, made when first needed */
     PyObject *globals;     /* {(module, name): Global} */
     PyObject *seen;        /* ["module.name", ...] in order of first appearance */
+    PyObject *seen_at;     /* [offset, ...]: the opcode that first named each */
     PyObject *keycache;    /* {id(tuple): (tuple, key)}, as _unpickle._key keeps it */
     PyObject *hcache;      /* {Global: handler or None}: each global's handler, looked up
                             * once (a dict of handlers is not changed while it runs) */
@@ -917,7 +918,7 @@ done:
 /* -- what the pickle names and calls ---------------------------------------------------- */
 /* _Machine.global_: one Global per (module, name), as canonical_global names it. */
 static PyObject *
-global_(Machine *m, PyObject *module, PyObject *name)
+global_(Machine *m, PyObject *module, PyObject *name, Py_ssize_t op)
 {
     State *st = m->st;
     if (!PyUnicode_CheckExact(module) || !PyUnicode_CheckExact(name)) {
@@ -949,10 +950,12 @@ global_(Machine *m, PyObject *module, PyObject *name)
     if (found == NULL)
         goto done;
     PyObject *qualified = PyUnicode_FromFormat("%S.%S", module, name);
-    if (qualified == NULL || PyDict_SetItem(m->globals, key, found) < 0 ||
-        PyList_Append(m->seen, qualified) < 0)
+    PyObject *at = qualified ? PyLong_FromSsize_t(op) : NULL;
+    if (at == NULL || PyDict_SetItem(m->globals, key, found) < 0 ||
+        PyList_Append(m->seen, qualified) < 0 || PyList_Append(m->seen_at, at) < 0)
         Py_CLEAR(found);
     Py_XDECREF(qualified);
+    Py_XDECREF(at);
 done:
     Py_DECREF(key);
     return found;
@@ -1862,7 +1865,7 @@ run(Machine *m)
                 Py_DECREF(a);
                 goto error;
             }
-            obj = global_(m, a, b);
+            obj = global_(m, a, b, op);
             Py_DECREF(a);
             Py_DECREF(b);
             if (push(m, obj) < 0 || charge(m, 16) < 0)
@@ -1872,7 +1875,7 @@ run(Machine *m)
         case 0x93:  /* STACK_GLOBAL */
             if (need(m, 2, code) < 0)
                 goto error;
-            obj = global_(m, m->stack[m->size - 2], m->stack[m->size - 1]);
+            obj = global_(m, m->stack[m->size - 2], m->stack[m->size - 1], op);
             truncate_to(m, m->size - 2);
             if (push(m, obj) < 0)
                 goto error;
@@ -1921,7 +1924,7 @@ run(Machine *m)
                 Py_DECREF(a);
                 goto error;
             }
-            PyObject *func = pop_mark(m, code, &base) < 0 ? NULL : global_(m, a, b);
+            PyObject *func = pop_mark(m, code, &base) < 0 ? NULL : global_(m, a, b, op);
             Py_DECREF(a);
             Py_DECREF(b);
             if (func == NULL)
@@ -1994,7 +1997,7 @@ run(Machine *m)
             PyObject *protocol = PyLong_FromLong(m->proto);
             PyObject *end = protocol ? PyLong_FromSsize_t(m->pos) : NULL;
             PyObject *result = end ? PyObject_CallFunctionObjArgs(
-                st->Interpretation, m->stack[0], protocol, m->seen, end, NULL) : NULL;
+                st->Interpretation, m->stack[0], protocol, m->seen, end, m->seen_at, NULL) : NULL;
             Py_XDECREF(protocol);
             Py_XDECREF(end);
             if (result == NULL)
@@ -2040,6 +2043,7 @@ machine_clear(Machine *m)
     Py_XDECREF(m->globals);
     Py_XDECREF(m->hcache);
     Py_XDECREF(m->seen);
+    Py_XDECREF(m->seen_at);
     Py_XDECREF(m->keycache);
     PyMem_Free(m->read_bits);
     Py_XDECREF(m->read_far);
@@ -2113,6 +2117,7 @@ interpret(PyObject *module, PyObject *args, PyObject *kwargs)
     if (initial_budget(st, memory_per_byte ? memory_per_byte : st->memory_per_byte, m.n,
                        &m.budget) < 0 ||
         (m.globals = PyDict_New()) == NULL || (m.seen = PyList_New(0)) == NULL ||
+        (m.seen_at = PyList_New(0)) == NULL ||
         (m.hcache = PyDict_New()) == NULL || find_memo_reads(&m) < 0)
         goto done;
     result = run(&m);

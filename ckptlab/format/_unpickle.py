@@ -163,13 +163,16 @@ Handler = Callable[..., Any]
 class Interpretation:
     """What :func:`interpret` returns: the root object and what the pickle named."""
 
-    __slots__ = ("end", "globals", "protocol", "root")
+    __slots__ = ("end", "global_offsets", "globals", "protocol", "root")
 
-    def __init__(self, root: Any, protocol: int, globals_: list[str], end: int) -> None:
+    def __init__(self, root: Any, protocol: int, globals_: list[str], end: int,
+                 global_offsets: list[int] | None = None) -> None:
         self.root = root
         self.protocol = protocol
-        self.globals = globals_
+        self.globals = globals_  # "module.name", in order of first appearance
         self.end = end  # offset just past STOP
+        # the offset of the opcode (GLOBAL, STACK_GLOBAL or INST) that first named each
+        self.global_offsets = global_offsets if global_offsets is not None else []
 
 
 class _Position(Exception):
@@ -475,6 +478,7 @@ class _Machine:
         "pos",
         "proto",
         "reads",
+        "seen_at",
         "seen_globals",
     )
 
@@ -494,6 +498,7 @@ class _Machine:
         self.reads = memo_reads(data)
         self.globals: dict[tuple[str, str], Global] = {}
         self.seen_globals: list[str] = []
+        self.seen_at: list[int] = []
         self.keycache: dict[int, tuple[Any, Any]] = {}
         self.proto = 0
 
@@ -543,7 +548,7 @@ class _Machine:
         except KeyError:
             raise PickleDataError(f"memo index {index} was never stored") from None
 
-    def global_(self, module: str, name: str) -> Global:
+    def global_(self, module: str, name: str, op: int) -> Global:
         if type(module) is not str or type(name) is not str:
             raise PickleDataError("STACK_GLOBAL of non-strings")
         module, name = key = canonical_global(module, name)
@@ -552,6 +557,7 @@ class _Machine:
             self.charge(320 + 4 * (len(module) + len(name)))
             found = self.globals[key] = Global(module, name)
             self.seen_globals.append(f"{module}.{name}")
+            self.seen_at.append(op)
         return found
 
     def call(self, func: Any, args: Any, kwargs: Any = None) -> Any:
@@ -807,7 +813,7 @@ class _Machine:
                     name = self.line("GLOBAL name")
                     pos = self.pos
                     self.budget = budget
-                    push(self.global_(module, name))
+                    push(self.global_(module, name, op))
                     budget = self.budget - 16
                     if budget < 0:
                         raise self.over_budget()
@@ -844,7 +850,8 @@ class _Machine:
                             f"STOP with {len(stack)} objects on the stack and "
                             f"{len(metastack)} open MARKs")
                     self.budget = budget
-                    return Interpretation(stack[0], self.proto, self.seen_globals, pos)
+                    return Interpretation(stack[0], self.proto, self.seen_globals, pos,
+                                          self.seen_at)
                 # everything else, less frequent in checkpoints
                 self.pos = pos
                 self.budget = budget
@@ -856,6 +863,7 @@ class _Machine:
 
     def rare(self, code: int, stack: list[Any], metastack: list[list[Any]]
              ) -> tuple[list[Any], Any]:
+        op = self.pos - 1  # the opcode byte (a GLOBAL below is named at it)
         push = stack.append
         charge = self.charge
         take = self.take
@@ -1008,7 +1016,7 @@ class _Machine:
             _need(stack, 2, code)
             name = stack.pop()
             module = stack.pop()
-            push(self.global_(module, name))
+            push(self.global_(module, name, op))
         elif code == 0x81:  # NEWOBJ
             _need(stack, 2, code)
             args = stack.pop()
@@ -1029,7 +1037,7 @@ class _Machine:
             name = self.line("INST name")
             items, stack = _pop_mark(stack, metastack, code)
             push = stack.append
-            push(self.call(self.global_(module, name), tuple(items)))
+            push(self.call(self.global_(module, name, op), tuple(items)))
         elif code == 0x50:  # PERSID (protocol 0)
             pid = self.line("PERSID")
             if self.persistent is None:

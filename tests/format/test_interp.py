@@ -257,6 +257,20 @@ def test_globals_are_one_per_name_and_canonical(interp: Any) -> None:
     a, b, c, d = result.root
     assert a is b and c is d and a.qualname == "pathlib.PosixPath"
     assert result.globals == ["pathlib.PosixPath", "torch.Size"]
+    # each at the opcode that first named it (GLOBAL, then STACK_GLOBAL)
+    assert result.global_offsets == [3, data.index(b"\x93")]
+
+
+def test_global_offsets_of_each_opcode(interp: Any) -> None:
+    """GLOBAL, STACK_GLOBAL and INST name a global at their own opcode's offset."""
+    inst = P2 + b"(S'x'\nia\nb\n."  # INST a.b with one argument
+    assert interp(inst).global_offsets == [inst.index(b"i")]
+    for protocol in range(6):
+        data = pickle.dumps([OrderedDict(), OrderedDict(), math.gcd], protocol=protocol)
+        result = interp(data)
+        assert result.globals == ["collections.OrderedDict", "math.gcd"]
+        assert [data[at] for at in result.global_offsets] == (
+            [0x93, 0x93] if protocol >= 4 else [ord("c"), ord("c")])
 
 
 def test_calls_without_a_handler_are_reduced(interp: Any) -> None:
