@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from ckptlab.checkpoint import open_checkpoint as open
     from ckptlab.compare import diff, stats
     from ckptlab.format import predict_layout, storage_offsets
+    from ckptlab.safety import scan
 
 __version__ = "0.1.0"
 
@@ -52,6 +53,7 @@ __all__ = [
     "plan",
     "predict_layout",
     "samples",
+    "scan",
     "stats",
     "storage_offsets",
     "viz",
@@ -70,6 +72,7 @@ _LAZY_NAMES = {
     "inspect": "ckptlab._inspect:inspect",
     "open": "ckptlab.checkpoint:open_checkpoint",
     "predict_layout": "ckptlab.format:predict_layout",
+    "scan": "ckptlab.safety:scan",
     "stats": "ckptlab.compare:stats",
     "storage_offsets": "ckptlab.format:storage_offsets",
 }

@@ -93,6 +93,8 @@ VERBS: dict[str, str] = {
     "serve": "serve the interactive workbench (panel) for any checkpoint on 127.0.0.1",
     "diff": "what changed between two checkpoints of any formats (exit 1 when anything did)",
     "stats": "each tensor's statistics and the checkpoint's health (--check: exit 1 on NaN/Inf)",
+    "scan": "is a checkpoint safe to load? every pickle read without running it (exit 1 "
+            "unless torch's weights-only loader takes it)",
 }
 
 
@@ -762,8 +764,31 @@ def _parser() -> _Parser:
     sts.add_argument("--check", action="store_true",
                      help="exit 1 when any tensor holds a NaN or an Inf (naming them)")
     sts.add_argument("--step", type=_step, default=None, metavar="N", help=_STEP_HELP)
+    scn = sub.add_parser("scan", help=VERBS["scan"], description=VERBS["scan"])
+    scn.add_argument("paths", metavar="PATH", nargs="+",
+                     help="checkpoint files, directories or URLs of files")
+    scn.add_argument("--json", action="store_true", help="print one JSON object")
+    scn.set_defaults(path=None)
     p.verbs = sub.choices
     return p
+
+
+def _scan(args: argparse.Namespace) -> int:
+    """``ckptlab scan PATH...``: a line per file (the code calls spelled out) or the JSON;
+    0 when every file is weights-only, 1 when any is not."""
+    from ckptlab.safety import scan
+
+    reports = [scan(path) for path in args.paths]
+    if args.json:
+        _print_json({"files": [f.to_dict() for r in reports for f in r.files],
+                     "skipped": [{"path": p, "kind": k} for r in reports for p, k in r.skipped],
+                     "verdict": max((r.verdict for r in reports), key=_VERDICT_RANK.index)})
+    else:
+        print("\n".join(_text(line) for r in reports for line in r.summary().splitlines()))
+    return max(r.exit_status for r in reports)
+
+
+_VERDICT_RANK = ["weights-only", "data", "unreadable", "code"]
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -1072,6 +1097,11 @@ def _check(args: argparse.Namespace) -> None:
         _check_servable(args.path)
     elif verb != "sample" and args.path is not None:
         _input_path(args.path, verb, directory=True)
+    if verb == "scan":
+        args.paths = [_local_url(p) if _is_url(p) and _local_url(p) is not None else p
+                      for p in args.paths]
+        for path in args.paths:
+            _input_path(path, verb, directory=True)
     if verb == "diff":
         if _is_url(args.other) and _local_url(args.other) is not None:
             args.other = _local_url(args.other)
@@ -1196,6 +1226,8 @@ def _run(args: argparse.Namespace) -> int | None:
     verb = args.verb
     if verb == "diff":
         return _diff(args)
+    if verb == "scan":
+        return _scan(args)
     run = _resolve_run(args)
     if verb == "stats":
         return _stats(args)

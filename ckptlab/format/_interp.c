@@ -196,7 +196,7 @@ typedef struct {
     PyObject *sparse;      /* {index: object} for the others, made when first needed */
     PyObject *globals;     /* {(module, name): Global} */
     PyObject *seen;        /* ["module.name", ...] in order of first appearance */
-    PyObject *seen_at;     /* [offset, ...]: the opcode that first named each */
+    PyObject *seen_at;     /* [(module, name, offset), ...]: the opcode that first named each */
     PyObject *keycache;    /* {id(tuple): (tuple, key)}, as _unpickle._key keeps it */
     PyObject *hcache;      /* {Global: handler or None}: each global's handler, looked up
                             * once (a dict of handlers is not changed while it runs) */
@@ -950,7 +950,7 @@ global_(Machine *m, PyObject *module, PyObject *name, Py_ssize_t op)
     if (found == NULL)
         goto done;
     PyObject *qualified = PyUnicode_FromFormat("%S.%S", module, name);
-    PyObject *at = qualified ? PyLong_FromSsize_t(op) : NULL;
+    PyObject *at = qualified ? Py_BuildValue("(OOn)", module, name, op) : NULL;
     if (at == NULL || PyDict_SetItem(m->globals, key, found) < 0 ||
         PyList_Append(m->seen, qualified) < 0 || PyList_Append(m->seen_at, at) < 0)
         Py_CLEAR(found);
@@ -1443,6 +1443,8 @@ positioned(Machine *m, Py_ssize_t op)
         return NULL;
     PyObject *offset = PyLong_FromSsize_t(op);
     int rc = offset ? PyObject_SetAttr(error, st->s_offset, offset) : -1;
+    if (rc == 0)
+        rc = PyObject_SetAttrString(error, "named", m->seen_at);
     Py_XDECREF(offset);
     if (rc < 0) {
         Py_DECREF(error);

@@ -163,16 +163,18 @@ Handler = Callable[..., Any]
 class Interpretation:
     """What :func:`interpret` returns: the root object and what the pickle named."""
 
-    __slots__ = ("end", "global_offsets", "globals", "protocol", "root")
+    __slots__ = ("end", "globals", "named", "protocol", "root")
 
     def __init__(self, root: Any, protocol: int, globals_: list[str], end: int,
-                 global_offsets: list[int] | None = None) -> None:
+                 named: list[tuple[str, str, int]] | None = None) -> None:
         self.root = root
         self.protocol = protocol
         self.globals = globals_  # "module.name", in order of first appearance
         self.end = end  # offset just past STOP
-        # the offset of the opcode (GLOBAL, STACK_GLOBAL or INST) that first named each
-        self.global_offsets = global_offsets if global_offsets is not None else []
+        # (module, name, offset) of each global, in the same order: the offset of the opcode
+        # (GLOBAL, STACK_GLOBAL or INST) that first named it. A failed interpretation's error
+        # has the same list as its ``named`` attribute: what the pickle named before it failed.
+        self.named = named if named is not None else []
 
 
 class _Position(Exception):
@@ -272,6 +274,7 @@ def interpret(data: bytes | bytearray | memoryview, *,
         return machine.run()
     except _Position as where:
         where.error.offset = where.offset  # type: ignore[attr-defined]
+        where.error.named = machine.seen_at  # type: ignore[attr-defined]
         raise where.error from None
 
 
@@ -498,7 +501,7 @@ class _Machine:
         self.reads = memo_reads(data)
         self.globals: dict[tuple[str, str], Global] = {}
         self.seen_globals: list[str] = []
-        self.seen_at: list[int] = []
+        self.seen_at: list[tuple[str, str, int]] = []
         self.keycache: dict[int, tuple[Any, Any]] = {}
         self.proto = 0
 
@@ -557,7 +560,7 @@ class _Machine:
             self.charge(320 + 4 * (len(module) + len(name)))
             found = self.globals[key] = Global(module, name)
             self.seen_globals.append(f"{module}.{name}")
-            self.seen_at.append(op)
+            self.seen_at.append((module, name, op))
         return found
 
     def call(self, func: Any, args: Any, kwargs: Any = None) -> Any:

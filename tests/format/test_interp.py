@@ -258,19 +258,25 @@ def test_globals_are_one_per_name_and_canonical(interp: Any) -> None:
     assert a is b and c is d and a.qualname == "pathlib.PosixPath"
     assert result.globals == ["pathlib.PosixPath", "torch.Size"]
     # each at the opcode that first named it (GLOBAL, then STACK_GLOBAL)
-    assert result.global_offsets == [3, data.index(b"\x93")]
+    assert result.named == [("pathlib", "PosixPath", 3),
+                            ("torch", "Size", data.index(b"\x93"))]
 
 
 def test_global_offsets_of_each_opcode(interp: Any) -> None:
     """GLOBAL, STACK_GLOBAL and INST name a global at their own opcode's offset."""
     inst = P2 + b"(S'x'\nia\nb\n."  # INST a.b with one argument
-    assert interp(inst).global_offsets == [inst.index(b"i")]
+    assert interp(inst).named == [("a", "b", inst.index(b"i"))]
     for protocol in range(6):
         data = pickle.dumps([OrderedDict(), OrderedDict(), math.gcd], protocol=protocol)
         result = interp(data)
         assert result.globals == ["collections.OrderedDict", "math.gcd"]
-        assert [data[at] for at in result.global_offsets] == (
+        assert [data[at] for _, _, at in result.named] == (
             [0x93, 0x93] if protocol >= 4 else [ord("c"), ord("c")])
+    # a failed interpretation says what was named before it failed
+    bad = P2 + b"cos\nsystem\n\x8c\x02ls\x85R0"  # ends without STOP
+    with pytest.raises(PickleDataError) as caught:
+        interp(bad)
+    assert caught.value.named == [("os", "system", len(P2))]
 
 
 def test_calls_without_a_handler_are_reduced(interp: Any) -> None:
