@@ -28,6 +28,11 @@ Verbs (``ckptlab VERB --help`` tells each one's arguments):
   (:func:`ckptlab.compare.stats`) and the health lines (NaN/Inf, all-zero, constant tensors,
   ranges far from their layer peers'); ``--check``: exit 1 when a tensor holds NaN or Inf.
 
+- ``scan PATH... [--json]``: is a checkpoint safe to load? (:func:`ckptlab.safety.scan`) A
+  line per file holding a pickle, its verdict (``weights-only``, ``data``, ``code``,
+  ``unreadable``) and the code it would run; exit 0 when every file is weights-only, 1 when
+  any is not, 2 on an error.
+
 A training run's directory (saves side by side) is read as the save its framework resumes
 from; ``--step N`` (inspect, offsets, report, readiness, serve, diff, stats) picks another
 (:mod:`ckptlab.checkpoint.runs`).

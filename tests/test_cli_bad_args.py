@@ -103,6 +103,10 @@ CASES: list[tuple[str, tuple[str, ...], str]] = [
     ("diff", ("{garbage}", "{garbage}", "--rtol", "nan"), "a tolerance"),
     ("diff", ("{garbage}", "{garbage}", "--step", "-1"), "a step number"),
     # stats
+    ("scan", (), "required: PATH"),
+    ("scan", ("{missing}",), "No such file"),
+    ("scan", ("{garbage}", "{missing}"), "No such file"),
+    ("scan", ("{fifo}",), "FIFO"),
     ("stats", (), "required: PATH"),
     ("stats", ("{missing}",), "No such file"),
     ("stats", ("{fifo}",), "FIFO"),

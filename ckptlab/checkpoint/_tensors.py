@@ -46,9 +46,13 @@ def _entry(t: Any, storages: dict[str, StorageInfo], file: str, prefix: tuple[An
             continue  # a meta tensor: no bytes
         storage = storages[info.storage_key]
         itemsize = DTYPE_ITEMSIZE[info.dtype]
+        span = span_nbytes(info.shape, info.stride, itemsize)
+        if span and info.storage_offset * itemsize + span > storage.nbytes:
+            raise _outside_error(file, tensor_name((*prefix, *t.path)), storage,
+                                 info.storage_offset, itemsize, span, info.shape, info.stride)
         parts.append(Part(role, file, storage.data_offset + info.storage_offset * itemsize,
-                          span_nbytes(info.shape, info.stride, itemsize), info.dtype,
-                          info.shape, info.stride, info.storage_offset, info.storage_key))
+                          span, info.dtype, info.shape, info.stride, info.storage_offset,
+                          info.storage_key))
     path = (*prefix, *t.path)
     return TensorEntry(tensor_name(path), path, t.dtype, t.shape, t.stride, t.kind,
                        tuple(parts), t.layout, t.requires_grad, t.is_parameter, t.subclass,
@@ -107,6 +111,10 @@ class LazyEntries(Sequence[TensorEntry]):
                 for dims in (*set(cols.shapes), *set(cols.strides)):
                     if type(dims) is not tuple or set(map(type, dims)) - {int}:
                         return False
+                itemsizes = list(map(DTYPE_ITEMSIZE.__getitem__, cols.dtypes))
+                if _first_outside(cols.keys, cols.offsets, itemsizes, _span_sizes(
+                        cols.shapes, cols.strides, itemsizes), storages) is not None:
+                    return False
                 self.names()
                 return True
             if set(map(len, map(_PARTS, logical))) != {1}:
@@ -122,6 +130,11 @@ class LazyEntries(Sequence[TensorEntry]):
                 if type(shape) is not tuple or type(stride) is not tuple:
                     return False
                 span_nbytes(shape, stride, DTYPE_ITEMSIZE[dtype])
+            itemsizes = [DTYPE_ITEMSIZE[i.dtype] for i in infos]
+            if _first_outside(list(map(_KEY, infos)), list(map(_OFFSET, infos)), itemsizes,
+                              _span_sizes([i.shape for i in infos], [i.stride for i in infos],
+                                          itemsizes), self._storages) is not None:
+                return False
             self.names()
         except Exception:  # whatever it is, making the entries now raises it as before
             return False
@@ -230,6 +243,27 @@ def _span_sizes(shapes: Iterable[Any], strides: Iterable[Any], itemsizes: Iterab
     return out
 
 
+def _first_outside(keys: Sequence[str], offsets: Sequence[int], itemsizes: Sequence[int],
+                   spans: Sequence[int], storages: dict[str, StorageInfo]) -> int | None:
+    """The first tensor whose elements reach past the end of its storage (torch's ``set_``
+    refuses it: "Trying to resize storage that is not resizable"), or None. An empty view may
+    start anywhere, as in torch."""
+    for i, (key, offset, itemsize, span) in enumerate(zip(keys, offsets, itemsizes, spans)):
+        if span and offset * itemsize + span > storages[key].nbytes:
+            return i
+    return None
+
+
+def _outside_error(file: str, name: str, storage: StorageInfo, offset: int, itemsize: int,
+                   span: int, shape: Any, stride: Any) -> CorruptArchiveError:
+    return CorruptArchiveError(
+        "tensor reaches past the end of its storage (torch.load refuses it)", path=file,
+        record=name, offset=storage.data_offset,
+        expected=f"<= {storage.nbytes} bytes of storage {storage.key!r}",
+        actual=f"{offset * itemsize + span} bytes (offset {offset}, shape {shape}, stride "
+               f"{stride})")
+
+
 def _dense_entries(logical: list[Any], storages: dict[str, StorageInfo], file: str,
                    prefix: tuple[Any, ...]) -> list[TensorEntry] | None:
     """:func:`entries_from_logical` when every tensor has one part with a storage (dense
@@ -250,6 +284,8 @@ def _dense_columns(logical: list[Any], storages: dict[str, StorageInfo], file: s
     located = list(map(storages.__getitem__, keys))
     itemsizes = list(map(DTYPE_ITEMSIZE.__getitem__, dtypes))
     nbytes = _span_sizes(shapes, strides, itemsizes)
+    if _first_outside(keys, offsets, itemsizes, nbytes, storages) is not None:
+        return None  # (_entry names the tensor)
     parts = build(Part, count, roles, repeat(file),
                   [s.data_offset + o * i for s, o, i in zip(located, offsets, itemsizes)],
                   nbytes, dtypes, shapes, strides, offsets, keys)

@@ -14,6 +14,9 @@ unpickler would stop (:class:`ckptlab.safety._weights_only.Policy`).
 
 from __future__ import annotations
 
+import bisect
+import itertools
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,6 +199,9 @@ class PickleFindings:
     # the bytes given to torch.storage._load_from_bytes (torch.load runs on each), with the
     # offset of the call
     nested: list[tuple[int, bytes]] = field(default_factory=list)
+    # a STOP with objects left on the stack (the loaders return the top one; ``root`` is
+    # then None, not known)
+    lenient_stop: bool = False
 
     def classes(self, torch_allowed: frozenset[str]) -> dict[str, tuple[str, str]]:
         return {q: classify(u.module, u.name, u.hows, torch_allowed=torch_allowed)
@@ -241,14 +247,35 @@ class _Scan:
         self.builds.append(target)
 
 
-def _spans(data: Any) -> tuple[list[tuple[int, int]], str | None]:
-    out: list[tuple[int, int]] = []
-    try:
-        for at, code in opcode_spans(data):
-            out.append((at, code))
-    except ValueError as exc:
-        return out, str(exc)
-    return out, None
+class _Spans:
+    """The opcodes of a pickle, walked by their argument lengths: offsets and codes in two
+    compact arrays (9 bytes an opcode: a pickle of one-byte opcodes must not cost more here
+    than the interpreter's budget allows)."""
+
+    def __init__(self, data: Any) -> None:
+        self.offsets = array("q")
+        self.codes = bytearray()
+        self.error: str | None = None
+        try:
+            for at, code in opcode_spans(data):
+                self.offsets.append(at)
+                self.codes.append(code)
+        except ValueError as exc:
+            self.error = str(exc)
+
+    def cut(self, limit: int, *, inclusive: bool) -> None:
+        """Keep the opcodes before ``limit`` (and the one at it, ``inclusive``)."""
+        keep = bisect.bisect_right(self.offsets, limit) if inclusive else \
+            bisect.bisect_left(self.offsets, limit)
+        del self.offsets[keep:]
+        del self.codes[keep:]
+
+    def __iter__(self) -> Any:
+        return zip(self.offsets, self.codes)
+
+    def of(self, codes: frozenset[int]) -> list[int]:
+        """The offsets of the opcodes in ``codes``, in order."""
+        return [at for at, code in zip(self.offsets, self.codes) if code in codes]
 
 
 def _text_global(data: Any, at: int) -> tuple[str, str] | None:
@@ -276,7 +303,7 @@ def scan_pickle(data: Any, policy: Policy | None, *, impl: str | None = None) ->
     and builds (``impl``: the interpreter, as :func:`~ckptlab.format._unpickle.interpreter`
     picks it; default the one :mod:`ckptlab.format._pickle` uses)."""
     view = data if isinstance(data, bytes) else memoryview(data).cast("B")
-    spans, span_error = _spans(view)
+    spans = _Spans(view)
     scan = _Scan()
     run = interpreter(_pickle._IMPL if impl is None else impl)
     error = None
@@ -295,15 +322,20 @@ def scan_pickle(data: Any, policy: Policy | None, *, impl: str | None = None) ->
     else:
         root, end = result.root, result.end
         named = result.named
+    lenient_stop = False
+    if error is not None and error.startswith("STOP with") and error_at is not None:
+        # the standard unpickler and torch's weights-only loop take the top of the stack and
+        # ignore the rest: the pickle ends here for them (what it returns is not known here)
+        end, error, lenient_stop = error_at + 1, None, True
     limit = end if end is not None else (error_at if error_at is not None else len(view))
-    spans = [(at, code) for at, code in spans if at < limit or (end is None and at == limit)]
+    spans.cut(limit, inclusive=end is None)
 
     uses: dict[str, Use] = {}
     for module, name, at in named:
         uses[f"{module}.{name}"] = Use(module, name, at, {"name"})
 
-    call_at = [at for at, code in spans if code in _CALL_OPS]
-    call_code = {at: code for at, code in spans if code in _CALL_OPS}
+    call_at = spans.of(_CALL_OPS)
+    new_at = set(spans.of(_NEW_OPS))
     code_calls = 0
     for k, (made, _) in enumerate(scan.calls):
         at = call_at[k] if k < len(call_at) else -1
@@ -311,7 +343,7 @@ def scan_pickle(data: Any, policy: Policy | None, *, impl: str | None = None) ->
         use = uses.get(qualname)
         if use is None:  # (a handler key is canonical, as the interpreter's globals are)
             use = uses[qualname] = Use(made.func.module, made.func.name, at, {"name"})
-        how = "new" if call_code.get(at) in _NEW_OPS else "call"
+        how = "new" if at in new_at else "call"
         if qualname in _RECONSTRUCTORS:
             how = "new"
             first = made.args[0] if made.args else None
@@ -324,7 +356,7 @@ def scan_pickle(data: Any, policy: Policy | None, *, impl: str | None = None) ->
         if len(use.calls) < 1 or code_calls < MAX_CODE_CALLS:
             use.calls.append((at, render_args(made.args)))
             code_calls += len(use.calls) > 1
-    build_at = [at for at, code in spans if code == _BUILD]
+    build_at = spans.of(frozenset((_BUILD,)))
     for target in scan.builds:
         if isinstance(target, Global):
             use = uses.get(f"{target.module}.{target.name}")
@@ -336,8 +368,8 @@ def scan_pickle(data: Any, policy: Policy | None, *, impl: str | None = None) ->
     if end is None and error_at is not None and error_at < len(view):
         if "not a global" in (error or ""):  # REDUCE of a call's result: getattr-style
             code_after.append((error_at, "<the result of another call, called>"))
-        rest, _ = _spans(view[error_at:])
-        for at, code in rest[1:]:
+        rest = _Spans(view[error_at:])
+        for at, code in itertools.islice(rest, 1, None):
             if code in _GLOBAL_OPS:
                 named = _text_global(view, error_at + at) if code != 0x93 else None
                 code_after.append((error_at + at, f"{named[0]}.{named[1]}" if named else
@@ -350,9 +382,9 @@ def scan_pickle(data: Any, policy: Policy | None, *, impl: str | None = None) ->
             if value is not None:
                 nested.append((call_at[k] if k < len(call_at) else -1, value))
     refusal, decided = _weights_only(view, spans, scan, policy, build_at, call_at, end,
-                                     error, error_at, span_error)
+                                     error, error_at, spans.error)
     return PickleFindings(0, end, root, uses, error, error_at, refusal, decided, code_after,
-                          nested)
+                          nested, lenient_stop)
 
 
 def _bytes_value(value: Any) -> bytes | None:
@@ -370,7 +402,7 @@ def _bytes_value(value: Any) -> bytes | None:
     return None
 
 
-def _weights_only(view: Any, spans: list[tuple[int, int]], scan: _Scan, policy: Policy | None,
+def _weights_only(view: Any, spans: _Spans, scan: _Scan, policy: Policy | None,
                   build_at: list[int], call_at: list[int], end: int | None, error: str | None,
                   error_at: int | None, span_error: str | None
                   ) -> tuple[Refusal | None, bool]:
@@ -379,18 +411,20 @@ def _weights_only(view: Any, spans: list[tuple[int, int]], scan: _Scan, policy: 
     if policy is None:
         return None, False
     builds = dict(zip(build_at, scan.builds))
-    persid_at = [at for at, code in spans if code in _PERSID_OPS]
+    persid_at = spans.of(_PERSID_OPS)
     persids = dict(zip(persid_at, scan.persids))
     filled_from: dict[int, str] = {}
     # a call's result filled by APPEND/SETITEM: refused at the first such opcode after it
     made_at = {id(made): call_at[k] for k, (made, _) in enumerate(scan.calls)
                if k < len(call_at)}
+    fill_at = {"append": spans.of(_APPEND_OPS), "setitem": spans.of(_SETITEM_OPS)}
     for kind, made in scan.filled:
         after = made_at.get(id(made), -1)
-        ops = _APPEND_OPS if kind == "append" else _SETITEM_OPS
-        at = next((a for a, c in spans if a > after and c in ops), None)
-        if at is None:
+        ats = fill_at[kind]
+        i = bisect.bisect_right(ats, after)
+        if i == len(ats):
             continue
+        at = ats[i]
         if kind == "append" or not policy.sets_items(policy_name(policy, made)):
             filled_from.setdefault(at, f"{kind.upper()} on {made.qualname}")
     for at, code in spans:
@@ -441,9 +475,9 @@ def _ascii(value: Any) -> Any:
 
 
 # errors where the standard unpickler fails at the same opcode ckptlab's interpreter does
+# (not "unsupported pickle protocol": torch's weights-only loop reads PROTO and goes on)
 _SHARED_FAILURES = ("ends without a STOP", "declares", "never stored", "underflow",
-                    "no newline", "unknown opcode", "not valid UTF-8", "MARK",
-                    "stack", "unsupported pickle protocol")
+                    "no newline", "unknown opcode", "not valid UTF-8", "MARK", "stack")
 
 
 def _fails_for_torch_too(error: str) -> bool:

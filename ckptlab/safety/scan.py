@@ -172,6 +172,7 @@ class _FileScan:
         self.notes: list[str] = []
         self.refusal: tuple[str, str] | None = None  # (refused, reason), the first
         self.undecided = False
+        self.undecided_why: str | None = None
         self.torch_fails: str | None = None  # torch.load fails for another reason
         self.unreadable: str | None = None
         self.nested: list[FileSafety] = []
@@ -214,7 +215,7 @@ class _FileScan:
                 if found.decided:
                     self.refusal = (found.refusal.refused, found.refusal.reason)
                 else:
-                    self.undecided = True
+                    self.undecided, self.undecided_why = True, found.refusal.reason
         return found
 
     def _nested_bytes(self, found: PickleFindings, label: str) -> None:
@@ -246,8 +247,8 @@ class _FileScan:
         elif self.refusal is not None:
             wo = WeightsOnly(False, self.refusal[0], self.refusal[1], version)
         elif self.undecided:
-            wo = WeightsOnly(False, None, "ckptlab could not follow a pickle far enough to "
-                             "tell", version, decided=False)
+            wo = WeightsOnly(False, None, self.undecided_why or "ckptlab could not follow a "
+                             "pickle far enough to tell", version, decided=False)
         elif self.torch_fails is not None or not torch_loads:
             wo = WeightsOnly(False, None, self.torch_fails or "torch.load does not read this "
                              "file", version)
@@ -358,13 +359,20 @@ def _scan_legacy(src: ByteSource, name: str, policy: Policy | None, depth: int,
         found = scan.pickle(data, f"pickle {i + 1} ({label}) at byte {start:,}"
                             if i else "the pickle at byte 0")
         if found.end is None:
-            if i == 0 and found.error_offset == 0 and not found.uses:
+            if i == 0 and found.error_offset == 0 and not found.uses and \
+                    (found.error or "").startswith("unknown opcode"):
                 return None  # its first byte is no opcode: not a pickle at all
             if i == 0:
                 scan.unreadable = f"the file's first pickle is malformed: {found.error}"
             else:
                 scan.unreadable = f"the {label} pickle is malformed: {found.error}"
             break
+        if found.lenient_stop:
+            scan.notes.append(f"{scan.pickles[-1]} stops with objects left on the stack: the "
+                              f"loaders return the top one, which ckptlab does not follow")
+            if i < 2:  # the magic number or the protocol version: what torch does is not known
+                scan.undecided, scan.undecided_why = True, scan.notes[-1]
+                break
         if i == 0:
             if not (type(found.root) is int and found.root == _MAGIC_NUMBER):
                 scan.torch_fails = ("not a torch.save file: torch.load reads a magic number "
@@ -417,9 +425,12 @@ def _scan_zip(src: ByteSource, name: str, policy: Policy | None, depth: int,
         trailer, entries = read_central_directory(src)
         records, _ = records_one_by_one(src, trailer, entries)
     except CkptlabError as exc:
+        # (ckptlab's zip reader is stricter than torch's in places: whether torch reads the
+        # archive is not decided here)
         scan = _FileScan(name, "zip", loader, policy, depth)
-        scan.unreadable = f"not a zip torch can read: {str(exc).splitlines()[0]}"
-        return scan.result(torch_loads=False)
+        scan.unreadable = f"ckptlab cannot read this zip: {str(exc).splitlines()[0]}"
+        scan.undecided, scan.undecided_why = True, scan.unreadable
+        return scan.result()
     by_short = {}
     for r in records:
         short = fold_name(r.name.split("/", 1)[1] if "/" in r.name else r.name)

@@ -16,7 +16,8 @@ worker process (``python -m ckptlab.testing.isolated``) and sends it cases one a
   such and the worker is restarted for the next case.
 
 Readers (the ``reader`` argument): ``inspect`` (:func:`ckptlab.inspect`), ``scan_pickle`` (a
-torch pickle), ``metadata`` (DCP ``.metadata`` bytes) and ``open`` (:func:`ckptlab.open`).
+torch pickle), ``metadata`` (DCP ``.metadata`` bytes), ``open`` (:func:`ckptlab.open`) and
+``scan`` (:func:`ckptlab.scan`, its report made into JSON).
 """
 
 from __future__ import annotations
@@ -157,6 +158,7 @@ def _worker(budget_nbytes: int) -> None:  # pragma: no cover - runs in the child
         "open": lambda p: ckptlab.open(p).tensors,
         "scan_pickle": lambda p: pickle_scan.scan_pickle(Path(p).read_bytes(), path=p),
         "metadata": lambda p: decode_metadata(Path(p).read_bytes()),
+        "scan": lambda p: ckptlab.scan(p).to_dict(),
     }
     def status(field: str) -> int:
         with open("/proc/self/status") as f:

@@ -194,3 +194,46 @@ def test_the_state_dict_torch_writes_is_weights_only(tmp_path) -> None:
     (tmp_path / "ns.pt").write_bytes(buf.getvalue())
     f = _scan_one(str(tmp_path / "ns.pt"))
     assert f.verdict == "data" and f.weights_only.refused == "argparse.Namespace"
+
+
+def test_weights_only_matches_torch_on_mutated_files(tmp_path) -> None:
+    """Byte flips in the pickles of a torch.save zip and a legacy file: where ckptlab decides
+    (``weights_only.decided``), its answer is torch's; it declines to decide on few."""
+    import random
+    import zipfile
+
+    rng = random.Random(29)
+    files = []
+    for legacy in (False, True):
+        buf = io.BytesIO()
+        torch.save({"a": torch.ones(3), "b": torch.arange(4)}, buf,
+                   _use_new_zipfile_serialization=not legacy)
+        data = buf.getvalue()
+        if legacy:
+            lo, hi = 0, 400
+        else:
+            with zipfile.ZipFile(io.BytesIO(data)) as z:
+                info = z.getinfo("archive/data.pkl")
+            lo = data.index(b"\x80\x02", info.header_offset)
+            hi = lo + info.file_size
+        for i in range(60):
+            mutated = bytearray(data)
+            for _ in range(rng.randint(1, 2)):
+                mutated[rng.randrange(lo, hi)] = rng.randrange(256)
+            path = tmp_path / f"{'legacy' if legacy else 'zip'}-{i}.pt"
+            path.write_bytes(bytes(mutated))
+            files.append(str(path))
+    oracle = run_oracle([(p, "torch") for p in files], "safe", cwd=str(tmp_path))
+    wrong, undecided = [], 0
+    for path in files:
+        report = ckptlab.scan(path)
+        if not report.files:  # no pickle left: torch fails too
+            assert not oracle[path]["ok"], path
+            continue
+        wo = report.files[0].weights_only
+        if not wo.decided:
+            undecided += 1
+        elif wo.accepted != oracle[path]["ok"]:
+            wrong.append((os.path.basename(path), wo.reason, oracle[path]["error"]))
+    assert not wrong, wrong
+    assert undecided <= len(files) // 10, undecided
