@@ -247,35 +247,55 @@ class _Scan:
         self.builds.append(target)
 
 
+_FAMILIES = {"call": _CALL_OPS, "new": _NEW_OPS, "build": frozenset((_BUILD,)),
+             "persid": _PERSID_OPS, "append": _APPEND_OPS, "setitem": _SETITEM_OPS,
+             "global": frozenset(b"c"), "stop": frozenset(b".")}
+_FAMILY_OF = {code: tuple(f for f, codes in _FAMILIES.items() if code in codes)
+              for code in set().union(*_FAMILIES.values())}
+
+
 class _Spans:
     """The opcodes of a pickle, walked by their argument lengths: offsets and codes in two
     compact arrays (9 bytes an opcode: a pickle of one-byte opcodes must not cost more here
-    than the interpreter's budget allows)."""
+    than the interpreter's budget allows), and the offsets of the opcodes the scan places
+    events at, by family (:data:`_FAMILIES`)."""
 
     def __init__(self, data: Any) -> None:
         self.offsets = array("q")
         self.codes = bytearray()
         self.error: str | None = None
+        self.families: dict[str, list[int]] = {f: [] for f in _FAMILIES}
+        family_of, families = _FAMILY_OF, self.families
         try:
             for at, code in opcode_spans(data):
                 self.offsets.append(at)
                 self.codes.append(code)
+                for family in family_of.get(code, ()):
+                    families[family].append(at)
         except ValueError as exc:
             self.error = str(exc)
 
     def cut(self, limit: int, *, inclusive: bool) -> None:
         """Keep the opcodes before ``limit`` (and the one at it, ``inclusive``)."""
-        keep = bisect.bisect_right(self.offsets, limit) if inclusive else \
-            bisect.bisect_left(self.offsets, limit)
+        cut = bisect.bisect_right if inclusive else bisect.bisect_left
+        keep = cut(self.offsets, limit)
         del self.offsets[keep:]
         del self.codes[keep:]
+        for ats in self.families.values():
+            del ats[cut(ats, limit):]
 
     def __iter__(self) -> Any:
         return zip(self.offsets, self.codes)
 
-    def of(self, codes: frozenset[int]) -> list[int]:
-        """The offsets of the opcodes in ``codes``, in order."""
-        return [at for at, code in zip(self.offsets, self.codes) if code in codes]
+    def of(self, family: str) -> list[int]:
+        """The offsets of the opcodes of ``family``, in order."""
+        return self.families[family]
+
+    def first_not_in(self, codes: frozenset[int]) -> int | None:
+        """The offset of the first opcode not in ``codes``."""
+        table = bytes(0 if c in codes else 1 for c in range(256))
+        i = self.codes.translate(table).find(1)
+        return None if i < 0 else self.offsets[i]
 
 
 def _text_global(data: Any, at: int) -> tuple[str, str] | None:
@@ -334,8 +354,8 @@ def scan_pickle(data: Any, policy: Policy | None, *, impl: str | None = None) ->
     for module, name, at in named:
         uses[f"{module}.{name}"] = Use(module, name, at, {"name"})
 
-    call_at = spans.of(_CALL_OPS)
-    new_at = set(spans.of(_NEW_OPS))
+    call_at = spans.of("call")
+    new_at = set(spans.of("new"))
     code_calls = 0
     for k, (made, _) in enumerate(scan.calls):
         at = call_at[k] if k < len(call_at) else -1
@@ -356,7 +376,7 @@ def scan_pickle(data: Any, policy: Policy | None, *, impl: str | None = None) ->
         if len(use.calls) < 1 or code_calls < MAX_CODE_CALLS:
             use.calls.append((at, render_args(made.args)))
             code_calls += len(use.calls) > 1
-    build_at = spans.of(frozenset((_BUILD,)))
+    build_at = spans.of("build")
     for target in scan.builds:
         if isinstance(target, Global):
             use = uses.get(f"{target.module}.{target.name}")
@@ -411,13 +431,13 @@ def _weights_only(view: Any, spans: _Spans, scan: _Scan, policy: Policy | None,
     if policy is None:
         return None, False
     builds = dict(zip(build_at, scan.builds))
-    persid_at = spans.of(_PERSID_OPS)
+    persid_at = spans.of("persid")
     persids = dict(zip(persid_at, scan.persids))
     filled_from: dict[int, str] = {}
     # a call's result filled by APPEND/SETITEM: refused at the first such opcode after it
     made_at = {id(made): call_at[k] for k, (made, _) in enumerate(scan.calls)
                if k < len(call_at)}
-    fill_at = {"append": spans.of(_APPEND_OPS), "setitem": spans.of(_SETITEM_OPS)}
+    fill_at = {"append": spans.of("append"), "setitem": spans.of("setitem")}
     for kind, made in scan.filled:
         after = made_at.get(id(made), -1)
         ats = fill_at[kind]
@@ -427,33 +447,41 @@ def _weights_only(view: Any, spans: _Spans, scan: _Scan, policy: Policy | None,
         at = ats[i]
         if kind == "append" or not policy.sets_items(policy_name(policy, made)):
             filled_from.setdefault(at, f"{kind.upper()} on {made.qualname}")
-    for at, code in spans:
-        refusal = policy.opcode(code, at)
-        if refusal is not None:
-            return refusal, True
-        if code == ord("c"):
+    # the opcodes where torch's loop could stop, in order: one pass over those, not over all
+    events: list[tuple[int, int, Any]] = []
+    bad = spans.first_not_in(policy.opcodes)
+    if bad is not None:
+        events.append((bad, 0, None))
+    events += [(at, 1, None) for at in spans.of("global")]
+    events += [(at, 2, target) for at, target in builds.items()]
+    events += [(at, 3, pid) for at, pid in persids.items()]
+    events += [(at, 4, what) for at, what in filled_from.items()]
+    events += [(at, 5, None) for at in spans.of("stop")[:1]]
+    events.sort(key=lambda e: (e[0], e[1]))
+    for at, kind, value in events:
+        if kind == 0:
+            return policy.opcode(view[at], at), True
+        if kind == 1:
             named = _text_global(view, at)
             if named is None:
                 break
             refusal = policy.global_(named[0], named[1], at)
             if refusal is not None:
                 return refusal, True
-        elif code == _BUILD and at in builds:
-            target = builds[at]
-            if not (isinstance(target, _Made) and policy.builds(policy_name(policy, target))):
-                return Refusal(at, f"BUILD of {_name(target)}",
+        elif kind == 2:
+            if not (isinstance(value, _Made) and policy.builds(policy_name(policy, value))):
+                return Refusal(at, f"BUILD of {_name(value)}",
                                f"Can only build Tensor, Parameter, OrderedDict or types "
-                               f"allowlisted via `add_safe_globals`, but got {_name(target)}"), True
-        elif code in _PERSID_OPS and at in persids:
-            pid = persids[at]
-            if type(pid) not in (tuple, int) or code != ord("Q"):
+                               f"allowlisted via `add_safe_globals`, but got {_name(value)}"), True
+        elif kind == 3:
+            if type(value) not in (tuple, int):
                 return Refusal(at, "persistent id", "persistent_load id must be tuple or int"), True
-            if type(pid) is tuple and pid and _ascii(pid[0]) != "storage":
+            if type(value) is tuple and value and _ascii(value[0]) != "storage":
                 return Refusal(at, "persistent id",
                                "Only persistent_load of storage is allowed"), True
-        elif at in filled_from:
-            return Refusal(at, filled_from[at], f"torch refuses {filled_from[at]}"), True
-        if code == ord("."):
+        elif kind == 4:
+            return Refusal(at, value, f"torch refuses {value}"), True
+        else:
             return None, True
     if error is not None:
         where = error_at if error_at is not None else 0

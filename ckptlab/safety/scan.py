@@ -410,58 +410,61 @@ def _reopen(src: ByteSource) -> Any:
     return src.read(0, src.nbytes, what="file")
 
 
+def _record(src: ByteSource, entry: Any, cd_offset: int) -> Any:
+    """One record, its local header read alone (a scan reads the few records holding
+    pickles, not every header of a 10,000-record archive)."""
+    from ckptlab.format.archive import read_local_record
+    from ckptlab.format.layout import Record
+
+    local, data_offset, desc = read_local_record(src, entry, cd_offset)
+    return Record(entry.name, entry.header_offset, entry.name_nbytes, local.extra_nbytes,
+                  local.zip64_extra_nbytes, local.padding_nbytes, data_offset,
+                  entry.compressed_nbytes, desc, entry.crc32, entry.uncompressed_nbytes,
+                  entry.method)
+
+
 def _scan_zip(src: ByteSource, name: str, policy: Policy | None, depth: int,
               loader: str) -> FileSafety | None:
     from ckptlab.errors import UnsupportedFormatError
-    from ckptlab.format.archive import (
-        archive_prefix,
-        fold_name,
-        read_central_directory,
-        read_record_data,
-        records_one_by_one,
-    )
+    from ckptlab.format.archive import archive_prefix, fold_name, read_central_directory
+    from ckptlab.format.archive import read_record_data as read
 
-    try:
-        trailer, entries = read_central_directory(src)
-        records, _ = records_one_by_one(src, trailer, entries)
-    except CkptlabError as exc:
+    def unreadable(exc: CkptlabError) -> FileSafety:
         # (ckptlab's zip reader is stricter than torch's in places: whether torch reads the
         # archive is not decided here)
         scan = _FileScan(name, "zip", loader, policy, depth)
         scan.unreadable = f"ckptlab cannot read this zip: {str(exc).splitlines()[0]}"
         scan.undecided, scan.undecided_why = True, scan.unreadable
         return scan.result()
-    by_short = {}
-    for r in records:
-        short = fold_name(r.name.split("/", 1)[1] if "/" in r.name else r.name)
-        by_short.setdefault(short, r)
-    if "constants.pkl" in by_short:
-        scan = _FileScan(name, "torchscript", "torch.jit.load", policy, depth)
-        for short in ("constants.pkl", "data.pkl"):
-            if short in by_short:
-                scan.pickle(read_record_data(src, by_short[short], _MAX_PICKLE), short,
-                            weights_only_loads=False)
-        scan.torch_fails = ("a TorchScript archive: torch.load(weights_only=True) refuses "
-                            "it; torch.load(weights_only=False) hands it to torch.jit.load, "
-                            "which also runs the TorchScript under code/")
-        return scan.result(torch_loads=False)
+
     try:
-        prefix = archive_prefix(entries, name)
-    except UnsupportedFormatError:
-        return _scan_other_zip(src, name, policy, depth, records, read_record_data)
+        trailer, entries = read_central_directory(src)
     except CkptlabError as exc:
+        return unreadable(exc)
+    by_short: dict[str, Any] = {}
+    for e in entries:
+        by_short.setdefault(fold_name(e.name.split("/", 1)[1] if "/" in e.name else e.name), e)
+    try:
+        if "constants.pkl" in by_short:
+            scan = _FileScan(name, "torchscript", "torch.jit.load", policy, depth)
+            for short in ("constants.pkl", "data.pkl"):
+                if short in by_short:
+                    record = _record(src, by_short[short], trailer.cd_offset)
+                    scan.pickle(read(src, record, _MAX_PICKLE), short, weights_only_loads=False)
+            scan.torch_fails = ("a TorchScript archive: torch.load(weights_only=True) refuses "
+                                "it; torch.load(weights_only=False) hands it to "
+                                "torch.jit.load, which also runs the TorchScript under code/")
+            return scan.result(torch_loads=False)
+        try:
+            prefix = archive_prefix(entries, name)
+        except UnsupportedFormatError:
+            return _scan_other_zip(src, name, policy, depth, trailer, entries)
         scan = _FileScan(name, "torch.save", loader, policy, depth)
-        scan.unreadable = f"torch cannot read this archive: {str(exc).splitlines()[0]}"
-        return scan.result()
-    scan = _FileScan(name, "torch.save", loader, policy, depth)
-    record = by_short.get("data.pkl")
-    want = fold_name(f"{prefix}/data.pkl" if prefix else "data.pkl")
-    record = next((r for r in records if fold_name(r.name) == want), record)
-    try:
-        data = read_record_data(src, record, _MAX_PICKLE)
+        want = fold_name(f"{prefix}/data.pkl" if prefix else "data.pkl")
+        entry = next(e for e in entries if fold_name(e.name) == want)
+        data = read(src, _record(src, entry, trailer.cd_offset), _MAX_PICKLE)
     except CkptlabError as exc:
-        scan.unreadable = f"data.pkl cannot be read: {str(exc).splitlines()[0]}"
-        return scan.result()
+        return unreadable(exc)
     found = scan.pickle(data, "data.pkl")
     if found.end is None:
         scan.unreadable = f"data.pkl is malformed: {found.error}"
@@ -475,20 +478,22 @@ def _scan_zip(src: ByteSource, name: str, policy: Policy | None, depth: int,
 
 
 def _scan_other_zip(src: ByteSource, name: str, policy: Policy | None, depth: int,
-                    records: list[Any], read_record_data: Any) -> FileSafety | None:
+                    trailer: Any, entries: list[Any]) -> FileSafety | None:
     """A zip that is not a torch.save archive: its ``.npy`` members with object arrays (an
     ``.npz``) and its ``.pkl``/``.pickle`` members."""
+    from ckptlab.format.archive import read_record_data as read
+
     scan = _FileScan(name, "zip", "numpy.load / pickle.load of its members", policy, depth)
-    for r in records:
-        lower = r.name.lower()
+    for e in entries:
+        lower = e.name.lower()
         if lower.endswith(".npy"):
-            head = read_record_data(src, r, _MAX_PICKLE)
+            head = read(src, _record(src, e, trailer.cd_offset), _MAX_PICKLE)
             start = _npy_pickle_start(head[:65536])
             if start is not None:
                 scan.kind = "npz"
-                scan.pickle(memoryview(head)[start:], f"{r.name} (array pickle)")
+                scan.pickle(memoryview(head)[start:], f"{e.name} (array pickle)")
         elif lower.endswith((".pkl", ".pickle")):
-            scan.pickle(read_record_data(src, r, _MAX_PICKLE), r.name)
+            scan.pickle(read(src, _record(src, e, trailer.cd_offset), _MAX_PICKLE), e.name)
     if not scan.pickles:
         return None
     return scan.result(torch_loads=False)
