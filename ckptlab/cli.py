@@ -181,8 +181,11 @@ def select_tensors(ck: Any, pattern: str | None, sort: str | None) -> list[Any]:
     return [entries[i] for i in found.rows.tolist()]
 
 
-def render_checkpoint(ck: Any, tensors: list[Any], pattern: str | None = None) -> str:
-    """``ckptlab inspect``: a summary, totals by dtype, the tensor table, the other values."""
+def render_checkpoint(ck: Any, tensors: list[Any], pattern: str | None = None,
+                      safety: Any = None) -> str:
+    """``ckptlab inspect``: a summary, is it safe to load (``safety``: a
+    :class:`~ckptlab.safety.SafetyReport`), totals by dtype, the tensor table, the other
+    values."""
     total = ck.parameters
     out = [f"{ck.path}",
            f"  {ck.format} checkpoint: {_plural(len(ck.tensors), 'tensor')}, {_count(total)} parameters, "
@@ -193,6 +196,8 @@ def render_checkpoint(ck: Any, tensors: list[Any], pattern: str | None = None) -
         acc[0] += 1
         acc[1] += t.parameters
         acc[2] += t.nbytes
+    if safety is not None:
+        out.append(f"  safe to load? {_text(safety.headline())}")
     out.append("  " + "; ".join(f"{d}: {_plural(n, 'tensor')}, {_count(p)} params, {_human(b)}"
                                 for d, (n, p, b) in sorted(by_dtype.items(),
                                                            key=lambda kv: -kv[1][2])))
@@ -1252,10 +1257,13 @@ def _run(args: argparse.Namespace) -> int | None:
         ck, _ = _open(path)
         ck.run = run
         tensors = select_tensors(ck, args.filter, args.sort)
+        from ckptlab.safety import scan
+
+        safety = scan(ck)
         if args.json:
-            _print_json(checkpoint_json(ck, tensors))
+            _print_json({**checkpoint_json(ck, tensors), "safety": safety.brief()})
         else:
-            print(render_checkpoint(ck, tensors, args.filter))
+            print(render_checkpoint(ck, tensors, args.filter, safety))
     elif verb == "offsets":
         path = _input_path(args.path, verb, directory=True)
         if _is_url(path):

@@ -135,6 +135,40 @@ class SafetyReport:
                 "files": [f.to_dict() for f in self.files],
                 "skipped": [{"path": p, "kind": k} for p, k in self.skipped]}
 
+    def brief(self) -> dict[str, Any]:
+        """What ``inspect --json`` shows: the verdict, each file's verdict and torch's answer,
+        and the code calls."""
+        return {"verdict": self.verdict,
+                "files": [{"path": f.path, "verdict": f.verdict,
+                           "weights_only": f.weights_only.to_dict()} for f in self.files],
+                "code": [c.to_dict() for f in self.files for c in f.code_calls]}
+
+    def headline(self) -> str:
+        """One line: the verdict and what it means for loading the checkpoint."""
+        v = self.verdict
+        if not self.files:
+            return "WEIGHTS-ONLY: no file holds a pickle; nothing in it runs when loaded"
+        if v == "weights-only":
+            return ("WEIGHTS-ONLY: torch.load(weights_only=True) accepts "
+                    + ("it" if len(self.files) == 1 else f"all {len(self.files)} files")
+                    + "; only torch's own functions are called")
+        code = [c for f in self.files for c in f.code_calls]
+        if v == "code":
+            first = code[0]
+            more = f" and {len(code) - 1} more" if len(code) > 1 else ""
+            return (f"CODE: loading it with weights_only=False would run {first.global_}"
+                    f"({first.args or ''}){more} ({first.pickle}, byte {first.offset:,}); "
+                    f"do not load it")
+        if v == "unreadable":
+            why = next((n for f in self.files if f.verdict == "unreadable" for n in f.notes),
+                       "")
+            return f"UNREADABLE: torch would not load it either: {why}"
+        refused = next((f.weights_only.refused for f in self.files
+                        if f.weights_only.refused), None)
+        return ("DATA: needs weights_only=False" + (f" (torch refuses {refused})"
+                                                    if refused else "")
+                + "; calls only data classes, no code")
+
     def summary(self) -> str:
         """A line per file, the code calls spelled out."""
         lines = []
@@ -553,7 +587,10 @@ def _scan_dcp(root: str, policy: Policy | None) -> list[FileSafety]:
         fscan = _FileScan(path, "dcp data file", "dcp.load", policy)
         with ByteSource(path) as src:
             for item in items:
-                _scan_item(fscan, src, item)
+                try:
+                    _scan_item(fscan, src, item)
+                except CkptlabError as exc:
+                    fscan.unreadable = f"item {item.fqn}: {str(exc).splitlines()[0]}"
         out.append(fscan.result(torch_loads=False))
     return out
 
@@ -569,7 +606,7 @@ def _scan_item(fscan: _FileScan, src: ByteSource, item: Any) -> None:
 
         stored = src.read(item.offset, item.nbytes, what=label)
         blob: Any = inflate_item(stored, item.compression, _MAX_PICKLE, path=src.name,
-                                 fqn=item.fqn)
+                                 record=item.fqn, offset=item.offset)
         inner = ByteSource(blob, name=f"{src.name} [{label}]")
     else:
         window = FileWindow(PositionalFile(src), item.offset, item.nbytes,
@@ -606,8 +643,29 @@ def _what_it_is(path: str) -> str:
 
 
 # -- the API ------------------------------------------------------------------------------
-def scan(source: str | os.PathLike[str], *,
-         storage_options: dict[str, Any] | None = None) -> SafetyReport:
+def _scan_checkpoint(ck: Any, policy: Policy | None,
+                     storage_options: dict[str, Any] | None) -> SafetyReport:
+    """A checkpoint ckptlab opened: its directory or file where it is local, else each of its
+    files by URL."""
+    from ckptlab.source import is_url
+
+    if not is_url(ck.path) and os.path.exists(ck.path):
+        return scan(ck.path)
+    if is_url(ck.path) and len(ck.files) == 1 and ck.files[0].full_path == ck.path:
+        return scan(ck.path, storage_options=storage_options)
+    files: list[FileSafety] = []
+    skipped: list[tuple[str, str]] = []
+    for entry in ck.files:
+        if not entry.full_path or entry.format in ("safetensors", "json"):
+            skipped.append((entry.full_path or entry.path, entry.format))
+            continue
+        one = scan(entry.full_path, storage_options=storage_options)
+        files.extend(one.files)
+        skipped.extend(one.skipped)
+    return SafetyReport(ck.path, files, skipped)
+
+
+def scan(source: Any, *, storage_options: dict[str, Any] | None = None) -> SafetyReport:
     """Is this checkpoint safe to load? Every pickle its loader would run, read without
     running it.
 
@@ -615,7 +673,8 @@ def scan(source: str | os.PathLike[str], *,
     ----------
     source
         A file, a directory (every file in it and below; a DCP directory's ``.metadata`` and
-        items) or a URL of a file.
+        items), a URL of a file, the bytes of a file, or a ``Checkpoint`` ckptlab opened
+        (its files).
     storage_options
         For a URL: passed to fsspec.
 
@@ -638,6 +697,12 @@ def scan(source: str | os.PathLike[str], *,
     from ckptlab.source import is_url
 
     policy = Policy.installed()
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        result = _scan_source(ByteSource(source), "<bytes>", policy)
+        return SafetyReport("<bytes>", [result] if result else [],
+                            [] if result else [("<bytes>", "no pickle")])
+    if hasattr(source, "files") and hasattr(source, "tensors"):  # a Checkpoint
+        return _scan_checkpoint(source, policy, storage_options)
     if is_url(source):
         from ckptlab.source._tree import locate
 

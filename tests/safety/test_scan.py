@@ -264,3 +264,19 @@ def test_hostile_shapes_give_a_report_within_budget(isolated, tmp_path, shape: s
         # the interpreter's budget, the opcode arrays (9 bytes an opcode) and the report
         assert outcome.peak_nbytes <= max(MEMORY_FLOOR, (MEMORY_PER_BYTE + 16) * len(data)) \
             + (64 << 20), (shape, name, outcome.peak_nbytes)
+
+
+def test_inspect_says_whether_it_is_safe_up_front(tmp_path, capsys) -> None:
+    evil = tmp_path / "evil.pt"
+    torch.save({"w": torch.ones(2), "x": Reduce(os.system, ("echo i",))}, evil)
+    assert main(["inspect", str(evil)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].startswith("  safe to load? CODE: ") and "posix.system('echo i')" in lines[2]
+    assert main(["inspect", "--json", str(evil)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["safety"]["verdict"] == "code"
+    assert doc["safety"]["code"][0]["global"] == "posix.system"
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.ones(2)}, good)
+    assert main(["inspect", str(good)]) == 0
+    assert "safe to load? WEIGHTS-ONLY" in capsys.readouterr().out
