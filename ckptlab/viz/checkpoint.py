@@ -364,6 +364,33 @@ def checkpoint_summary(source: Any) -> dict[str, Any]:
                         "nbytes": d.nbytes} for d in dtype_totals(table)]}
 
 
+_VERDICT_COLOURS = {"weights-only": "#1b7f3b", "data": "#9a6700", "code": "#c62828",
+                    "unreadable": "#555"}
+
+
+def safety_html(report: Any) -> str:
+    """Is it safe to load? A badge with the verdict and its one line, then the code calls
+    (``report``: a :class:`~ckptlab.safety.SafetyReport`); every text escaped."""
+    verdict = report.verdict
+    colour = _VERDICT_COLOURS.get(verdict, "#555")
+    headline = report.headline().split(": ", 1)[-1]
+    badge = (f'<span class="ckptlab-verdict ckptlab-verdict-{html.escape(verdict)}" '
+             f'style="background:{colour};color:#fff;border-radius:4px;padding:1px 8px;'
+             f'font-weight:600;font-size:12px">{html.escape(verdict.upper())}</span>')
+    out = [f'<div class="ckptlab-safety" style="margin:4px 0">{badge} '
+           f'<span style="font-size:13px">safe to load? {html.escape(headline)}</span></div>']
+    calls = [c for f in report.files for c in f.code_calls]
+    if calls:
+        rows = "".join(
+            f"<li><code>{html.escape(c.global_)}({html.escape(c.args or '')})</code> · "
+            f"{html.escape(c.pickle)}, byte {c.offset:,} · {html.escape(c.why)}</li>"
+            for c in calls[:20])
+        more = f"<li>… {len(calls) - 20:,} more</li>" if len(calls) > 20 else ""
+        out.append(f'<ul class="ckptlab-safety-code" style="font-size:12px;margin:2px 0">'
+                   f"{rows}{more}</ul>")
+    return "".join(out)
+
+
 def summary_html(source: Any) -> str:
     """The summary as a short HTML block: one line, then a table of totals by dtype."""
     s = checkpoint_summary(source)

@@ -517,6 +517,17 @@ class LayoutApp:
 
 
 # -- tensor first, any format --------------------------------------------------------------------
+def _safety_html(path: str) -> str:
+    """The verdict of :func:`ckptlab.scan` as the page's badge (or why there is none)."""
+    from ckptlab.safety import scan
+    from ckptlab.viz.checkpoint import safety_html
+
+    try:
+        return safety_html(scan(path))
+    except CkptlabError as exc:
+        return f"<i>Not scanned for code: {html.escape(str(exc))}</i>"
+
+
 class ServedCheckpoint:
     """One checkpoint as a server shows it to every session: the index now, the rest later.
 
@@ -562,6 +573,8 @@ class ServedCheckpoint:
         self.index_s = rows.index_s + time.perf_counter() - start
         self.ready = threading.Event()
         self.error: str | None = None
+        # is it safe to load? (ckptlab.scan, run by load(): it imports torch for its rules)
+        self.safety_html = "<i>Checking whether it is safe to load…</i>"
         self._lock = threading.Lock()
         self._started = False
         self._bytemaps: OrderedDict[str, ByteMap] = OrderedDict()
@@ -619,6 +632,7 @@ class ServedCheckpoint:
                                        f"({changed}); restart the server to see it as it is",
                                        path=self.path)
                 self.checkpoint = opened
+            self.safety_html = _safety_html(self.path)
             if self.is_zip:
                 layout = self.checkpoint.files[0].layout
                 self.layout_cache.view(layout, _own_alignment(layout))
@@ -764,6 +778,8 @@ class CheckpointApp:
         self.summary = pn.pane.HTML(served.summary_html, sizing_mode="stretch_width",
                                     stylesheets=[TABLE_CSS],
                                     css_classes=["ckptlab-header"])
+        self.safety = pn.pane.HTML(served.safety_html, sizing_mode="stretch_width",
+                                   css_classes=["ckptlab-safety-pane"])
         self.tensors = TensorTable(served.frame, on_select=self.select_row,
                                    catalog=served.catalog)
         self.details = pn.pane.HTML(TENSOR_PROMPT, sizing_mode="stretch_width",
@@ -778,7 +794,7 @@ class CheckpointApp:
                          css_classes=["ckptlab-map-loading"]),
             sizing_mode="stretch_width", css_classes=["ckptlab-map-section"])
         self.view = pn.Column(
-            self.title, self.summary,
+            self.title, self.safety, self.summary,
             self.tensors.view,
             pn.Row(self.details, self.hex, sizing_mode="stretch_width"),
             pn.pane.HTML("<h3 style='margin:8px 0 2px'>Values besides tensors</h3>"),
@@ -832,7 +848,11 @@ class CheckpointApp:
         if self.file is not None or self.layout_app is not None:
             return True
         served = self.served
-        if not served.ready.is_set() or self.view is None or self._plotly_loader is not None:
+        if not served.ready.is_set() or self.view is None:
+            return False
+        if self.safety.object != served.safety_html:
+            self.safety.object = served.safety_html
+        if self._plotly_loader is not None:
             return False
         if served.error is not None:
             self.map_section.objects = [pn.pane.HTML(

@@ -207,3 +207,18 @@ def test_table_headers_fit_and_long_values_end_in_an_ellipsis(page, page_log, se
     else:
         assert not [c for c in cut if c[0] != "file"], cut  # short names fit
     page_log.assert_no_errors()
+
+
+def test_the_verdict_of_scan_is_shown_up_front(page, page_log, served, screenshot) -> None:
+    """Is it safe to load? The badge of ckptlab.scan, above the table (issue 29)."""
+    proc, path, _ = served
+    expected = cl.scan(path).verdict
+    page.goto(proc.url + "/")
+    badge = page.locator(".ckptlab-verdict").first
+    badge.wait_for(timeout=120_000)
+    assert badge.text_content() == expected.upper()
+    table = page.locator(ROW).first
+    table.wait_for()
+    assert badge.bounding_box()["y"] < table.bounding_box()["y"]
+    screenshot("verdict")
+    page_log.assert_no_errors()
