@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from ckptlab.compare import diff, stats
     from ckptlab.format import predict_layout, storage_offsets
     from ckptlab.safety import scan
+    from ckptlab.write.convert import convert
 
 __version__ = "0.1.0"
 
@@ -44,6 +45,7 @@ __all__ = [
     "CkptlabError",
     "__version__",
     "checkpoint",
+    "convert",
     "diff",
     "errors",
     "format",
@@ -68,6 +70,7 @@ _LAZY_MODULES = ("checkpoint", "dcp", "format", "gds", "plan", "samples", "viz",
                  "write")
 # name -> "module:attribute", imported on first use
 _LAZY_NAMES = {
+    "convert": "ckptlab.write.convert:convert",
     "diff": "ckptlab.compare:diff",
     "inspect": "ckptlab._inspect:inspect",
     "open": "ckptlab.checkpoint:open_checkpoint",

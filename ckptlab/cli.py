@@ -33,6 +33,12 @@ Verbs (``ckptlab VERB --help`` tells each one's arguments):
   ``unreadable``) and the code it would run; exit 0 when every file is weights-only, 1 when
   any is not, 2 on an error.
 
+- ``convert SRC DST [--to safetensors|torch] [--shard-size SIZE] [--alignment N] [--step N]
+  [--json]``: any checkpoint rewritten without running its pickle
+  (:func:`ckptlab.write.convert.convert`): safetensors (one file, or a Hugging Face sharded
+  directory) or a torch.save archive at any storage alignment; written under a temporary
+  name, renamed into place, then verified tensor by tensor.
+
 A training run's directory (saves side by side) is read as the save its framework resumes
 from; ``--step N`` (inspect, offsets, report, readiness, serve, diff, stats) picks another
 (:mod:`ckptlab.checkpoint.runs`).
@@ -100,6 +106,8 @@ VERBS: dict[str, str] = {
     "stats": "each tensor's statistics and the checkpoint's health (--check: exit 1 on NaN/Inf)",
     "scan": "is a checkpoint safe to load? every pickle read without running it (exit 1 "
             "unless torch's weights-only loader takes it)",
+    "convert": "rewrite any checkpoint as safetensors or torch.save (any alignment) without "
+               "running its pickle",
 }
 
 
@@ -779,8 +787,53 @@ def _parser() -> _Parser:
                      help="checkpoint files, directories or URLs of files")
     scn.add_argument("--json", action="store_true", help="print one JSON object")
     scn.set_defaults(path=None)
+    cnv = sub.add_parser("convert", help=VERBS["convert"], description=VERBS["convert"])
+    cnv.add_argument("path", metavar="SRC", help="checkpoint file, directory or URL")
+    cnv.add_argument("output", metavar="DST", help="the file to write (a directory with "
+                     "--shard-size)")
+    cnv.add_argument("--to", choices=("safetensors", "torch"), default="safetensors",
+                     help="the format to write (default safetensors)")
+    cnv.add_argument("--shard-size", type=_size, default=None, metavar="SIZE",
+                     help="safetensors: a Hugging Face sharded directory of shards of at most "
+                          "SIZE (5GB, 500MB, 2GiB, or bytes)")
+    cnv.add_argument("--alignment", type=_alignment, default=None, metavar="N",
+                     help="torch: the storage alignment (a power of two, 1 to "
+                          f"{MAX_STORAGE_ALIGNMENT}; 4096 for GDS); safetensors: where the "
+                          "data section starts")
+    cnv.add_argument("--step", type=_step, default=None, metavar="N", help=_STEP_HELP)
+    cnv.add_argument("--json", action="store_true", help="print one JSON object")
     p.verbs = sub.choices
     return p
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def _size(text: str) -> int:
+    """A size as transformers writes ``max_shard_size``: ``5GB``, ``500MB``, ``2GiB`` or
+    bytes."""
+    import re
+
+    found = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = _SIZE_UNITS.get(found.group(2).lower()) if found else None
+    if found is None or unit is None or float(found.group(1)) * unit < 1:
+        raise argparse.ArgumentTypeError(f"a size such as 5GB, 500MB, 2GiB or a number of "
+                                         f"bytes, not {text!r}")
+    return int(float(found.group(1)) * unit)
+
+
+def _convert(args: argparse.Namespace) -> int:
+    """``ckptlab convert SRC DST``: the summary (or the JSON) of what was written."""
+    from ckptlab.write.convert import convert
+
+    result = convert(args.path, args.output, to=args.to, shard_size=args.shard_size,
+                     alignment=args.alignment, step=args.step)
+    if args.json:
+        _print_json(result.to_dict())
+    else:
+        print("\n".join(_text(line) for line in result.summary().splitlines()))
+    return 0
 
 
 def _scan(args: argparse.Namespace) -> int:
@@ -1118,6 +1171,20 @@ def _check(args: argparse.Namespace) -> None:
         _input_path(args.other, verb, directory=True)
     if verb == "sample":
         _output_path(args.path, "sample")
+    if verb == "convert":
+        if args.shard_size is None:
+            _output_path(args.output, "converted checkpoint")
+        else:  # a sharded directory, new or replacing one: its parent must take it
+            out = args.output.rstrip("/") or "/"
+            st = _stat(out, "cannot write the converted checkpoint")
+            if st is not None and not stat.S_ISDIR(st.st_mode):
+                raise InvalidArgumentError(f"{out}: exists and is not a directory; a sharded "
+                                           "checkpoint is a directory: give another name")
+            parent = os.path.dirname(os.path.abspath(out))
+            if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+                raise InvalidArgumentError(f"{out}: cannot write the converted checkpoint: "
+                                           f"{parent} is not a directory this user can write "
+                                           "into")
     if verb == "report":
         _output_path(args.output, "report")
         if args.path is not None and not _is_url(args.path) and os.path.exists(
@@ -1238,6 +1305,8 @@ def _run(args: argparse.Namespace) -> int | None:
         return _diff(args)
     if verb == "scan":
         return _scan(args)
+    if verb == "convert":
+        return _convert(args)
     run = _resolve_run(args)
     if verb == "stats":
         return _stats(args)

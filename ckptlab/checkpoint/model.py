@@ -315,6 +315,13 @@ class Checkpoint:
     def objects(self) -> dict[str, Any]:
         return {k: plain_value(v) for k, v in self._objects.items()}
 
+    def object_paths(self) -> dict[str, tuple[Any, ...]]:
+        """Name of each non-tensor value -> its path of keys, as :attr:`TensorEntry.path`
+        (``('optimizer', 'param_groups')``; ints stay ints)."""
+        paths = getattr(self._objects, "paths", None)
+        known = paths() if paths is not None else {}
+        return {name: known.get(name, (name,)) for name in self._objects}
+
     def file(self, path: str) -> FileEntry:
         for f in self.files:
             if f.path == path:

@@ -215,18 +215,27 @@ class _Values(BuiltOnce[dict[str, Any]], MutableMapping[str, Any]):
     ``nn.Module`` pickled holds a dozen values per module (flags, hook dicts), hundreds of
     thousands that opening it need not name."""
 
-    __slots__ = ()
+    __slots__ = ("_paths",)
 
     def __init__(self, models: list[FileModel], prefix_files: bool) -> None:
+        self._paths: dict[str, tuple[Any, ...]] = {}
+
         def named() -> dict[str, Any]:
             value = {}
             for m in models:
                 prefix = (m.entry.path,) if prefix_files else ()
                 for vpath, item in m.objects:
-                    value[tensor_name((*prefix, *vpath))] = item
+                    name = tensor_name((*prefix, *vpath))
+                    value[name] = item
+                    self._paths[name] = (*prefix, *vpath)
             return value
 
         super().__init__(named)
+
+    def paths(self) -> dict[str, tuple[Any, ...]]:
+        """Name -> the value's path of keys in the file (ints stay ints)."""
+        self.value()
+        return self._paths
 
     def __getitem__(self, name: str) -> Any:
         return self.value()[name]

@@ -1,0 +1,522 @@
+"""``ckptlab.convert``: any checkpoint ckptlab opens, rewritten as safetensors or torch.save,
+without running its pickle.
+
+The new file is made from the checkpoint model (:func:`ckptlab.open`): tensors come from
+``ck.read`` (their bytes only; no pickle of the source runs), and the non-tensor values from
+what ckptlab's inert interpreter built, carried only where they are plain data (numbers,
+strings, bytes, None and containers of them); every other value is *dropped*, and listed.
+
+- **safetensors**: one file, or with ``shard_size`` a Hugging Face sharded directory
+  (``model-00001-of-0000N.safetensors`` and ``model.safetensors.index.json``, as
+  ``save_pretrained`` writes it). The header is written first (it is known from the model),
+  then each tensor's bytes, one tensor at a time. A tensor that is another's exact alias (the
+  same storage, offset, shape and strides: tied weights) is written once, as transformers'
+  ``save_pretrained`` does, and listed in ``aliases``; a view that only overlaps another is
+  written as a copy of its own (safetensors has no shared storage). Plain values go into
+  ``__metadata__``, each as JSON under its name.
+- **torch**: a torch.save archive at any storage alignment, written by torch's own writer
+  (``torch.serialization.skip_data`` with fake tensors: the layout, the pickle of the model's
+  structure, no tensor bytes), then each storage's bytes put at its offset (read from the
+  source one storage at a time). Tensors of one source storage stay views of one storage.
+  ``torch.load(weights_only=True)`` loads it: the new pickle holds tensors and plain data.
+
+Every write goes to a temporary name beside ``dst`` and is renamed over it when complete
+(kill -9 at any moment leaves the old ``dst`` or none, never a torn one), then verified: the
+new checkpoint is opened again and every tensor's bytes compared with the source's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptlab.errors import CkptlabError, InvalidArgumentError
+
+__all__ = ["ConvertResult", "convert"]
+
+TARGETS = ("safetensors", "torch")
+_ST_TAG = {"bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16",
+           "int32": "I32", "uint32": "U32", "int64": "I64", "uint64": "U64",
+           "float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64",
+           "complex64": "C64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+           "float8_e8m0fnu": "F8_E8M0", "float8_e4m3fnuz": "F8_E4M3FNUZ",
+           "float8_e5m2fnuz": "F8_E5M2FNUZ"}
+_COPY_CHUNK = 64 << 20
+
+
+@dataclass
+class ConvertResult:
+    """What :func:`convert` wrote."""
+
+    src: str
+    dst: str
+    to: str
+    files: list[str]  # the files written (relative to dst for a directory)
+    tensors: list[str]  # the tensors written, by name
+    aliases: dict[str, str] = field(default_factory=dict)  # tensor not written -> the one
+    #                                                        it is an alias of
+    values: list[str] = field(default_factory=list)  # plain values carried
+    dropped: dict[str, str] = field(default_factory=dict)  # name -> why it was not written
+    notes: list[str] = field(default_factory=list)
+    nbytes: int = 0  # bytes written
+    verified: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"src": self.src, "dst": self.dst, "to": self.to, "files": self.files,
+                "tensors": len(self.tensors), "aliases": self.aliases, "values": self.values,
+                "dropped": self.dropped, "notes": self.notes, "nbytes": self.nbytes,
+                "verified": self.verified}
+
+    def summary(self) -> str:
+        lines = [f"{self.src} -> {self.dst} ({self.to}): {len(self.tensors):,} tensor"
+                 f"{'s' * (len(self.tensors) != 1)}, {len(self.values):,} value"
+                 f"{'s' * (len(self.values) != 1)}, {self.nbytes:,} bytes in "
+                 f"{len(self.files)} file{'s' * (len(self.files) != 1)}; "
+                 + ("verified: every tensor's bytes equal the source's" if self.verified
+                    else "not verified")]
+        lines += [f"  alias: {a} is {b} (written once)" for a, b in self.aliases.items()]
+        lines += [f"  dropped: {n}: {why}" for n, why in self.dropped.items()]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# -- plain values -------------------------------------------------------------------------
+class _Dropped(Exception):
+    pass
+
+
+def _carry(value: Any, depth: int = 0) -> Any:
+    """``value`` as plain Python data, or _Dropped (what the file built from a class)."""
+    from ckptlab.format._unpickle import OpaqueKey
+
+    kind = type(value)
+    if value is None or kind in (bool, int, float, str, bytes, complex):
+        return value
+    if kind is bytearray:
+        return bytes(value)
+    if isinstance(value, OpaqueKey):
+        return _carry(value.value, depth)
+    if depth > 64:
+        raise _Dropped("nested too deeply")
+    if kind is dict:
+        return {_carry(k, depth + 1): _carry(v, depth + 1) for k, v in value.items()}
+    if kind in (list, tuple, set, frozenset):
+        items = [_carry(v, depth + 1) for v in value]
+        return items if kind is list else tuple(items) if kind is tuple else kind(items)
+    name = getattr(getattr(value, "func", None), "qualname", None) or type(value).__name__
+    raise _Dropped(f"built from {name}, not plain data: not carried")
+
+
+def _json_ready(value: Any) -> Any:
+    if isinstance(value, bytes):
+        raise _Dropped("bytes: JSON (safetensors __metadata__) has none")
+    if isinstance(value, complex):
+        return {"real": value.real, "imag": value.imag}
+    if isinstance(value, dict):
+        return {str(k): _json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_json_ready(v) for v in value]
+    if isinstance(value, float) and value != value:
+        return "NaN"
+    return value
+
+
+# -- the plan -------------------------------------------------------------------------------
+@dataclass
+class _Group:
+    """Tensors written over one storage: ``names`` (the first is read for safetensors), and
+    where the source storage is (for torch, when it is one range of a local file)."""
+
+    names: list[str]
+    storage: tuple[str, int, int] | None = None  # (file path, start, nbytes)
+
+
+def _storage_of(ck: Any, entry: Any) -> tuple[str, str, int, int] | None:
+    """``(file, key, start, nbytes)`` of the storage a dense one-part tensor views, where the
+    file's layout says (torch formats)."""
+    if len(entry.parts) != 1 or not entry.parts[0].storage_key:
+        return None
+    part = entry.parts[0]
+    try:
+        f = ck.file(part.file)
+    except KeyError:
+        return None
+    layout = f.layout
+    storages = getattr(layout, "storages", None)
+    if not storages or getattr(layout, "format", "") not in ("torch-zip", "torch-legacy"):
+        return None
+    info = next((s for s in storages if s.key == part.storage_key), None)
+    if info is None:
+        return None
+    return f.full_path or part.file, part.storage_key, info.data_offset, info.nbytes
+
+
+def _plan(ck: Any, result: ConvertResult) -> tuple[list[_Group], dict[str, Any]]:
+    """The tensors in groups over one storage, and the values carried."""
+    groups: list[_Group] = []
+    by_storage: dict[tuple[str, str], _Group] = {}
+    exact: dict[tuple[Any, ...], str] = {}
+    for name, entry in ck.tensors.items():
+        if entry.kind != "dense" or entry.shape is None:
+            result.dropped[name] = (f"a {entry.kind} tensor: convert writes dense tensors "
+                                    f"(read it with ck.read)")
+            continue
+        part = entry.parts[0] if len(entry.parts) == 1 else None
+        if part is not None and part.storage_key:
+            key = (part.file, part.storage_key, part.storage_offset, entry.shape, entry.stride,
+                   entry.dtype)
+            if key in exact:
+                result.aliases[name] = exact[key]
+                continue
+            exact[key] = name
+        where = _storage_of(ck, entry)
+        if where is not None:
+            group = by_storage.get((where[0], where[1]))
+            if group is not None:
+                group.names.append(name)
+                continue
+            group = by_storage[(where[0], where[1])] = _Group([name], (where[0], where[2],
+                                                                       where[3]))
+        else:
+            group = _Group([name])
+        groups.append(group)
+    values: dict[str, Any] = {}
+    raw = ck._objects
+    for name in raw:
+        try:
+            values[name] = _carry(raw[name])
+        except _Dropped as why:
+            result.dropped[name] = str(why)
+    return groups, values
+
+
+# -- writing ---------------------------------------------------------------------------------
+def _contiguous_bytes(tensor: Any) -> memoryview:
+    """A tensor's elements in C order, as bytes (one copy at most)."""
+    import torch
+
+    flat = tensor.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _write_all(f: Any, data: memoryview) -> int:
+    f.write(data)
+    return len(data)
+
+
+def _safetensors_file(ck: Any, path: str, names: list[str], metadata: dict[str, str] | None,
+                      alignment: int) -> int:
+    """One safetensors file of ``names``: header, then each tensor read and written in
+    turn."""
+    from ckptlab.format._dtypes import DTYPE_ITEMSIZE
+
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    offset = 0
+    for name in names:
+        entry = ck.tensors[name]
+        tag = _ST_TAG.get(entry.dtype)
+        if tag is None:
+            raise InvalidArgumentError(f"{ck.path}: tensor {name!r} is {entry.dtype}, which "
+                                       f"safetensors cannot hold; convert --to torch")
+        nbytes = DTYPE_ITEMSIZE[entry.dtype]
+        for d in entry.shape:
+            nbytes *= d
+        header[name] = {"dtype": tag, "shape": list(entry.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    # the data section starts at a multiple of `alignment` (the header padded with spaces)
+    pad = (-(8 + len(text))) % max(alignment, 8)
+    text += b" " * pad
+    written = 0
+    with open(path, "xb") as f:
+        written += _write_all(f, memoryview(len(text).to_bytes(8, "little")))
+        written += _write_all(f, memoryview(text))
+        for name in names:
+            written += _write_all(f, _contiguous_bytes(ck.read(name)))
+        f.flush()
+        os.fsync(f.fileno())
+    return written
+
+
+def _shards(ck: Any, names: list[str], shard_size: int) -> list[list[str]]:
+    """``names`` in shards of at most ``shard_size`` bytes, in order (a tensor larger than
+    that is a shard of its own), as transformers' sharding does."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        nbytes = ck.tensors[name].nbytes
+        if shards[-1] and size + nbytes > shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _write_safetensors(ck: Any, out: str, groups: list[_Group], values: dict[str, Any],
+                       result: ConvertResult, shard_size: int | None, alignment: int) -> None:
+    names = []
+    for g in groups:
+        names.append(g.names[0])
+        if len(g.names) > 1:
+            result.notes.append(f"{', '.join(g.names)} view one storage: written as "
+                                f"{len(g.names)} tensors of their own (safetensors has no "
+                                f"shared storage)")
+            names.extend(g.names[1:])
+    metadata: dict[str, str] = {"format": "pt"}
+    for name, value in values.items():
+        try:
+            metadata[name] = json.dumps(_json_ready(value), ensure_ascii=False)
+        except (_Dropped, TypeError, ValueError) as why:
+            result.dropped[name] = f"not JSON for __metadata__: {why}"
+            continue
+        result.values.append(name)
+    if shard_size is None:
+        result.nbytes = _safetensors_file(ck, out, names, metadata, alignment)
+        result.files = [os.path.basename(out)]
+        result.tensors = names
+        return
+    os.mkdir(out)
+    shards = _shards(ck, names, shard_size)
+    weight_map = {}
+    total = 0
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        result.nbytes += _safetensors_file(ck, os.path.join(out, fname), shard,
+                                           metadata if i == 1 else {"format": "pt"},
+                                           alignment)
+        weight_map.update(dict.fromkeys(shard, fname))
+        total += sum(ck.tensors[n].nbytes for n in shard)
+        result.files.append(fname)
+    index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                       indent=2).encode()
+    with open(os.path.join(out, "model.safetensors.index.json"), "xb") as f:
+        f.write(index)
+        f.flush()
+        os.fsync(f.fileno())
+    result.files.append("model.safetensors.index.json")
+    result.nbytes += len(index)
+    result.tensors = names
+
+
+def _nested(pairs: Iterator[tuple[tuple[Any, ...], Any]]) -> Any:
+    """The object whose paths of keys hold these values (containers rebuilt as dicts)."""
+    root: dict[Any, Any] = {}
+    for path, value in pairs:
+        if not path:
+            return value
+        node = root
+        for key in path[:-1]:
+            child = node.get(key)
+            if not isinstance(child, dict):
+                child = node[key] = {}
+            node = child
+        node[path[-1]] = value
+    return root
+
+
+def _write_torch(ck: Any, out: str, groups: list[_Group], values: dict[str, Any],
+                 result: ConvertResult, alignment: int) -> None:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ckptlab.format.archive import scan_torch_zip
+    from ckptlab.source import ByteSource
+
+    tensors: dict[str, Any] = {}
+    mode = FakeTensorMode()
+    dtypes = {g.names[0]: getattr(torch, ck.tensors[g.names[0]].dtype) for g in groups}
+    with mode:
+        for g in groups:
+            first = ck.tensors[g.names[0]]
+            if g.storage is not None:
+                # one storage for the group: each tensor a view of it, as in the source
+                itemsize = torch.empty((), dtype=dtypes[g.names[0]]).element_size()
+                base = torch.empty(g.storage[2] // itemsize, dtype=dtypes[g.names[0]])
+                for name in g.names:
+                    e = ck.tensors[name]
+                    view = base.view(getattr(torch, e.dtype)) if e.dtype != first.dtype \
+                        else base
+                    tensors[name] = view.as_strided(e.shape, e.stride,
+                                                    e.parts[0].storage_offset)
+            else:
+                tensors[g.names[0]] = torch.empty_strided(first.shape, first.stride or (),
+                                                          dtype=dtypes[g.names[0]])
+    for alias, of in result.aliases.items():
+        tensors[alias] = tensors[of]
+    paths = {name: ck.tensors[name].path for name in tensors}
+    object_paths = ck.object_paths()
+    obj = _nested([(paths[n], t) for n, t in tensors.items()]
+                  + [(object_paths[n], v) for n, v in values.items()])
+    result.values = list(values)
+    import torch.utils.serialization as serialization
+
+    saved = serialization.config.save.storage_alignment
+    serialization.config.save.storage_alignment = alignment
+    try:
+        with torch.serialization.skip_data(materialize_fake_tensors=True):
+            torch.save(obj, out)
+    finally:
+        serialization.config.save.storage_alignment = saved
+    # each storage's bytes at its offset (torch numbered the storages as it met them)
+    with ByteSource(out) as src:
+        layout = scan_torch_zip(src)
+    key_of = {}
+    for t in layout.tensors:
+        key_of.setdefault(".".join(map(str, t.path)), t.storage_key)
+    where = {s.key: s for s in layout.storages}
+    fd = os.open(out, os.O_WRONLY)
+    try:
+        for g in groups:
+            info = where[key_of[_name(paths[g.names[0]])]]
+            if g.storage is not None:
+                _copy_range(g.storage[0], g.storage[1], fd, info.data_offset, g.storage[2])
+            else:
+                data = _contiguous_bytes(ck.read(g.names[0]))
+                os.pwrite(fd, data, info.data_offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    result.tensors = [n for g in groups for n in g.names]
+    result.files = [os.path.basename(out)]
+    result.nbytes = os.path.getsize(out)
+
+
+def _name(path: tuple[Any, ...]) -> str:
+    return ".".join(map(str, path))
+
+
+def _copy_range(path: str, start: int, fd: int, offset: int, nbytes: int) -> None:
+    """Bytes ``[start, start + nbytes)`` of file ``path`` to ``fd`` at ``offset``, a chunk at
+    a time."""
+    from ckptlab.source import ByteSource
+
+    with ByteSource(path) as src:
+        done = 0
+        while done < nbytes:
+            n = min(_COPY_CHUNK, nbytes - done)
+            os.pwrite(fd, src.read(start + done, n, what="storage"), offset + done)
+            done += n
+
+
+# -- verification ---------------------------------------------------------------------------
+def _verify(ck: Any, out: str, result: ConvertResult) -> None:
+    """Open what was written and compare every tensor's bytes with the source's."""
+    import torch
+
+    from ckptlab.checkpoint import open_checkpoint
+
+    new = open_checkpoint(out)
+    written = set(new.tensors)
+    missing = [n for n in result.tensors if n not in written]
+    if missing:
+        raise CkptlabError(f"{out}: verification failed: {len(missing)} tensors are missing "
+                           f"from what was written ({missing[:3]})")
+    for name in result.tensors:
+        a = ck.read(name).detach().contiguous().reshape(-1).view(torch.uint8)
+        b = new.read(name).detach().contiguous().reshape(-1).view(torch.uint8)
+        if not torch.equal(a, b):
+            raise CkptlabError(f"{out}: verification failed: tensor {name!r} differs from "
+                               f"the source's")
+    result.verified = True
+
+
+# -- the API ---------------------------------------------------------------------------------
+def convert(src: Any, dst: str | os.PathLike[str], *, to: str = "safetensors",
+            shard_size: int | None = None, alignment: int | None = None,
+            step: int | None = None, verify: bool = True) -> ConvertResult:
+    """Rewrite a checkpoint as safetensors or torch.save, without running its pickle.
+
+    Parameters
+    ----------
+    src
+        Anything :func:`ckptlab.open` opens (a file, a directory, a URL, a training run: its
+        resume save, or ``step``), or a ``Checkpoint``.
+    dst
+        The file to write (a directory for sharded safetensors); an existing one is replaced
+        only once the new one is complete.
+    to
+        ``"safetensors"`` or ``"torch"``.
+    shard_size
+        safetensors only: shards of at most this many bytes, in a Hugging Face sharded
+        directory.
+    alignment
+        torch: the storage alignment (a power of two, 1 to 32768; default torch's 64; 4096
+        makes the file GDS-ready). safetensors: where the data section starts (the header
+        padded; tensors follow one another).
+    step
+        A training run's save to convert.
+    verify
+        Open the result again and compare every tensor's bytes with the source's.
+
+    Returns
+    -------
+    ConvertResult
+        What was written, what was dropped and why.
+    """
+    from ckptlab.checkpoint import open_checkpoint
+    from ckptlab.cli import MAX_STORAGE_ALIGNMENT
+
+    if to not in TARGETS:
+        raise InvalidArgumentError(f"to is one of {', '.join(TARGETS)}, not {to!r}")
+    if alignment is not None and (alignment < 1 or alignment & (alignment - 1) or
+                                  alignment > MAX_STORAGE_ALIGNMENT):
+        raise InvalidArgumentError(f"alignment is a power of two from 1 to "
+                                   f"{MAX_STORAGE_ALIGNMENT}, not {alignment}")
+    if shard_size is not None and (to != "safetensors" or shard_size < 1):
+        raise InvalidArgumentError("shard_size is a positive number of bytes, for "
+                                   "safetensors")
+    if hasattr(src, "tensors") and hasattr(src, "files"):
+        ck = src
+    else:
+        from ckptlab.checkpoint.runs import resolve_run
+        from ckptlab.source import is_url
+
+        path, run = (resolve_run(src, step) if not is_url(src) else (src, None))
+        ck = open_checkpoint(path)
+        ck.run = run
+    dst = os.fspath(dst)
+    result = ConvertResult(ck.path, dst, to, [], [])
+    groups, values = _plan(ck, result)
+    parent = os.path.dirname(os.path.abspath(dst)) or "."
+    work = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.convert-", dir=parent)
+    out = os.path.join(work, os.path.basename(dst))
+    try:
+        if to == "safetensors":
+            _write_safetensors(ck, out, groups, values, result, shard_size, alignment or 8)
+        else:
+            _write_torch(ck, out, groups, values, result, alignment or 64)
+        if verify:
+            _verify(ck, out, result)
+        _replace(out, dst)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def _replace(new: str, dst: str) -> None:
+    """Put ``new`` at ``dst`` by renames (durable): a file over a file at once; a directory
+    by moving the old one aside first (between the two renames there is no ``dst``)."""
+    from ckptlab._io.durable import fsync_dir
+
+    parent = os.path.dirname(os.path.abspath(dst))
+    if os.path.isdir(new) and os.path.lexists(dst):
+        aside = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.old-", dir=parent)
+        os.rename(dst, os.path.join(aside, "old"))
+        os.rename(new, dst)
+        fsync_dir(parent)
+        shutil.rmtree(aside, ignore_errors=True)
+        return
+    if os.path.isdir(dst) and not os.path.islink(dst):
+        raise InvalidArgumentError(f"{dst}: is a directory; convert writes a file there only "
+                                   f"over a file (or give --shard-size for a directory)")
+    os.replace(new, dst)
+    fsync_dir(parent)
