@@ -125,6 +125,25 @@ class SafetyReport:
                    default="weights-only")
 
     @property
+    def calls(self) -> list[Call]:
+        """Every file's calls, in file order."""
+        return [c for f in self.files for c in f.calls]
+
+    @property
+    def weights_only(self) -> WeightsOnly:
+        """What ``torch.load(weights_only=True)`` does: the one file's answer, or for several,
+        accepted when it accepts every file (else the first refusal)."""
+        if len(self.files) == 1:
+            return self.files[0].weights_only
+        refusing = [f.weights_only for f in self.files if not f.weights_only.accepted]
+        if not refusing:
+            torch = next((f.weights_only.torch for f in self.files), None)
+            return WeightsOnly(True, None, None, torch)
+        first = refusing[0]
+        return WeightsOnly(False, first.refused, first.reason, first.torch,
+                           all(w.decided for w in refusing))
+
+    @property
     def exit_status(self) -> int:
         """0 when every file is ``weights-only`` (or holds no pickle), else 1."""
         return 0 if all(f.verdict == "weights-only" for f in self.files) else 1

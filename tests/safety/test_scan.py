@@ -280,3 +280,14 @@ def test_inspect_says_whether_it_is_safe_up_front(tmp_path, capsys) -> None:
     torch.save({"w": torch.ones(2)}, good)
     assert main(["inspect", str(good)]) == 0
     assert "safe to load? WEIGHTS-ONLY" in capsys.readouterr().out
+
+
+def test_report_level_calls_and_weights_only(tmp_path) -> None:
+    torch.save({"w": torch.ones(1)}, tmp_path / "a.pt")
+    torch.save({"w": torch.ones(1), "x": Reduce(eval, ("1",))}, tmp_path / "b.pt")
+    one = ckptlab.scan(tmp_path / "a.pt")
+    assert one.weights_only.accepted and one.calls == one.files[0].calls
+    both = ckptlab.scan(tmp_path)
+    assert both.verdict == "code" and not both.weights_only.accepted
+    assert both.weights_only.refused == "eval"
+    assert {c.global_ for c in both.calls} >= {"builtins.eval", "torch._utils._rebuild_tensor_v2"}
