@@ -18,16 +18,11 @@ reset through ``/proc/self/clear_refs``), the source in the page cache:
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _child import run_child, size_args  # (benchmarks/ is this script's directory)
 
 CHILD = r"""
 import json, os, sys, time
@@ -76,20 +71,11 @@ JOBS = ("write", "ckptlab", "ckptlab-noverify", "ckptlab-torch4096", "torch")
 
 
 def _run(job: str, src: Path, dst: Path) -> dict[str, float]:
-    out = subprocess.run([sys.executable, "-c", CHILD, job, str(src), str(dst)], check=True,
-                         capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_child(CHILD, job, src, dst)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-mib", type=int, default=1024)
-    parser.add_argument("--dir", default=None)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    base = Path(args.dir or tempfile.mkdtemp(prefix="ckptlab-convert-"))
-    base.mkdir(parents=True, exist_ok=True)
+    args, base = size_args(__doc__, "ckptlab-convert-")
     src = base / "src.pt"
     if not src.exists():
         import torch

@@ -18,16 +18,11 @@ over the RSS after imports):
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _child import run_child, size_args  # (benchmarks/ is this script's directory)
 
 CHILD = r"""
 import json, os, resource, sys, time
@@ -70,10 +65,7 @@ print(json.dumps({"wall": wall, "rss_mib": (peak - base) / 1024}))
 
 
 def _run(job: str, a: Path, b: Path) -> dict[str, float]:
-    out = subprocess.run([sys.executable, "-c", CHILD, job, str(a), str(b)], check=True,
-                         capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_child(CHILD, job, a, b)
 
 
 def _write(base: Path, size_mib: int) -> dict[str, Path]:
@@ -97,13 +89,7 @@ def _write(base: Path, size_mib: int) -> dict[str, Path]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-mib", type=int, default=1024)
-    parser.add_argument("--dir", default=None)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    base = Path(args.dir or tempfile.mkdtemp(prefix="ckptlab-diff-"))
-    base.mkdir(parents=True, exist_ok=True)
+    args, base = size_args(__doc__, "ckptlab-diff-")
     paths = _write(base, args.size_mib)
     print(f"ckptlab diff/stats benchmark: 2 x {args.size_mib} MiB, load "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
