@@ -45,6 +45,7 @@ __all__ = [
     "flatten_state_dict",
     "gds_file_release_fd",
     "gds_register_handle",
+    "load_from_bytes",
     "local_shape_and_global_offset",
     "memory_format_encoding",
     "metadata_file_name",
@@ -60,6 +61,7 @@ __all__ = [
     "storage_info_class",
     "torch_save_pickle",
     "untyped_storage",
+    "weights_only_rules",
 ]
 
 #: The torch versions every symbol below was checked on (see each entry for more).
@@ -111,6 +113,25 @@ SYMBOLS: dict[str, PrivateSymbol] = dict([
            "a torch.load that reads no storage bytes and records each storage's file offset "
            "(_checkpoint_offset) on every torch from 2.7: tests check ckptlab's offsets "
            "against it (a map_location='meta' load records them only from later versions)"),
+    _entry("torch._weights_only_unpickler._get_allowed_globals", "torch._weights_only_unpickler",
+           "torch.load(weights_only=True)'s default allow-list (name -> object): "
+           "safety/_weights_only.py decides what torch's safe loader accepts from it"),
+    _entry("torch._weights_only_unpickler._get_user_allowed_globals",
+           "torch._weights_only_unpickler",
+           "the globals added by torch.serialization.add_safe_globals, by the name torch "
+           "matches: safety/_weights_only.py"),
+    _entry("torch._weights_only_unpickler._blocklisted_modules", "torch._weights_only_unpickler",
+           "the modules torch's safe loader refuses outright: safety/_weights_only.py"),
+    _entry("torch._weights_only_unpickler.Unpickler", "torch._weights_only_unpickler",
+           "torch's safe loader: its module imports from pickle exactly the opcodes it "
+           "implements, which safety/_weights_only.py reads"),
+    _entry("torch._utils.NAME_MAPPING", "torch._utils",
+           "torch's Python 2 name mapping for GLOBAL (safety/_weights_only.py)"),
+    _entry("torch._utils.IMPORT_MAPPING", "torch._utils",
+           "torch's Python 2 module mapping for GLOBAL (safety/_weights_only.py)"),
+    _entry("torch.storage._load_from_bytes", "torch.storage",
+           "torch.load of bytes a pickle carries (pickle.dumps of a tensor): the payload "
+           "carrier of testing/payloads.py"),
     _entry("torch._C.PyTorchFileReader", "torch._C",
            "torch's zip reader (get_record_offset): tests and benchmarks/open.py check "
            "ckptlab's offsets against it"),
@@ -254,6 +275,24 @@ def torch_save_pickle() -> Any:
 def pytorch_file_writer() -> Any:
     """``torch._C.PyTorchFileWriter``: the zip writer behind ``torch.save``."""
     return resolve("torch._C.PyTorchFileWriter")
+
+
+def weights_only_rules() -> tuple[Any, Any, Any, Any, Any, Any]:
+    """What torch's safe loader decides by: ``(_get_allowed_globals, _get_user_allowed_globals,
+    _blocklisted_modules, Unpickler, NAME_MAPPING, IMPORT_MAPPING)``, each resolved (see
+    :data:`SYMBOLS`)."""
+    return tuple(resolve(name) for name in (  # type: ignore[return-value]
+        "torch._weights_only_unpickler._get_allowed_globals",
+        "torch._weights_only_unpickler._get_user_allowed_globals",
+        "torch._weights_only_unpickler._blocklisted_modules",
+        "torch._weights_only_unpickler.Unpickler", "torch._utils.NAME_MAPPING",
+        "torch._utils.IMPORT_MAPPING"))
+
+
+def load_from_bytes() -> Any:
+    """``torch.storage._load_from_bytes``: ``torch.load(io.BytesIO(b), weights_only=False)``,
+    what ``pickle.dumps`` of a tensor calls when loaded."""
+    return resolve("torch.storage._load_from_bytes")
 
 
 def fake_tensor_mode() -> Any:

@@ -21,6 +21,13 @@ ACCESSORS = {
     "torch._C.PyTorchFileWriter": tc.pytorch_file_writer,
     "torch._C.PyTorchFileReader": tc.pytorch_file_reader,
     "torch._subclasses.fake_tensor.FakeTensorMode": tc.fake_tensor_mode,
+    "torch.storage._load_from_bytes": tc.load_from_bytes,
+    **{name: (lambda i=i: tc.weights_only_rules()[i]) for i, name in enumerate((
+        "torch._weights_only_unpickler._get_allowed_globals",
+        "torch._weights_only_unpickler._get_user_allowed_globals",
+        "torch._weights_only_unpickler._blocklisted_modules",
+        "torch._weights_only_unpickler.Unpickler", "torch._utils.NAME_MAPPING",
+        "torch._utils.IMPORT_MAPPING"))},
     "torch.distributed.checkpoint._nested_dict.flatten_state_dict": tc.flatten_state_dict,
     "torch.distributed.checkpoint.filesystem._StorageInfo": tc.storage_info_class,
     "torch._neg_view": tc.neg_view,

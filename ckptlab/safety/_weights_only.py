@@ -24,6 +24,7 @@ pickle did, opcode by opcode, as ckptlab's interpreter found it (:mod:`ckptlab.s
 from __future__ import annotations
 
 import pickle
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,22 +64,23 @@ class Policy:
         """
         try:
             import torch
-            import torch._utils as utils
-            import torch._weights_only_unpickler as wo
-        except ImportError:
+
+            from ckptlab import _torch_compat as tc
+            from ckptlab.errors import TorchInternalsError
+
+            allowed_fn, user_fn, blocked_modules, unpickler, names, modules = \
+                tc.weights_only_rules()
+        except (ImportError, TorchInternalsError):
             return None
-        try:
-            allowed = dict(wo._get_allowed_globals())
-            allowed.update(wo._get_user_allowed_globals())
-            blocked = frozenset(wo._blocklisted_modules)
-        except AttributeError:
-            return None
+        allowed = dict(allowed_fn())
+        allowed.update(user_fn())
+        wo = sys.modules[unpickler.__module__]
         opcodes = frozenset(
             value[0] for name, value in vars(wo).items()
             if name.isupper() and isinstance(value, bytes) and len(value) == 1
             and getattr(pickle, name, None) == value)
-        return cls(torch.__version__, opcodes, allowed, blocked, dict(utils.NAME_MAPPING),
-                   dict(utils.IMPORT_MAPPING), torch.nn.Parameter)
+        return cls(torch.__version__, opcodes, allowed, frozenset(blocked_modules),
+                   dict(names), dict(modules), torch.nn.Parameter)
 
     def allowed_names(self) -> frozenset[str]:
         return frozenset(self.allowed)

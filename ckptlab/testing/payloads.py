@@ -131,7 +131,9 @@ def carriers(pkl: bytes) -> dict[str, tuple[str, bytes]]:
     from ckptlab.testing.pickles import torch_zip
 
     buf = io.BytesIO()
-    torch.save(Reduce(torch.storage._load_from_bytes, (pkl,)), buf)
+    from ckptlab._torch_compat import load_from_bytes
+
+    torch.save(Reduce(load_from_bytes(), (pkl,)), buf)
     arr = np.empty(2, dtype=object)
     npy = io.BytesIO()
     # an object array whose pickle is the payload's: numpy.load(allow_pickle=True) runs it

@@ -794,7 +794,7 @@ class CheckpointApp:
                          css_classes=["ckptlab-map-loading"]),
             sizing_mode="stretch_width", css_classes=["ckptlab-map-section"])
         self.view = pn.Column(
-            self.title, self.safety, self.summary,
+            self.title, self.summary, self.safety,
             self.tensors.view,
             pn.Row(self.details, self.hex, sizing_mode="stretch_width"),
             pn.pane.HTML("<h3 style='margin:8px 0 2px'>Values besides tensors</h3>"),

@@ -326,13 +326,13 @@ def _nested(pairs: Iterator[tuple[tuple[Any, ...], Any]]) -> Any:
 def _write_torch(ck: Any, out: str, groups: list[_Group], values: dict[str, Any],
                  result: ConvertResult, alignment: int) -> None:
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from ckptlab._torch_compat import fake_tensor_mode
     from ckptlab.format.archive import scan_torch_zip
     from ckptlab.source import ByteSource
 
     tensors: dict[str, Any] = {}
-    mode = FakeTensorMode()
+    mode = fake_tensor_mode()()
     dtypes = {g.names[0]: getattr(torch, ck.tensors[g.names[0]].dtype) for g in groups}
     with mode:
         for g in groups:
