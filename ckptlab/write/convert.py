@@ -153,7 +153,9 @@ def _storage_of(ck: Any, entry: Any) -> tuple[str, str, int, int] | None:
     info = next((s for s in storages if s.key == part.storage_key), None)
     if info is None:
         return None
-    return f.full_path or part.file, part.storage_key, info.data_offset, info.nbytes
+    if not f.full_path or not os.path.isfile(f.full_path):
+        return None  # (a URL, bytes: each tensor read on its own, views written as copies)
+    return f.full_path, part.storage_key, info.data_offset, info.nbytes
 
 
 def _plan(ck: Any, result: ConvertResult) -> tuple[list[_Group], dict[str, Any]]:

@@ -245,3 +245,22 @@ def test_kill_at_any_moment_leaves_the_old_file_or_a_whole_new_one(tmp_path: Pat
     assert outcomes  # (which ones depends on the machine's speed)
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".dst")]
     assert len(leftovers) <= 10  # temporary directories of killed runs, never at dst
+
+
+@pytest.mark.parametrize("to", ["safetensors", "torch"])
+def test_convert_of_a_url(tmp_path: Path, to: str) -> None:
+    from ckptlab.testing.nginx import NGINX_MISSING, NginxServer, nginx_executable
+
+    if nginx_executable() is None:
+        if os.environ.get("CI"):
+            pytest.fail(NGINX_MISSING)
+        pytest.skip(NGINX_MISSING)
+    served = tmp_path / "served"
+    served.mkdir()
+    src, want = _torch_zip(served)
+    dst = tmp_path / ("out.safetensors" if to == "safetensors" else "out.pt")
+    with NginxServer(served) as server:
+        result = ckptlab.convert(server.url(src.name), dst, to=to)
+    assert result.verified
+    got = _load_result(dst, to)
+    assert all(_same_bits(got[n], t) for n, t in want.items())
