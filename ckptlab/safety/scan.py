@@ -453,8 +453,21 @@ def _check_opens(scan: _FileScan, src: ByteSource) -> None:
                              and not isinstance(src.name, str) else _reopen(src))
         ck.close() if hasattr(ck, "close") else None
     except CkptlabError as exc:
-        scan.torch_fails = f"the file does not load: {str(exc).splitlines()[0]}"
+        text = str(exc).splitlines()[0]
+        if any(part in text for part in _ZIP_STRICTNESS):
+            # ckptlab's zip reader checks what torch's (miniz) does not read: whether torch
+            # loads the file is not decided here
+            scan.undecided, scan.undecided_why = True, f"ckptlab refuses the archive: {text}"
+            scan.unreadable = scan.undecided_why
+            return
+        scan.torch_fails = f"the file does not load: {text}"
         scan.unreadable = scan.torch_fails
+
+
+# ckptlab's zip checks that torch's reader does not make (local header names, descriptors,
+# extra fields, records overlapping...): a refusal for one of them leaves torch's answer open
+_ZIP_STRICTNESS = ("local header", "data descriptor", "extra field", "central directory",
+                   "end record", "zip64", "overlap", "gap", "CRC")
 
 
 def _reopen(src: ByteSource) -> Any:
