@@ -23,7 +23,6 @@ from typing import Any
 from ckptlab.errors import PickleDataError
 from ckptlab.format import _pickle
 from ckptlab.format._unpickle import (
-    OPCODE_NAMES,
     Global,
     OpaqueKey,
     Reduced,
@@ -187,7 +186,6 @@ class Use:
 class PickleFindings:
     """What one pickle imports and calls, and what torch's weights-only unpickler does."""
 
-    start: int  # where the pickle starts in its buffer
     end: int | None  # just past its STOP (None: ckptlab could not follow it to the end)
     root: Any  # what it builds (inert), None where it failed
     uses: dict[str, Use]
@@ -212,7 +210,7 @@ class _Scan:
     """The handlers, persistent_load and build hook of one interpretation."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[_Made, bool]] = []  # (what the call made, had kwargs)
+        self.calls: list[_Made] = []  # what each call made, in order
         self.builds: list[Any] = []  # BUILD targets, in order
         self.persids: list[Any] = []
         self.filled: list[tuple[str, _Made]] = []
@@ -226,7 +224,7 @@ class _Scan:
 
             def handler(*args: Any) -> _Made:
                 made = _Made(self, func, args)
-                self.calls.append((made, False))
+                self.calls.append(made)
                 return made
             self._handlers[key] = handler
         return handler
@@ -357,7 +355,7 @@ def scan_pickle(data: Any, policy: Policy | None, *, impl: str | None = None) ->
     call_at = spans.of("call")
     new_at = set(spans.of("new"))
     code_calls = 0
-    for k, (made, _) in enumerate(scan.calls):
+    for k, made in enumerate(scan.calls):
         at = call_at[k] if k < len(call_at) else -1
         qualname = made.qualname
         use = uses.get(qualname)
@@ -396,14 +394,14 @@ def scan_pickle(data: Any, policy: Policy | None, *, impl: str | None = None) ->
                                    "<a global named on the stack (STACK_GLOBAL)>"))
 
     nested = []
-    for k, (made, _) in enumerate(scan.calls):
+    for k, made in enumerate(scan.calls):
         if made.qualname == "torch.storage._load_from_bytes" and made.args:
             value = _bytes_value(made.args[0])
             if value is not None:
                 nested.append((call_at[k] if k < len(call_at) else -1, value))
     refusal, decided = _weights_only(view, spans, scan, policy, build_at, call_at, end,
                                      error, error_at, spans.error)
-    return PickleFindings(0, end, root, uses, error, error_at, refusal, decided, code_after,
+    return PickleFindings(end, root, uses, error, error_at, refusal, decided, code_after,
                           nested, lenient_stop)
 
 
@@ -435,7 +433,7 @@ def _weights_only(view: Any, spans: _Spans, scan: _Scan, policy: Policy | None,
     persids = dict(zip(persid_at, scan.persids))
     filled_from: dict[int, str] = {}
     # a call's result filled by APPEND/SETITEM: refused at the first such opcode after it
-    made_at = {id(made): call_at[k] for k, (made, _) in enumerate(scan.calls)
+    made_at = {id(made): call_at[k] for k, made in enumerate(scan.calls)
                if k < len(call_at)}
     fill_at = {"append": spans.of("append"), "setitem": spans.of("setitem")}
     for kind, made in scan.filled:
@@ -511,6 +509,3 @@ _SHARED_FAILURES = ("ends without a STOP", "declares", "never stored", "underflo
 def _fails_for_torch_too(error: str) -> bool:
     return any(text in error for text in _SHARED_FAILURES)
 
-
-def opcode_name(code: int) -> str:
-    return OPCODE_NAMES.get(code, ("?", 0))[0]
