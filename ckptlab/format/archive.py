@@ -497,13 +497,18 @@ def records_one_by_one(src: ByteSource, trailer: _zip.Trailer,
     records: list[Record] = []
     headers: dict[str, _zip.LocalHeader] = {}
     for e in entries:
-        local, data_offset, desc = read_local_record(src, e, trailer.cd_offset)
-        headers[e.name] = local
-        records.append(Record(e.name, e.header_offset, e.name_nbytes, local.extra_nbytes,
-                              local.zip64_extra_nbytes, local.padding_nbytes, data_offset,
-                              e.compressed_nbytes, desc, e.crc32, e.uncompressed_nbytes,
-                              e.method))
+        record, headers[e.name] = local_record(src, e, trailer.cd_offset)
+        records.append(record)
     return records, headers
+
+
+def local_record(src: ByteSource, e: _zip.CentralEntry, cd_offset: int
+                 ) -> tuple[Record, _zip.LocalHeader]:
+    """One record as its central entry and its local header (read alone) give it."""
+    local, data_offset, desc = read_local_record(src, e, cd_offset)
+    return Record(e.name, e.header_offset, e.name_nbytes, local.extra_nbytes,
+                  local.zip64_extra_nbytes, local.padding_nbytes, data_offset,
+                  e.compressed_nbytes, desc, e.crc32, e.uncompressed_nbytes, e.method), local
 
 
 def _scan_torch_zip(src: ByteSource) -> ArchiveLayout:

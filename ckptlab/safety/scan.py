@@ -447,11 +447,10 @@ def _check_opens(scan: _FileScan, src: ByteSource) -> None:
     if scan.refusal is not None or scan.undecided:
         return
     from ckptlab.checkpoint import open_checkpoint
+    from ckptlab.source._window import PositionalFile
 
-    try:
-        ck = open_checkpoint(src.read(0, src.nbytes, what="file") if src.nbytes < (64 << 20)
-                             and not isinstance(src.name, str) else _reopen(src))
-        ck.close() if hasattr(ck, "close") else None
+    try:  # (a local file by its path; else through the same source, read where needed)
+        open_checkpoint(src.name if os.path.isfile(src.name) else PositionalFile(src))
     except CkptlabError as exc:
         text = str(exc).splitlines()[0]
         if any(part in text for part in _ZIP_STRICTNESS):
@@ -470,23 +469,12 @@ _ZIP_STRICTNESS = ("local header", "data descriptor", "extra field", "central di
                    "end record", "zip64", "overlap", "gap", "CRC")
 
 
-def _reopen(src: ByteSource) -> Any:
-    if os.path.isfile(src.name):
-        return src.name
-    return src.read(0, src.nbytes, what="file")
-
-
 def _record(src: ByteSource, entry: Any, cd_offset: int) -> Any:
     """One record, its local header read alone (a scan reads the few records holding
     pickles, not every header of a 10,000-record archive)."""
-    from ckptlab.format.archive import read_local_record
-    from ckptlab.format.layout import Record
+    from ckptlab.format.archive import local_record
 
-    local, data_offset, desc = read_local_record(src, entry, cd_offset)
-    return Record(entry.name, entry.header_offset, entry.name_nbytes, local.extra_nbytes,
-                  local.zip64_extra_nbytes, local.padding_nbytes, data_offset,
-                  entry.compressed_nbytes, desc, entry.crc32, entry.uncompressed_nbytes,
-                  entry.method)
+    return local_record(src, entry, cd_offset)[0]
 
 
 def _scan_zip(src: ByteSource, name: str, policy: Policy | None, depth: int,
