@@ -839,19 +839,16 @@ def _convert(args: argparse.Namespace) -> int:
 def _scan(args: argparse.Namespace) -> int:
     """``ckptlab scan PATH...``: a line per file (the code calls spelled out) or the JSON;
     0 when every file is weights-only, 1 when any is not."""
-    from ckptlab.safety import scan
+    from ckptlab.safety import SafetyReport, scan
 
     reports = [scan(path) for path in args.paths]
+    every = SafetyReport(" ".join(args.paths), [f for r in reports for f in r.files],
+                         [s for r in reports for s in r.skipped])
     if args.json:
-        _print_json({"files": [f.to_dict() for r in reports for f in r.files],
-                     "skipped": [{"path": p, "kind": k} for r in reports for p, k in r.skipped],
-                     "verdict": max((r.verdict for r in reports), key=_VERDICT_RANK.index)})
+        _print_json(every.to_dict())
     else:
         print("\n".join(_text(line) for r in reports for line in r.summary().splitlines()))
-    return max(r.exit_status for r in reports)
-
-
-_VERDICT_RANK = ["weights-only", "data", "unreadable", "code"]
+    return every.exit_status
 
 
 def _stats(args: argparse.Namespace) -> int:

@@ -391,6 +391,19 @@ def safety_html(report: Any) -> str:
     return "".join(out)
 
 
+def safety_badge(source: Any) -> str:
+    """:func:`safety_html` of :func:`ckptlab.scan` of ``source`` (a path, a ``Checkpoint``),
+    or a line saying why there is none: what the report, the app and the explorer show."""
+    from ckptlab.errors import CkptlabError
+    from ckptlab.safety import scan
+
+    try:
+        report = scan(source)
+    except CkptlabError as exc:
+        return f'<p class="note">Not scanned for code: {html.escape(str(exc))}</p>'
+    return safety_html(report)
+
+
 def summary_html(source: Any) -> str:
     """The summary as a short HTML block: one line, then a table of totals by dtype."""
     s = checkpoint_summary(source)

@@ -43,7 +43,13 @@ from ckptlab.viz.bytemap import (
     overhead_figure,
     union_nbytes,
 )
-from ckptlab.viz.checkpoint import TensorTable, dtype_totals, tensor_table, treemap_figure
+from ckptlab.viz.checkpoint import (
+    TensorTable,
+    dtype_totals,
+    safety_badge,
+    tensor_table,
+    treemap_figure,
+)
 from ckptlab.viz.hexview import hex_html
 from ckptlab.viz.tensors import storage_figure
 
@@ -412,7 +418,7 @@ def _layout_report(layout: ArchiveLayout, hex_bytes: bytes | None) -> str:
     facts += [["parameters", table.total_parameters]]
     head: list[tuple[str, go.Figure]] = (
         [("Bytes by module", treemap_figure(table))] if layout.tensors else [])
-    body = [_safety_section(layout.path) if os.path.isfile(layout.path) else "",
+    body = [safety_badge(layout.path) if os.path.isfile(layout.path) else "",
             html_table(["", ""], facts), _dtype_html(table), _figures_html(head),
             _tensor_section(table, multi=False),
             _figures_html(figures, start=len(head), legend=_legend(bm.lanes))]
@@ -469,18 +475,6 @@ def _placement_figure(parts: Sequence[tuple[str, Any]], multi: bool) -> go.Figur
         meta={"kind": "placement", "rows": [k for k, _ in shown],
               "omitted": len(parts) - len(shown)})
     return style_figure(fig)
-
-
-def _safety_section(source: Any) -> str:
-    """The verdict of ``ckptlab.scan`` first: is the checkpoint safe to load?"""
-    from ckptlab.errors import CkptlabError
-    from ckptlab.safety import scan
-    from ckptlab.viz.checkpoint import safety_html
-
-    try:
-        return safety_html(scan(source))
-    except CkptlabError as exc:
-        return f'<p class="note">Not scanned for code: {html.escape(str(exc))}</p>'
 
 
 def _checkpoint_report(ck: Any, hex_bytes: bytes | None, hex_file: str | None,
@@ -551,7 +545,7 @@ def _checkpoint_report(ck: Any, hex_bytes: bytes | None, hex_file: str | None,
          largest_alignment(data_offsets) if data_offsets else "—"]]
     if any(p.compression for _, p in parts):
         facts.append(["compressed parts", sum(bool(p.compression) for _, p in parts)])
-    body = [_safety_section(ck), html_table(["", ""], facts), _dtype_html(table),
+    body = [safety_badge(ck), html_table(["", ""], facts), _dtype_html(table),
             _figures_html(head), _tensor_section(table, multi)]
     if ck.notes:
         body.append("<ul class=\"note\">" + "".join(f"<li>{html.escape(n)}</li>"

@@ -76,6 +76,7 @@ from ckptlab.viz import (
     storage_figure,
 )
 from ckptlab.viz._style import html_table, human_nbytes, plain_text
+from ckptlab.viz.checkpoint import safety_badge
 from ckptlab.widgets import _compat
 from ckptlab.widgets._common import (
     HEX_NBYTES,
@@ -517,17 +518,6 @@ class LayoutApp:
 
 
 # -- tensor first, any format --------------------------------------------------------------------
-def _safety_html(path: str) -> str:
-    """The verdict of :func:`ckptlab.scan` as the page's badge (or why there is none)."""
-    from ckptlab.safety import scan
-    from ckptlab.viz.checkpoint import safety_html
-
-    try:
-        return safety_html(scan(path))
-    except CkptlabError as exc:
-        return f"<i>Not scanned for code: {html.escape(str(exc))}</i>"
-
-
 class ServedCheckpoint:
     """One checkpoint as a server shows it to every session: the index now, the rest later.
 
@@ -632,7 +622,7 @@ class ServedCheckpoint:
                                        f"({changed}); restart the server to see it as it is",
                                        path=self.path)
                 self.checkpoint = opened
-            self.safety_html = _safety_html(self.path)
+            self.safety_html = safety_badge(self.path)
             if self.is_zip:
                 layout = self.checkpoint.files[0].layout
                 self.layout_cache.view(layout, _own_alignment(layout))

@@ -10,7 +10,7 @@ from typing import Any
 import ipywidgets as w
 import numpy as np
 
-from ckptlab.errors import CkptlabError, InvalidArgumentError
+from ckptlab.errors import InvalidArgumentError
 from ckptlab.format import (
     AlignmentCost,
     ArchiveLayout,
@@ -23,7 +23,13 @@ from ckptlab.format.predict import DEFAULT_ALIGNMENTS
 from ckptlab.viz import ByteMap, alignment_figure, bytemap_figure, hex_html
 from ckptlab.viz._style import html_table, human_nbytes
 from ckptlab.viz.bytemap import bytemap_title, highlight_shapes, update_bytemap
-from ckptlab.viz.checkpoint import SORT_KEYS, query_tensors, safety_html, tensor_parts, tensor_table
+from ckptlab.viz.checkpoint import (
+    SORT_KEYS,
+    query_tensors,
+    safety_badge,
+    tensor_parts,
+    tensor_table,
+)
 from ckptlab.viz.checkpoint import summary_html as checkpoint_summary_html
 from ckptlab.widgets._common import (
     HEX_NBYTES,
@@ -269,7 +275,7 @@ class LayoutExplorer(w.VBox):
     def _summary(self) -> str:
         parts = []
         if self.checkpoint is not None:
-            parts.append(_safety(self.checkpoint))
+            parts.append(safety_badge(self.checkpoint))
             parts.append(checkpoint_summary_html(self.checkpoint))
         else:
             parts.append(checkpoint_summary_html(self._layout_source))
@@ -526,12 +532,3 @@ def _bytemap_title(layout: ArchiveLayout) -> str:
     return (f"what-if layout at alignment {layout.storage_alignment} · "
             f"{human_nbytes(layout.file_nbytes)} · {len(layout.records)} records")
 
-
-def _safety(ck: Any) -> str:
-    """Is it safe to load? The badge of :func:`ckptlab.scan` (or why there is none)."""
-    from ckptlab.safety import scan
-
-    try:
-        return safety_html(scan(ck))
-    except CkptlabError as exc:
-        return f"<i>Not scanned for code: {html.escape(str(exc))}</i>"
