@@ -17,6 +17,8 @@ import io
 import os
 import pathlib
 import pickle
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -196,6 +198,43 @@ def test_the_state_dict_torch_writes_is_weights_only(tmp_path) -> None:
     assert f.verdict == "data" and f.weights_only.refused == "argparse.Namespace"
 
 
+def _flipped(data: bytes, regions: list[tuple[int, int]], count: int, rng: Any,
+             stem: Path) -> list[str]:
+    """``count`` files of ``data`` with one or two bytes changed, each in a region picked
+    from ``regions``, named ``<stem>-<i>.pt``."""
+    files = []
+    for i in range(count):
+        mutated = bytearray(data)
+        lo, hi = rng.choice(regions)
+        for _ in range(rng.randint(1, 2)):
+            mutated[rng.randrange(lo, hi)] = rng.randrange(256)
+        path = stem.parent / f"{stem.name}-{i}.pt"
+        path.write_bytes(bytes(mutated))
+        files.append(str(path))
+    return files
+
+
+def _against_torch(files: list[str], cwd: Path) -> tuple[list[Any], int, int]:
+    """Each file's ``weights_only`` against ``torch.load(weights_only=True)``: the decided
+    answers that differ, how many were decided, how many were not. A file left without a
+    pickle must fail in torch too."""
+    oracle = run_oracle([(p, "torch") for p in files], "safe", cwd=str(cwd))
+    wrong, decided, undecided = [], 0, 0
+    for path in files:
+        report = ckptlab.scan(path)
+        if not report.files:  # no pickle left: torch fails too
+            assert not oracle[path]["ok"], path
+            continue
+        wo = report.files[0].weights_only
+        if not wo.decided:
+            undecided += 1
+            continue
+        decided += 1
+        if wo.accepted != oracle[path]["ok"]:
+            wrong.append((os.path.basename(path), wo.reason, oracle[path]["error"]))
+    return wrong, decided, undecided
+
+
 def test_weights_only_matches_torch_on_mutated_files(tmp_path) -> None:
     """Byte flips in the pickles of a torch.save zip and a legacy file: where ckptlab decides
     (``weights_only.decided``), its answer is torch's; it declines to decide on few."""
@@ -216,25 +255,8 @@ def test_weights_only_matches_torch_on_mutated_files(tmp_path) -> None:
                 info = z.getinfo("archive/data.pkl")
             lo = data.index(b"\x80\x02", info.header_offset)
             hi = lo + info.file_size
-        for i in range(60):
-            mutated = bytearray(data)
-            for _ in range(rng.randint(1, 2)):
-                mutated[rng.randrange(lo, hi)] = rng.randrange(256)
-            path = tmp_path / f"{'legacy' if legacy else 'zip'}-{i}.pt"
-            path.write_bytes(bytes(mutated))
-            files.append(str(path))
-    oracle = run_oracle([(p, "torch") for p in files], "safe", cwd=str(tmp_path))
-    wrong, undecided = [], 0
-    for path in files:
-        report = ckptlab.scan(path)
-        if not report.files:  # no pickle left: torch fails too
-            assert not oracle[path]["ok"], path
-            continue
-        wo = report.files[0].weights_only
-        if not wo.decided:
-            undecided += 1
-        elif wo.accepted != oracle[path]["ok"]:
-            wrong.append((os.path.basename(path), wo.reason, oracle[path]["error"]))
+        files += _flipped(data, [(lo, hi)], 60, rng, tmp_path / ("legacy" if legacy else "zip"))
+    wrong, _, undecided = _against_torch(files, tmp_path)
     assert not wrong, wrong
     assert undecided <= len(files) // 10, undecided
 
@@ -255,26 +277,7 @@ def test_weights_only_on_damaged_zip_structure_is_torch_answer_or_undecided(tmp_
         regions = [(i.header_offset, i.header_offset + 30 + len(i.filename))
                    for i in z.infolist()]
     regions.append((data.find(b"PK\x01\x02"), len(data)))
-    files = []
-    for i in range(100):
-        mutated = bytearray(data)
-        lo, hi = rng.choice(regions)
-        for _ in range(rng.randint(1, 2)):
-            mutated[rng.randrange(lo, hi)] = rng.randrange(256)
-        path = tmp_path / f"z-{i}.pt"
-        path.write_bytes(bytes(mutated))
-        files.append(str(path))
-    oracle = run_oracle([(p, "torch") for p in files], "safe", cwd=str(tmp_path))
-    wrong, decided = [], 0
-    for path in files:
-        report = ckptlab.scan(path)
-        if not report.files:
-            assert not oracle[path]["ok"], path
-            continue
-        wo = report.files[0].weights_only
-        if wo.decided:
-            decided += 1
-            if wo.accepted != oracle[path]["ok"]:
-                wrong.append((os.path.basename(path), wo.reason, oracle[path]["error"]))
+    files = _flipped(data, regions, 100, rng, tmp_path / "z")
+    wrong, decided, _ = _against_torch(files, tmp_path)
     assert not wrong, wrong
     assert decided >= 20, decided  # (in this run's files: about a third)
