@@ -353,11 +353,12 @@ def _scan_bytes(data: bytes, name: str, policy: Policy | None, depth: int, *,
 
 
 def _scan_source(src: ByteSource, name: str, policy: Policy | None, depth: int = 0, *,
-                 loader: str = "torch.load") -> FileSafety | None:
+                 loader: str = "torch.load", opened: frozenset[str] = frozenset()
+                 ) -> FileSafety | None:
     """One file: its pickles scanned, or None when it holds none."""
     head = src.read(0, min(src.nbytes, 512), what="file head") if src.nbytes else b""
     if head.startswith(b"PK\x03\x04"):
-        return _scan_zip(src, name, policy, depth, loader)
+        return _scan_zip(src, name, policy, depth, loader, opened)
     if head.startswith(b"\x93NUMPY"):
         start = _npy_pickle_start(src.read(0, min(src.nbytes, 65536), what="npy header"))
         if start is None:
@@ -371,7 +372,7 @@ def _scan_source(src: ByteSource, name: str, policy: Policy | None, depth: int =
         return _scan_tar(src, name, policy, depth)
     if not head or not _may_be_pickle(head, src.nbytes, name, src):
         return None
-    return _scan_legacy(src, name, policy, depth, loader)
+    return _scan_legacy(src, name, policy, depth, loader, opened)
 
 
 def _may_be_pickle(head: bytes, nbytes: int, name: str, src: ByteSource) -> bool:
@@ -404,7 +405,7 @@ def _pickle_bytes(src: ByteSource, start: int, what: str) -> bytes:
 
 
 def _scan_legacy(src: ByteSource, name: str, policy: Policy | None, depth: int,
-                 loader: str) -> FileSafety | None:
+                 loader: str, opened: frozenset[str]) -> FileSafety | None:
     scan = _FileScan(name, "pickle", loader, policy, depth)
     start = 0
     for i, label in enumerate(_LEGACY_PICKLES):
@@ -437,14 +438,15 @@ def _scan_legacy(src: ByteSource, name: str, policy: Policy | None, depth: int,
             break
         start += found.end
     if scan.kind == "legacy torch.save" and scan.torch_fails is None and scan.unreadable is None:
-        _check_opens(scan, src)
+        _check_opens(scan, src, opened)
     return scan.result()
 
 
-def _check_opens(scan: _FileScan, src: ByteSource) -> None:
+def _check_opens(scan: _FileScan, src: ByteSource, opened: frozenset[str]) -> None:
     """torch.load also reads the storages: where ckptlab cannot open the file, neither can
-    torch (the reasons are the same: records missing, sizes wrong)."""
-    if scan.refusal is not None or scan.undecided:
+    torch (the reasons are the same: records missing, sizes wrong). ``opened``: the real
+    paths of files ckptlab has opened already (a ``Checkpoint`` scanned: not again)."""
+    if scan.refusal is not None or scan.undecided or os.path.realpath(src.name) in opened:
         return
     from ckptlab.checkpoint import open_checkpoint
     from ckptlab.source._window import PositionalFile
@@ -478,7 +480,7 @@ def _record(src: ByteSource, entry: Any, cd_offset: int) -> Any:
 
 
 def _scan_zip(src: ByteSource, name: str, policy: Policy | None, depth: int,
-              loader: str) -> FileSafety | None:
+              loader: str, opened: frozenset[str] = frozenset()) -> FileSafety | None:
     from ckptlab.errors import UnsupportedFormatError
     from ckptlab.format.archive import archive_prefix, fold_name, read_central_directory
     from ckptlab.format.archive import read_record_data as read
@@ -527,7 +529,7 @@ def _scan_zip(src: ByteSource, name: str, policy: Policy | None, depth: int,
         scan.notes.append(f"data.pkl has {len(data) - found.end:,} bytes after its STOP: "
                           f"torch never runs them (a scanner that reads them would disagree)")
     else:
-        _check_opens(scan, src)
+        _check_opens(scan, src, opened)
     return scan.result()
 
 
@@ -670,7 +672,9 @@ def _scan_checkpoint(ck: Any, policy: Policy | None,
     from ckptlab.source import is_url
 
     if not is_url(ck.path) and os.path.exists(ck.path):
-        return scan(ck.path)
+        # (its files opened: the scan does not open them again to see that they do)
+        return _scan_path(ck.path, policy, frozenset(
+            os.path.realpath(f.full_path) for f in ck.files if f.full_path))
     if is_url(ck.path) and len(ck.files) == 1 and ck.files[0].full_path == ck.path:
         return scan(ck.path, storage_options=storage_options)
     files: list[FileSafety] = []
@@ -733,7 +737,11 @@ def scan(source: Any, *, storage_options: dict[str, Any] | None = None) -> Safet
             result = _scan_source(src, str(source), policy)
         return SafetyReport(str(source), [result] if result else [],
                             [] if result else [(str(source), "no pickle")])
-    path = os.fspath(source)
+    return _scan_path(os.fspath(source), policy, frozenset())
+
+
+def _scan_path(path: str, policy: Policy | None, opened: frozenset[str]) -> SafetyReport:
+    """:func:`scan` of a local file or directory (``opened``: see :func:`_check_opens`)."""
     if not os.path.exists(path):
         from ckptlab.errors import ArchiveError
 
@@ -746,7 +754,7 @@ def scan(source: Any, *, storage_options: dict[str, Any] | None = None) -> Safet
         return SafetyReport(path, found)
     if not os.path.isdir(path):
         with ByteSource(path) as src:
-            result = _scan_source(src, path, policy)
+            result = _scan_source(src, path, policy, opened=opened)
         return SafetyReport(path, [result] if result else [],
                             [] if result else [(path, _what_it_is(path))])
     files: list[FileSafety] = []
@@ -763,7 +771,7 @@ def scan(source: Any, *, storage_options: dict[str, Any] | None = None) -> Safet
             continue
         try:
             with ByteSource(file) as src:
-                result = _scan_source(src, file, policy)
+                result = _scan_source(src, file, policy, opened=opened)
         except CkptlabError as exc:
             skipped.append((file, f"cannot be read: {exc}"))
             continue

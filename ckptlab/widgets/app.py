@@ -622,7 +622,7 @@ class ServedCheckpoint:
                                        f"({changed}); restart the server to see it as it is",
                                        path=self.path)
                 self.checkpoint = opened
-            self.safety_html = safety_badge(self.path)
+            self.safety_html = safety_badge(self.checkpoint)
             if self.is_zip:
                 layout = self.checkpoint.files[0].layout
                 self.layout_cache.view(layout, _own_alignment(layout))
