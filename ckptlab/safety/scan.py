@@ -182,11 +182,14 @@ class SafetyReport:
             why = next((n for f in self.files if f.verdict == "unreadable" for n in f.notes),
                        "")
             return f"UNREADABLE: torch would not load it either: {why}"
-        refused = next((f.weights_only.refused for f in self.files
-                        if f.weights_only.refused), None)
-        return ("DATA: needs weights_only=False" + (f" (torch refuses {refused})"
-                                                    if refused else "")
-                + "; calls only data classes, no code")
+        first = next(f for f in self.files if f.verdict != "weights-only")
+        if not first.loader.startswith("torch.load"):  # .metadata, .npy...: no weights_only
+            why = f"{first.loader} runs {os.path.basename(first.path)} without weights_only"
+        elif first.weights_only.refused:
+            why = f"needs weights_only=False (torch refuses {first.weights_only.refused})"
+        else:
+            why = "needs weights_only=False"
+        return f"DATA: {why}; calls only data classes, no code"
 
     def summary(self) -> str:
         """A line per file, the code calls spelled out."""

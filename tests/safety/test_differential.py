@@ -170,6 +170,8 @@ def test_a_dcp_data_file_is_read_as_its_metadata_places_its_items(
     whole = ckptlab.scan(root)
     assert [f.kind for f in whole.files] == ["dcp-metadata", "dcp data file"]
     assert whole.files[0].loader.startswith("pickle.load")
+    assert whole.headline().startswith("DATA: pickle.load (dcp.load) runs .metadata without "
+                                       "weights_only")
     # each item is a torch.save of its own, scanned: the bytes item too
     assert any("item extra.note" in p for p in whole.files[1].pickles), whole.files[1].pickles
     one = ckptlab.scan(os.path.join(root, "__0_0.distcp"))
