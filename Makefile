@@ -13,7 +13,7 @@ STAMP  := $(VENV)/.ckptlab-installed
 .PHONY: setup gcc chromium nginx lab test test-fast test-oldest-torch test-newest-python lint bench clean
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py ckptlab/format/_interp.c ckptlab/format/_walk.c ckptlab/dcp/_rows.c constraints.txt Makefile | gcc
+$(STAMP): pyproject.toml setup.py ckptlab/format/_interp.c ckptlab/format/_walk.c ckptlab/dcp/_rows.c ckptlab/compare/_ckernels.c constraints.txt Makefile | gcc
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "ckptlab needs Python >= 3.11"' \
 	  || { echo "make: need Python >= 3.11 as $(PYTHON)"; exit 1; }
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || { echo "make: '$(PYTHON) -m venv' failed: on Debian run 'apt-get install python3-venv' (or python3.11-venv) and retry"; exit 1; }

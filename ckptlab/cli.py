@@ -746,6 +746,12 @@ def _parser() -> _Parser:
     rep.add_argument("--step", type=_step, default=None, metavar="N", help=_STEP_HELP)
     rep.add_argument("-o", "--output", default="report.html", metavar="OUT",
                      help="HTML file to write (default report.html)")
+    rep.add_argument("--compare", default=None, metavar="OTHER",
+                     help="open with what changed from PATH to OTHER (any format; see "
+                          "'ckptlab diff'), with histograms of the most changed tensors")
+    rep.add_argument("--stats", action="store_true",
+                     help="add every tensor's statistics and the health line "
+                          "(see 'ckptlab stats'; reads every tensor once)")
     rdy = sub.add_parser("readiness", help=VERBS["readiness"], description=VERBS["readiness"])
     rdy.add_argument("path", metavar="PATH", help="checkpoint file or directory")
     rdy.add_argument("--step", type=_step, default=None, metavar="N", help=_STEP_HELP)
@@ -882,6 +888,37 @@ def _stats(args: argparse.Namespace) -> int:
             print(f"check failed: NaN or Inf in {', '.join(bad)}", file=sys.stderr)
         return 1
     return 0
+
+
+REPORT_HISTOGRAMS = 4  # the most changed tensors a compare report draws histograms of
+
+
+def _report_extra(args: argparse.Namespace, ck: Any) -> dict[str, Any]:
+    """``report --compare OTHER`` and ``--stats``: the diff, the histograms of the most changed
+    tensors (both sides and the changes) and the statistics, for :func:`report_html`."""
+    from ckptlab._progress import task
+    from ckptlab.compare import diff, stats
+    from ckptlab.compare._stats import side_by_side
+
+    extra: dict[str, Any] = {}
+    if args.compare is not None:
+        other = args.compare if _is_url(args.compare) else _input_path(
+            args.compare, "report", directory=True)
+        ck_b, _ = _open(other)
+        with task("comparing"):
+            d = diff(ck, ck_b)
+        hists = {}
+        for name, t in d.largest(REPORT_HISTOGRAMS):
+            if t.error is None and t.shape[0] == t.shape[1]:
+                try:
+                    hists[name] = side_by_side(d, ck, ck_b, name)
+                except CkptlabError:  # (the table says why it differs)
+                    continue
+        extra.update(diff=d, histograms=hists)
+    if args.stats:
+        with task("measuring tensors"):
+            extra["stats"] = stats(ck)
+    return extra
 
 
 def _tolerance(text: str) -> float:
@@ -1406,12 +1443,14 @@ def _run(args: argparse.Namespace) -> int | None:
         layout = ck.files[0].layout if len(ck.files) == 1 else None
         from ckptlab._progress import task
 
+        extra = _report_extra(args, ck)
         with task("drawing the report"):
             if ck.format == "torch-zip" and isinstance(layout, ArchiveLayout):
-                document = report_html(layout, hex_bytes=head)  # records, alignment what-if
+                # records, alignment what-if
+                document = report_html(layout, hex_bytes=head, **extra)
             else:
                 document = report_html(ck, hex_bytes=head,
-                                       hex_file=first.path if first else None)
+                                       hex_file=first.path if first else None, **extra)
 
         def write(tmp: str) -> None:
             with open(tmp, "w", encoding="utf-8") as f:

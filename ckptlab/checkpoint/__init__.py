@@ -6,9 +6,17 @@ every view uses is :class:`TensorQuery` and :func:`select_tensors`
 """
 
 from ckptlab.checkpoint._json import inspect_json
-from ckptlab.checkpoint.model import Checkpoint, FileEntry, Part, TensorEntry, plain_value
+from ckptlab.checkpoint.model import (
+    Checkpoint,
+    FileEntry,
+    Part,
+    Scratch,
+    TensorEntry,
+    plain_value,
+)
 from ckptlab.checkpoint.open import open_checkpoint
 from ckptlab.checkpoint.query import TensorCatalog, TensorQuery, TensorSelection, select_tensors
 
-__all__ = ["Checkpoint", "FileEntry", "Part", "TensorCatalog", "TensorEntry", "TensorQuery",
-           "TensorSelection", "inspect_json", "open_checkpoint", "plain_value", "select_tensors"]
+__all__ = ["Checkpoint", "FileEntry", "Part", "Scratch", "TensorCatalog", "TensorEntry",
+           "TensorQuery", "TensorSelection", "inspect_json", "open_checkpoint", "plain_value",
+           "select_tensors"]

@@ -46,6 +46,7 @@ from ckptlab.checkpoint.model import (
     Checkpoint,
     FileEntry,
     Part,
+    Scratch,
     TensorEntry,
     contiguous_strides,
     span_nbytes,
@@ -147,10 +148,10 @@ class DcpCheckpoint(Checkpoint):
         self.tensors = _Tensors(dcp)  # type: ignore[assignment]
         self._dcp = dcp
 
-    def read(self, name: str) -> Any:
+    def read(self, name: str, *, scratch: Scratch | None = None) -> Any:
         dcp = self._dcp
         if name not in dcp.cols.tensors or name in self.tensors._built:  # type: ignore
-            return super().read(name)
+            return super().read(name, scratch=scratch)
         # each item read whole (outside the lock: threads read at once), kept while the
         # entry is built from those bytes, the tensor's data taken from them
         cols, items = dcp.cols, dcp.items

@@ -120,7 +120,7 @@ def open_composite(root: str, parts: list[tuple[str, str]],
             entry, objects[name] = json_entry(name)
             files.append(entry)
 
-    def read(ck: Checkpoint, entry: TensorEntry, moved: Any = None) -> Any:
+    def read(ck: Checkpoint, entry: TensorEntry, moved: Any = None, scratch: Any = None) -> Any:
         first = entry.parts[0].file if entry.parts else ""
         sub = next((s for s in owners if s and first.startswith(s + "/")), "")
         component, _ = owners[sub]
@@ -128,7 +128,7 @@ def open_composite(root: str, parts: list[tuple[str, str]],
             n = len(sub) + 1
             entry = dataclasses.replace(entry, parts=tuple(
                 dataclasses.replace(p, file=p.file[n:]) for p in entry.parts))
-        return component._reader(component, entry)
+        return component._reader(component, entry, None, scratch)
 
     from ckptlab.checkpoint._tensors import unique_names
 

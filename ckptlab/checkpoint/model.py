@@ -18,7 +18,8 @@ from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.format._plain import plain_value
 from ckptlab.format.layout import Segment, SegmentKind, contiguous_strides
 
-__all__ = ["Checkpoint", "FileEntry", "Part", "TensorEntry", "plain_value", "tensor_name"]
+__all__ = ["Checkpoint", "FileEntry", "Part", "Scratch", "TensorEntry", "plain_value",
+           "tensor_name"]
 
 KINDS = ("dense", "sparse", "quantized", "nested", "subclass")
 FORMATS = ("torch-zip", "torch-legacy", "torchscript", "pt2", "safetensors", "hf", "dcp", "dir")
@@ -270,6 +271,33 @@ class LazyTensors(Mapping[str, TensorEntry]):
         return (dict, (self.as_dict(),))  # pickles and copies as the dict
 
 
+class Scratch:
+    """Memory that :meth:`Checkpoint.read` reads a tensor's bytes into, the same memory again
+    at the next read: for a loop that looks at one tensor at a time (``diff``, ``stats``)
+    and would otherwise have the system hand it new pages for every tensor. A tensor read
+    with a scratch is valid until the next read with it; parts of one tensor get distinct
+    buffers. Where bytes arrive from a URL they are used as they come."""
+
+    def __init__(self) -> None:
+        self._buffers: list[bytearray] = []
+        self._next = 0
+
+    def start(self) -> None:
+        """A new read: every buffer free again."""
+        self._next = 0
+
+    def take(self, nbytes: int) -> memoryview:
+        """``nbytes`` of memory not taken since :meth:`start` (a buffer kept, or a new one
+        that replaces a smaller one)."""
+        if self._next == len(self._buffers):
+            self._buffers.append(bytearray(nbytes))
+        elif len(self._buffers[self._next]) < nbytes:
+            self._buffers[self._next] = bytearray(nbytes)  # (a tensor may still hold the old)
+        buf = self._buffers[self._next]
+        self._next += 1
+        return memoryview(buf)[:nbytes]
+
+
 class Checkpoint:
     """Any checkpoint, tensor first. Made by :func:`ckptlab.open`; see the module docstring.
 
@@ -343,12 +371,13 @@ class Checkpoint:
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)
 
-    def read(self, name: str) -> Any:
+    def read(self, name: str, *, scratch: Scratch | None = None) -> Any:
         """The tensor ``name`` as ``torch.load`` (or the format's own loader) gives it.
 
         Only that tensor's bytes are read and no pickle runs: sparse, quantized and nested
         tensors are rebuilt with torch's constructors from their parts; a DCP tensor is
-        assembled from its chunks.
+        assembled from its chunks. With ``scratch`` (a :class:`Scratch`) the bytes are read
+        into its memory: the tensor may share it, and is valid until the next read with it.
 
         Raises
         ------
@@ -362,7 +391,10 @@ class Checkpoint:
             entry = self.tensors[name]
         except KeyError:
             raise KeyError(f"{name!r} is not a tensor of {self.path}") from None
-        return self._reader(self, entry)
+        if scratch is None:
+            return self._reader(self, entry)
+        scratch.start()
+        return self._reader(self, entry, None, scratch)
 
     def read_part(self, name: str, role: str) -> Any:
         """One part of tensor ``name`` (``"indices"``, ``"scales"``, an inner tensor of a

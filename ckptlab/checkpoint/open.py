@@ -37,6 +37,7 @@ from ckptlab.checkpoint.model import (
     FileEntry,
     LazyTensors,
     Part,
+    Scratch,
     TensorEntry,
     file_segments_or_unknown,
     tensor_name,
@@ -65,7 +66,7 @@ __all__ = ["DIR_PROBES", "FILE_ADAPTERS", "directory_location", "open_checkpoint
 
 Source = str | os.PathLike[str] | BinaryIO | bytes
 
-Reader = Callable[..., Any]  # (checkpoint, entry[, moved]) -> tensor
+Reader = Callable[..., Any]  # (checkpoint, entry[, moved[, scratch]]) -> tensor
 
 
 # -- one file ----------------------------------------------------------------------------------
@@ -157,9 +158,11 @@ def _reader(tree: Tree | None) -> Reader:
     """``ck.read``: each part's bytes in one read of its file (``tree.fetch`` by the file's
     ``full_path``: a ``pread``, or one ranged request behind a URL), the tensor built from
     them (every kind: dense, sparse, quantized, nested, DCP chunks). ``moved`` (file ->
-    ``[(offset, bytes)]``) holds bytes the caller read already."""
+    ``[(offset, bytes)]``) holds bytes the caller read already; ``scratch`` (a
+    :class:`~ckptlab.checkpoint.model.Scratch`) the memory local parts are read into."""
     def read(ck: Checkpoint, entry: TensorEntry,
-             moved: dict[str, list[tuple[int, bytes]]] | None = None) -> Any:
+             moved: dict[str, list[tuple[int, bytes]]] | None = None,
+             scratch: Scratch | None = None) -> Any:
         def name_of(rel: str) -> str:
             return ck.file(rel).full_path or rel
 
@@ -172,7 +175,8 @@ def _reader(tree: Tree | None) -> Reader:
                 raise UnsupportedFormatError(
                     "the checkpoint was opened from bytes or a file object; read() needs a "
                     "path (open the file by name)", path=ck.path, record=entry.name)
-            data = tree.fetch(full, p.offset, p.offset + p.nbytes) if p.nbytes else b""
+            data = tree.fetch(full, p.offset, p.offset + p.nbytes,
+                              scratch.take(p.nbytes) if scratch else None) if p.nbytes else b""
             if len(data) != p.nbytes:
                 raise TruncatedArchiveError("file ends inside a tensor's bytes", path=full,
                                             record=entry.name, offset=p.offset,

@@ -6,15 +6,18 @@ matches the most names wins (``rename=`` overrides it). Tensors left on one side
 same dtype, shape and bytes as one on the other are ``renamed``.
 
 Each common tensor is read once per side (``Checkpoint.read``: its bytes only, no pickle
-run; one tensor of each side in memory at a time). Equal dtypes, shapes and bytes are
-``identical`` without any float work. Otherwise both sides are compared in their value
-(sparse tensors dense, quantized ones dequantized): cast to float64 (complex: complex128;
-bool and integer tensors exactly, as float64 holds every integer up to 2**53), NaN equal to
-NaN. ``n_diff`` counts the elements that differ; ``max_abs`` is the largest ``|a - b|``
-where neither side is NaN (equal infinities differ by 0); ``rel_l2`` is ``||a - b|| /
+run; one tensor of each side in memory at a time, read into memory kept from one tensor to
+the next). Equal dtypes, shapes and bytes are ``identical`` without any float work. Otherwise
+both sides are compared in their value (sparse tensors dense, quantized ones dequantized) in
+float64 arithmetic: every value of both sides is held exactly (bool, integers up to 2**53;
+complex tensors as pairs of a real and an imaginary part, each counted as an element), NaN
+equal to NaN. ``n_diff`` counts the elements that differ; ``max_abs`` is the largest ``|a -
+b|`` where neither side is NaN (equal infinities differ by 0); ``rel_l2`` is ``||a - b|| /
 ||a||`` (0 when both are zero, inf when only ``a`` is); ``cosine`` is ``a . b / (||a||
 ||b||)`` (1 when both are zero, 0 when one is); NaN positions are left out of the three
-norms. ``nan_a`` / ``nan_b`` count NaNs. A tensor is *changed* when its dtype or shape
+norms. ``nan_a`` / ``nan_b`` count NaNs. The element loops are :mod:`ckptlab.compare._kernels`
+(NumPy, or compiled where built), over slices of at most
+:data:`~ckptlab.compare._kernels.SLICE` elements shared among a few threads. A tensor is *changed* when its dtype or shape
 differ, or some element is farther than ``atol + rtol * |b|`` (``torch.isclose``'s rule,
 NaN equal to NaN).
 """
@@ -27,7 +30,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CheckpointDiff", "TensorDiff", "diff"]
+from ckptlab.compare._kernels import kernels, on_threads, slices
+
+__all__ = ["CheckpointDiff", "TensorDiff", "diff", "step_diffs"]
 
 # prefixes wrappers put on every name (DDP, torch.compile, Lightning, PEFT, HF heads)
 COMMON_PREFIXES = ("module.", "_orig_mod.", "model.", "base_model.model.", "transformer.")
@@ -49,6 +54,8 @@ class TensorDiff:
     within: bool = False  # every element within the tolerances (and the same dtype, shape)
     compared: str = "bytes"  # "bytes", "values", "dense values", "dequantized values"
     error: str | None = None  # a side that could not be read, in words
+    norm_a: float | None = None  # ||a||, ||b|| (NaN positions left out), where compared
+    norm_b: float | None = None
 
     @property
     def changed(self) -> bool:
@@ -60,7 +67,8 @@ class TensorDiff:
                 "max_abs": _number(self.max_abs), "rel_l2": _number(self.rel_l2),
                 "cosine": _number(self.cosine), "n_diff": self.n_diff, "nan_a": self.nan_a,
                 "nan_b": self.nan_b, "changed": self.changed, "compared": self.compared,
-                "error": self.error}
+                "error": self.error, "norm_a": _number(self.norm_a),
+                "norm_b": _number(self.norm_b)}
 
 
 def _number(x: float | None) -> float | str | None:
@@ -83,6 +91,7 @@ class CheckpointDiff:
     tensors: dict[str, TensorDiff] = field(default_factory=dict)
     atol: float = 0.0
     rtol: float = 0.0
+    b_names: dict[str, str] = field(default_factory=dict)  # A's name -> B's, where they differ
 
     @property
     def differs(self) -> bool:
@@ -106,14 +115,43 @@ class CheckpointDiff:
                 "tensors": {k: t.to_dict() for k, t in self.tensors.items()},
                 "summary": self.counts()}
 
+    def by_module(self, depth: int | None = None) -> list[tuple[str, float, int, int]]:
+        """How far each module moved, in A's order: ``(module, rel_l2, changed, tensors)``,
+        a module being a tensor's name without its last dotted component (cut to ``depth``
+        components when given) and its ``rel_l2`` ``||a - b|| / ||a||`` over all its tensors
+        together (so a bias that starts at zero does not make its layer infinitely changed;
+        tensors of another dtype are compared in value); inf where one of its tensors changed
+        shape or could not be read."""
+        groups: dict[str, list[Any]] = {}
+        for name, t in self.tensors.items():
+            parts = name.split(".")[:-1]
+            module = ".".join(parts[:depth] if depth else parts) or "(top)"
+            g = groups.setdefault(module, [0.0, 0.0, 0, 0, False])
+            g[2] += t.changed
+            g[3] += 1
+            if t.norm_a is None or t.rel_l2 is None:  # shape differs, or unreadable
+                g[4] = True
+                continue
+            g[1] += t.norm_a ** 2
+            g[0] += (t.rel_l2 * t.norm_a) ** 2 if t.norm_a and math.isfinite(t.rel_l2) else \
+                0.0 if t.rel_l2 == 0 else (t.norm_b or 0.0) ** 2  # (a all zero: ||b||)
+        out = []
+        for module, (d2, a2, changed, n, broken) in groups.items():
+            rel = math.inf if broken else 0.0 if d2 == 0 else math.inf if a2 == 0 else \
+                math.sqrt(d2 / a2)
+            out.append((module, rel, int(changed), int(n)))
+        return out
+
     def largest(self, n: int = 10) -> list[tuple[str, TensorDiff]]:
-        """The ``n`` most changed tensors: different dtype or shape first, then by relative
-        change (rel_l2, else max_abs)."""
-        def key(item: tuple[str, TensorDiff]) -> tuple[int, float, float]:
+        """The ``n`` most changed tensors: a different dtype or shape (or unreadable) first,
+        then by relative change (``rel_l2``), then those all zero in A (``rel_l2`` inf) by
+        ``max_abs``."""
+        def key(item: tuple[str, TensorDiff]) -> tuple[int, int, float, float]:
             t = item[1]
             rel = t.rel_l2 if t.rel_l2 is not None and not math.isnan(t.rel_l2) else math.inf
-            return (t.dtype[0] == t.dtype[1] and t.shape[0] == t.shape[1],
-                    -rel, -(t.max_abs or 0.0))
+            return (t.dtype[0] == t.dtype[1] and t.shape[0] == t.shape[1] and not t.error,
+                    math.isinf(rel), -rel if math.isfinite(rel) else 0.0,
+                    -(t.max_abs or 0.0))
 
         return sorted(((k, t) for k, t in self.tensors.items() if t.changed), key=key)[:n]
 
@@ -234,10 +272,26 @@ def _raw(t: Any) -> bytes:
     return view.numpy().tobytes() if view.numel() else b""  # (hashed for renames)
 
 
-SLICE = 1 << 22  # elements compared in float64 at a time (32 MiB per side)
+# dtypes whose every value float32 holds exactly (compared as float32, in float64 arithmetic)
+_FLOAT32_EXACT = frozenset({"float32", "bfloat16", "float16", "int8", "uint8", "int16", "bool",
+                            "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                            "float8_e5m2fnuz"})
 
 
-def _compare(ta: Any, tb: Any, atol: float, rtol: float) -> TensorDiff:
+def _kind(x: Any) -> str:
+    """``"f"`` when float32 holds each value of ``x`` exactly, else ``"d"`` (float64)."""
+    return "f" if str(x.dtype).removeprefix("torch.") in _FLOAT32_EXACT else "d"
+
+
+def _elements(x: Any, kind: str) -> Any:
+    """A slice as a NumPy array of ``kind``'s float type."""
+    import torch
+
+    want = torch.float32 if kind == "f" else torch.float64
+    return (x if x.dtype == want else x.to(want)).contiguous().numpy()
+
+
+def _compare(ta: Any, tb: Any, atol: float, rtol: float, impl: str | None = None) -> TensorDiff:
     import torch
 
     dtype = (str(ta.dtype).removeprefix("torch."), str(tb.dtype).removeprefix("torch."))
@@ -246,55 +300,54 @@ def _compare(ta: Any, tb: Any, atol: float, rtol: float) -> TensorDiff:
     vb, how_b = dense_value(tb)
     if how == how_b == "values" and dtype[0] == dtype[1] and shape[0] == shape[1] and \
             torch.equal(_bytes_view(ta), _bytes_view(tb)):
-        nans = _nans(ta)
-        return TensorDiff(True, dtype, shape, 0.0, 0.0, 1.0, 0, nans, nans, within=True)
+        nans, norm = _nans_and_norm(va, kernels(impl))
+        return TensorDiff(True, dtype, shape, 0.0, 0.0, 1.0, 0, nans, nans, within=True,
+                          norm_a=norm, norm_b=norm)
     if va.shape != vb.shape:
         return TensorDiff(False, dtype, shape, compared=how)
-    wide = torch.complex128 if va.is_complex() or vb.is_complex() else torch.float64
+    if va.is_complex() or vb.is_complex():
+        # as pairs of reals: (re, im) side by side, each compared as an element
+        how += " (complex as real and imaginary parts)"
+        va, vb = (torch.view_as_real(v.to(torch.complex128)) for v in (va, vb))
+    kind = "f" if _kind(va) == _kind(vb) == "f" else "d"
     fa, fb = va.detach().reshape(-1), vb.detach().reshape(-1)
+    k = kernels(impl)
+
+    def part(span: tuple[int, int]) -> tuple[Any, ...]:
+        return k.compare(_elements(fa[span[0]:span[1]], kind),
+                         _elements(fb[span[0]:span[1]], kind), kind, atol, rtol)
+
     n_diff = nan_a = nan_b = 0
-    max_abs = sa = sb = sd = 0.0
-    dot = 0.0
+    max_abs = sa = sb = sd = dot = 0.0
     within = dtype[0] == dtype[1] and shape[0] == shape[1]
-    for start in range(0, fa.numel(), SLICE):  # in slices: 32 MiB of float64 per side
-        a = fa[start:start + SLICE].to(wide)
-        b = fb[start:start + SLICE].to(wide)
-        na_, nb_ = torch.isnan(a), torch.isnan(b)
-        equal = (a == b) | (na_ & nb_)
-        n_diff += int((~equal).sum())
-        nan_a += int(na_.sum())
-        nan_b += int(nb_.sum())
-        ok = ~(na_ | nb_)
-        a, b = a[ok], b[ok]
-        delta = torch.where(a == b, torch.zeros_like(a), a - b)  # equal infinities: 0
-        if delta.numel():
-            max_abs = max(max_abs, float(delta.abs().max()))
-        sa += float(torch.linalg.vector_norm(a)) ** 2
-        sb += float(torch.linalg.vector_norm(b)) ** 2
-        sd += float(torch.linalg.vector_norm(delta)) ** 2
-        dot += float(torch.vdot(a, b).real if a.is_complex() else torch.dot(a, b)) \
-            if a.numel() else 0.0
-        if within:
-            within = bool((equal[ok] | ((a - b).abs() <= atol + rtol * b.abs())).all()) and \
-                bool((equal | ok).all())
+    for d, x, y, m, a2, b2, d2, ab, close in on_threads(part, slices(fa.numel())):
+        n_diff, nan_a, nan_b = n_diff + d, nan_a + x, nan_b + y
+        max_abs, sa, sb, sd, dot = max(max_abs, m), sa + a2, sb + b2, sd + d2, dot + ab
+        within = within and close
     na, nb, nd = math.sqrt(sa), math.sqrt(sb), math.sqrt(sd)
     rel = 0.0 if nd == 0 else (math.inf if na == 0 else nd / na)
     cosine = 1.0 if na == 0 and nb == 0 else 0.0 if na == 0 or nb == 0 else dot / (na * nb)
     return TensorDiff(False, dtype, shape, max_abs, rel, cosine, n_diff, nan_a, nan_b,
-                      within=within, compared=how)
+                      within=within, compared=how, norm_a=na, norm_b=nb)
 
 
-def _nans(t: Any) -> int:
-    """NaNs in ``t``: counted only where its sum is NaN (a NaN makes it one; one fast
-    reduction instead of a mask in the usual case of none)."""
+def _nans_and_norm(t: Any, k: Any) -> tuple[int, float]:
+    """NaNs in ``t`` and ``||t||`` over the others, in one pass (``moments``)."""
     import torch
 
-    if not (t.is_floating_point() or t.is_complex()) or not t.numel():
-        return 0
-    total = t.sum()
-    if not bool(torch.isnan(total).any()):
-        return 0
-    return int(torch.isnan(t).sum())
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    kind = _kind(t)
+    flat = t.detach().reshape(-1)
+
+    def part(span: tuple[int, int]) -> tuple[Any, ...]:
+        return k.moments(_elements(flat[span[0]:span[1]], kind), kind)
+
+    nan = inf = 0
+    squares = 0.0
+    for found in on_threads(part, slices(flat.numel())):
+        nan, inf, squares = nan + found[0], inf + found[1], squares + found[7]
+    return nan, math.inf if inf else math.sqrt(squares)  # (as the norms of compare())
 
 
 def _digest(ck: Any, name: str) -> str | None:
@@ -356,6 +409,8 @@ def diff(a: Any, b: Any, *, rename: Callable[[str], str] | Mapping[str, str] | N
     -------
     CheckpointDiff
     """
+    from ckptlab.checkpoint import Scratch
+
     ck_a, ck_b = _open(a), _open(b)
     keep = names or (lambda n: True)
     a_names = [n for n in ck_a.tensors if keep(n)]
@@ -367,10 +422,11 @@ def diff(a: Any, b: Any, *, rename: Callable[[str], str] | Mapping[str, str] | N
     only_a = [n for n in a_names if to_b[n] not in b_set]
     only_b = [n for n in b_names if n not in matched]
     tensors = {}
+    scratch_a, scratch_b = Scratch(), Scratch()  # one tensor of each side at a time
     for na, nb in common:
         try:
-            ta = ck_a.read(na)
-            tb = ck_b.read(nb)
+            ta = ck_a.read(na, scratch=scratch_a)
+            tb = ck_b.read(nb, scratch=scratch_b)
         except Exception as exc:  # said per tensor; the diff goes on
             ea, eb = ck_a.tensors[na], ck_b.tensors[nb]
             tensors[na] = TensorDiff(False, (ea.dtype, eb.dtype), (ea.shape, eb.shape),
@@ -380,4 +436,30 @@ def diff(a: Any, b: Any, *, rename: Callable[[str], str] | Mapping[str, str] | N
         del ta, tb
     renamed = _renames(ck_a, ck_b, only_a, only_b)
     return CheckpointDiff(ck_a.path, ck_b.path, rule, tuple(only_a), tuple(only_b), renamed,
-                          tensors, atol, rtol)
+                          tensors, atol, rtol, {na: nb for na, nb in common if na != nb})
+
+
+def step_diffs(source: Any, **options: Any) -> list[tuple[str, str, CheckpointDiff]]:
+    """Each complete save of a training run against the one before it: ``(earlier, later,
+    diff)`` by save name, in the run's order. ``source`` is the run's local directory (any
+    layout :func:`~ckptlab.checkpoint.runs.find_run` knows) or a checkpoint opened from one;
+    ``options`` go to :func:`diff`. Each save is opened once."""
+    import os
+
+    from ckptlab.checkpoint import Checkpoint
+    from ckptlab.checkpoint.runs import RUN_LAYOUTS, find_run
+    from ckptlab.errors import UnsupportedFormatError
+
+    if isinstance(source, Checkpoint) and source.run is not None:
+        run = source.run
+    else:
+        path = source.path if isinstance(source, Checkpoint) else os.fspath(source)
+        run = find_run(path)
+        if run is None:
+            raise UnsupportedFormatError(
+                f"not a training run's directory (saves side by side: {RUN_LAYOUTS})",
+                path=path)
+    saves = [s for s in run.steps if s.complete]
+    opened = [_open(os.path.join(run.path, s.name)) for s in saves]
+    return [(saves[i].name, saves[i + 1].name, diff(opened[i], opened[i + 1], **options))
+            for i in range(len(saves) - 1)]

@@ -1,14 +1,22 @@
-"""Tensor statistics and health: :func:`stats`, :func:`health`.
+"""Tensor statistics and health: :func:`stats`, :func:`health`, :func:`difference`.
 
 Each tensor is read once (``Checkpoint.read``: its bytes only, no pickle run), one at a time,
 and measured in its value (sparse tensors dense, quantized ones dequantized, nested ones padded
-with 0, complex ones by modulus, bool as 0/1) in slices of at most :data:`SLICE` elements, the sums accumulated in
-float64, so a tensor's float64 copy never exists
-whole (``std`` from the squares around the mean, in a second pass with the histogram).
+with 0, complex ones by modulus, bool as 0/1), every sum in float64:
+
+- a tensor of 8 or 16 bits (bfloat16, float16, float8, int8...) from the count of each of its
+  bit patterns: one pass, then every figure from at most 65,536 distinct values;
+- any other in two passes over slices of at most :data:`SLICE` elements (so that no float64
+  copy of a large tensor ever exists): the counts, the range and the sum, then the squares
+  around the mean (``std`` exact, not from the sum of squares) and the histogram.
+
 ``min``, ``max``, ``mean``, ``std`` (the population standard deviation:
-``torch.std(..., correction=0)``), ``abs_max`` and the histogram are over the finite elements; ``nan``, ``inf`` and ``zeros`` count elements. The histogram has
-:data:`BINS` equal bins from ``min`` to ``max`` (``torch.histc``'s rule: the last bin holds
-``max``); a constant tensor's finite elements all fall in the first bin.
+``torch.std(..., correction=0)``), ``abs_max`` and the histogram are over the finite elements;
+``nan``, ``inf`` and ``zeros`` count elements. The histogram has :data:`BINS` equal bins from
+``min`` to ``max``: an element's bin is ``floor((x - min) * BINS / (max - min))`` computed in
+float64 in that order, ``max`` in the last bin (``torch.histc``'s arithmetic on float64:
+the same counts); a constant tensor's finite elements all fall in the first bin. The loops are
+:mod:`ckptlab.compare._kernels` (NumPy, or compiled where built).
 """
 
 from __future__ import annotations
@@ -18,10 +26,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BINS", "SLICE", "TensorStats", "health", "stats"]
+from ckptlab.compare._kernels import SLICE, kernels, on_threads, slices
+
+__all__ = ["BINS", "SLICE", "TensorStats", "difference", "health", "side_by_side", "stats"]
 
 BINS = 64
-SLICE = 1 << 22  # elements converted to float64 at a time (32 MiB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +61,8 @@ class TensorStats:
 
 
 def _flat(t: Any) -> Any:
-    """The tensor's value (:func:`~ckptlab.compare._diff.dense_value`) as a flat tensor of
-    reals."""
+    """The tensor's value (:func:`~ckptlab.compare._diff.dense_value`) as a flat contiguous
+    tensor of reals."""
     import torch
 
     from ckptlab.compare._diff import dense_value
@@ -63,62 +72,145 @@ def _flat(t: Any) -> Any:
         t = t.abs()
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
-    return t.detach().reshape(-1)
+    return t.detach().contiguous().reshape(-1)
 
 
-def measure(t: Any) -> TensorStats:
-    """:class:`TensorStats` of one tensor: one pass for the counts, the range and the float64
-    sum; one for the squares around the mean and the histogram (on the values' own float
-    type where it is one)."""
-    import torch
+def measure(t: Any, impl: str | None = None) -> TensorStats:
+    """:class:`TensorStats` of one tensor. Tensors of 8 or 16 bits are measured from the count
+    of each bit pattern (one pass; every figure then comes from at most 65,536 values), the
+    others in two passes over slices of :data:`SLICE` elements: the counts, the range and
+    the sum, then the squares around the mean and the histogram. ``impl`` picks the loops
+    (:func:`~ckptlab.compare._kernels.kernels`)."""
+    import numpy as np
 
+    k = kernels(impl)
     dtype = str(t.dtype).removeprefix("torch.")
     x = _flat(t)
-    if not x.is_floating_point():
-        x = x.to(torch.float64)  # integers: exact in float64 up to 2**53
+    if x.element_size() <= 2:
+        values, counts = _table(x, k)
+        return _from_table(dtype, x.numel(), values, counts)
     n = x.numel()
+    bounds = slices(n)
+
+    def first(span: tuple[int, int]) -> tuple[Any, ...]:
+        part = _floats(x[span[0]:span[1]])
+        return k.moments(part, part.dtype.char)
+
     nan = inf = zeros = finite = 0
-    lo, hi = math.inf, -math.inf
-    total = squares = 0.0
-    for start in range(0, n, SLICE):
-        s = x[start:start + SLICE]
-        zeros += int((s == 0).sum())
-        if not bool(torch.isfinite(s).all()):  # (one pass in the usual case of none)
-            isnan, isinf = torch.isnan(s), torch.isinf(s)
-            nan += int(isnan.sum())
-            inf += int(isinf.sum())
-            s = s[~(isnan | isinf)]
-        if s.numel():
-            finite += s.numel()
-            low, high = torch.aminmax(s)
-            lo, hi = min(lo, float(low)), max(hi, float(high))
-            total += float(s.sum(dtype=torch.float64))  # accumulated in float64
+    lo, hi, total = math.inf, -math.inf, 0.0
+    for a, b, c, d, low, high, s, _ in on_threads(first, bounds):
+        nan, inf, zeros, finite, total = nan + a, inf + b, zeros + c, finite + d, total + s
+        lo, hi = min(lo, low), max(hi, high)
     if not finite:
         return TensorStats(dtype, n, nan=nan, inf=inf, zeros=zeros)
     mean = total / finite
-    counts = torch.zeros(BINS, dtype=torch.float64)
-    kind = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
-    for start in range(0, n, SLICE):  # the spread around the mean (exact), the histogram
-        s = x[start:start + SLICE]
-        s = s[torch.isfinite(s)] if nan or inf else s
-        squares += float(torch.linalg.vector_norm(s.to(torch.float64) - mean)) ** 2
-        if hi > lo:
-            counts += torch.histc(s.to(kind), bins=BINS, min=lo, max=hi).to(torch.float64)
-    if hi == lo:
-        counts[0] = finite
-    var = squares / finite
+
+    def second(span: tuple[int, int]) -> tuple[float, Any]:
+        part, counts = _floats(x[span[0]:span[1]]), np.zeros(BINS, dtype=np.int64)
+        return k.spread(part, part.dtype.char, mean, lo, hi, counts), counts
+
+    done = on_threads(second, bounds)
+    squares = sum(sq for sq, _ in done)
+    counts = sum((c for _, c in done), np.zeros(BINS, dtype=np.int64))
+    return _result(dtype, n, lo, hi, mean, squares / finite, nan, inf, zeros, counts)
+
+
+def _floats(x: Any) -> Any:
+    """A slice as a NumPy float32 or float64 array (other types converted to float64: exact
+    for integers up to 2**53)."""
+    import torch
+
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.to(torch.float64)
+    return x.numpy()
+
+
+def _table(x: Any, k: Any) -> tuple[Any, Any]:
+    """The value of each bit pattern of an 8- or 16-bit tensor (float64) and its count."""
+    import numpy as np
+    import torch
+
+    if x.element_size() == 2:
+        patterns = torch.from_numpy(np.arange(1 << 16, dtype=np.uint16).view(np.int16))
+        counts = np.zeros(1 << 16, dtype=np.int64)
+        bits = x.view(torch.int16).numpy()
+        for start, end in slices(bits.size):
+            k.count16(bits[start:end], counts)
+    else:
+        patterns = torch.from_numpy(np.arange(1 << 8, dtype=np.uint8))
+        counts = np.bincount(x.view(torch.uint8).numpy(), minlength=1 << 8).astype(np.int64)
+    values = patterns.view(x.dtype).to(torch.float64).numpy()
+    return values, counts
+
+
+def _from_table(dtype: str, n: int, values: Any, counts: Any) -> TensorStats:
+    """:class:`TensorStats` from each distinct value's count (the histogram's bins computed
+    as :mod:`~ckptlab.compare._kernels` computes them, once per value)."""
+    import numpy as np
+
+    present = counts > 0
+    values, counts = values[present], counts[present]
+    isnan, isinf = np.isnan(values), np.isinf(values)
+    nan, inf = int(counts[isnan].sum()), int(counts[isinf].sum())
+    zeros = int(counts[values == 0].sum())
+    ok = ~(isnan | isinf)
+    values, counts = values[ok], counts[ok]
+    finite = int(counts.sum())
+    if not finite:
+        return TensorStats(dtype, n, nan=nan, inf=inf, zeros=zeros)
+    lo, hi = float(values.min()), float(values.max())
+    mean = float((values * counts).sum()) / finite
+    squares = float((counts * (values - mean) ** 2).sum())
+    hist = np.zeros(BINS, dtype=np.int64)
+    width = hi - lo
+    pos = ((values - lo) * float(BINS) / width).astype(np.int64) if width > 0 else \
+        np.zeros(values.size, dtype=np.int64)
+    np.add.at(hist, np.minimum(pos, BINS - 1), counts)
+    return _result(dtype, n, lo, hi, mean, squares / finite, nan, inf, zeros, hist)
+
+
+def _result(dtype: str, n: int, lo: float, hi: float, mean: float, var: float, nan: int,
+            inf: int, zeros: int, counts: Any) -> TensorStats:
+    import torch
+
     edges = tuple(float(e) for e in torch.linspace(lo, hi, BINS + 1, dtype=torch.float64))
     return TensorStats(dtype, n, lo, hi, mean, math.sqrt(var), max(abs(lo), abs(hi)), nan,
                        inf, zeros, edges, tuple(int(c) for c in counts))
+
+
+def difference(a: Any, b: Any) -> TensorStats:
+    """Statistics of ``b - a`` (two tensors of one shape, in float64: the changes of one
+    tensor, for a histogram of them), measured as :func:`measure` measures; ``dtype`` is
+    ``"float64"``. It holds a float64 copy of the tensor: for one tensor at a time."""
+    import torch
+
+    va, vb = _flat(a), _flat(b)  # (complex ones by modulus)
+    if va.shape != vb.shape:
+        raise ValueError(f"shapes differ: {tuple(va.shape)} vs {tuple(vb.shape)}")
+    return measure(vb.to(torch.float64) - va.to(torch.float64))
+
+
+def side_by_side(d: Any, a: Any, b: Any, name: str) -> dict[str, TensorStats]:
+    """Tensor ``name`` (A's name) of diff ``d`` measured on both sides, and its changes:
+    ``{"A": ..., "B": ..., "B - A": ...}`` (the changes where it is not identical and both
+    shapes agree); ``a``, ``b``: the two checkpoints, opened."""
+    ta = a.read(name)
+    tb = b.read(d.b_names.get(name, name))
+    out = {"A": measure(ta), "B": measure(tb)}
+    t = d.tensors.get(name)
+    if t is not None and not t.identical and tuple(ta.shape) == tuple(tb.shape):
+        out["B - A"] = difference(ta, tb)
+    return out
 
 
 def stats(source: Any, names: Any = None) -> dict[str, TensorStats]:
     """Statistics of every tensor of a checkpoint (path, URL or
     :class:`~ckptlab.checkpoint.Checkpoint`), or of ``names`` (a list of names, or a test of a
     name), in the checkpoint's order; a tensor that cannot be read gets ``error``."""
-    from ckptlab.checkpoint import Checkpoint, open_checkpoint
+    from ckptlab.checkpoint import Checkpoint, Scratch, open_checkpoint
 
     ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
+    scratch = Scratch()  # one tensor at a time, read into the same memory
     if names is None:
         wanted = list(ck.tensors)
     elif callable(names):
@@ -129,7 +221,7 @@ def stats(source: Any, names: Any = None) -> dict[str, TensorStats]:
     for name in wanted:
         entry = ck.tensors[name]
         try:
-            t = ck.read(name)
+            t = ck.read(name, scratch=scratch)
         except Exception as exc:  # said per tensor; the others are measured
             out[name] = TensorStats(entry.dtype, 0, error=f"cannot be read: {exc}"[:300])
             continue

@@ -104,8 +104,11 @@ class Tree:
                 continue
         return out
 
-    def fetch(self, full: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of the file named ``full`` (one read; fewer at its end)."""
+    def fetch(self, full: str, start: int, end: int, into: Any = None) -> bytes:
+        """Bytes ``[start, end)`` of the file named ``full`` (one read; fewer at its end).
+        ``into``: writable memory of at least ``end - start`` bytes that a local file is read
+        into (then a view of it is returned: no new memory); a URL's bytes are returned as
+        they arrive."""
         raise NotImplementedError
 
     def mapped(self, rel: str, max_nbytes: int) -> contextlib.AbstractContextManager[
@@ -197,15 +200,17 @@ class LocalTree(Tree):
             out[name] = info.st_size
         return out
 
-    def fetch(self, full: str, start: int, end: int) -> bytes:
-        # into a bytearray the caller may keep: a tensor built on it needs no second copy
+    def fetch(self, full: str, start: int, end: int, into: Any = None) -> bytes:
+        # into a bytearray the caller may keep (a tensor built on it needs no second copy),
+        # or into the caller's memory
         fd = os.open(full, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         try:
             if end <= start:
                 return b""
             if not hasattr(os, "preadv"):
                 return os.pread(fd, end - start, start)
-            buf = bytearray(end - start)
+            buf = bytearray(end - start) if into is None else \
+                memoryview(into).cast("B")[:end - start]
             got = os.preadv(fd, [buf], start)
             return buf if got == len(buf) else buf[:got]  # type: ignore[return-value]
         finally:
@@ -299,7 +304,7 @@ class RemoteTree(Tree):
         url = self.name_of(rel)
         return url, self.store.whole(url)
 
-    def fetch(self, full: str, start: int, end: int) -> bytes:
+    def fetch(self, full: str, start: int, end: int, into: Any = None) -> bytes:
         return self.store.range(full, start, end)
 
     @contextlib.contextmanager

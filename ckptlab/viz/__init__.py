@@ -40,6 +40,14 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         tensor_table,
         treemap_figure,
     )
+    from ckptlab.viz.compare import (
+        diff_figure,
+        diff_table_html,
+        health_html,
+        hist_figure,
+        stats_table_html,
+        steps_figure,
+    )
     from ckptlab.viz.gds import block_classes, blockmap_figure, transfer_figure
     from ckptlab.viz.hexview import hex_html
     from ckptlab.viz.plan import (
@@ -57,6 +65,9 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
 _MODULES = {
     "ckptlab.viz._style": ("KIND_COLORS", "KIND_LABELS"),
     "ckptlab.viz.alignment": ("alignment_figure",),
+    # comparing and measuring (ckptlab.compare)
+    "ckptlab.viz.compare": ("diff_figure", "diff_table_html", "health_html", "hist_figure",
+                            "stats_table_html", "steps_figure"),
     "ckptlab.viz.bytemap": ("ByteMap", "bytemap_figure", "bytemap_marks", "bytemap_trace",
                             "files_figure", "highlight_shapes", "overhead_figure",
                             "update_bytemap"),
@@ -73,8 +84,8 @@ _MODULES = {
     "ckptlab.viz.plan": ("cache_timeline_figure", "rank_bytes_figure", "rank_colors",
                          "reshard_figure", "shard_map_figure"),
 }
-_SUBMODULES = ("alignment", "bytemap", "checkpoint", "gds", "hexview", "plan", "report",
-               "tensors", "write")
+_SUBMODULES = ("alignment", "bytemap", "checkpoint", "compare", "gds", "hexview", "plan",
+               "report", "tensors", "write")
 
 __all__ = [
     "KIND_COLORS",
@@ -90,12 +101,16 @@ __all__ = [
     "bytemap_trace",
     "cache_timeline_figure",
     "checkpoint_summary",
+    "diff_figure",
+    "diff_table_html",
     "dtype_figure",
     "dtype_totals",
     "files_figure",
     "filter_tensors",
+    "health_html",
     "hex_html",
     "highlight_shapes",
+    "hist_figure",
     "module_tree",
     "overhead_figure",
     "query_tensors",
@@ -105,6 +120,8 @@ __all__ = [
     "reshard_figure",
     "shard_map_figure",
     "sort_tensors",
+    "stats_table_html",
+    "steps_figure",
     "storage_figure",
     "tensor_span",
     "tensor_table",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import html
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -91,7 +91,9 @@ def _more(total: int) -> str:
 
 
 def report_html(source: Any, *, hex_bytes: bytes | None = None, hex_file: str | None = None,
-                max_file_maps: int = MAX_FILE_MAPS) -> str:
+                max_file_maps: int = MAX_FILE_MAPS, diff: Any = None,
+                histograms: Mapping[str, Mapping[str, Any]] | None = None,
+                stats: Mapping[str, Any] | None = None) -> str:
     """One HTML document with the figures, tables and plotly.js inline (works offline).
 
     Parameters
@@ -107,6 +109,15 @@ def report_html(source: Any, *, hex_bytes: bytes | None = None, hex_file: str | 
     max_file_maps
         For a checkpoint of several files: draw the byte maps of the largest this many (the
         report says when it leaves some out).
+    diff
+        A :class:`~ckptlab.compare.CheckpointDiff` of this checkpoint (A) against another:
+        the report opens with what changed (``ckptlab report A --compare B``).
+    histograms
+        With ``diff``: tensor name -> {label: :class:`~ckptlab.compare.TensorStats`} (the
+        tensor in A, in B, its changes), a figure each.
+    stats
+        Tensor name -> :class:`~ckptlab.compare.TensorStats` (``ckptlab.stats``): a section
+        with the health line and the statistics table (``ckptlab report --stats``).
 
     Returns
     -------
@@ -114,9 +125,37 @@ def report_html(source: Any, *, hex_bytes: bytes | None = None, hex_file: str | 
         The document. Its figures are the same builders the widgets use; plotly.js is
         embedded once, so the file opens with no network access.
     """
+    lead, n = _lead(diff, histograms or {}, stats)
     if isinstance(source, ArchiveLayout):
-        return _layout_report(source, hex_bytes)
-    return _checkpoint_report(source, hex_bytes, hex_file, max_file_maps)
+        return _layout_report(source, hex_bytes, lead, n)
+    return _checkpoint_report(source, hex_bytes, hex_file, max_file_maps, lead, n)
+
+
+def _lead(diff: Any, histograms: Mapping[str, Mapping[str, Any]],
+          stats: Mapping[str, Any] | None) -> tuple[str, int]:
+    """The sections a report opens with (what changed, the statistics) and their figure
+    count: they come first, with plotly.js."""
+    from ckptlab.compare import health
+    from ckptlab.viz.compare import (
+        diff_figure,
+        diff_table_html,
+        health_html,
+        hist_figure,
+        stats_table_html,
+    )
+
+    parts, figures = [], 0
+    if diff is not None:
+        figs = [("What changed", diff_figure(diff))] + [
+            (f"Histograms · {name}", hist_figure(series, title=name))
+            for name, series in histograms.items()]
+        parts.append(f"<h2>Compared with {html.escape(diff.b)}</h2>" + diff_table_html(diff)
+                     + _figures_html(figs))
+        figures += len(figs)
+    if stats is not None:
+        parts.append("<h2>Tensor statistics</h2>" + health_html(health(dict(stats)))
+                     + stats_table_html(stats))
+    return "\n".join(parts), figures
 
 
 def _figures_html(figures: Sequence[tuple[str, go.Figure]], start: int = 0,
@@ -380,7 +419,8 @@ def _fitting_overhead(fig: go.Figure, fmt: str) -> go.Figure:
     return fig
 
 
-def _layout_report(layout: ArchiveLayout, hex_bytes: bytes | None) -> str:
+def _layout_report(layout: ArchiveLayout, hex_bytes: bytes | None, lead: str = "",
+                   lead_figures: int = 0) -> str:
     """One file's byte layout: records and alignment what-if for a torch.save zip."""
     zip_ = layout.format == "torch-zip"
     bm = ByteMap.from_layout(layout)
@@ -419,9 +459,9 @@ def _layout_report(layout: ArchiveLayout, hex_bytes: bytes | None) -> str:
     head: list[tuple[str, go.Figure]] = (
         [("Bytes by module", treemap_figure(table))] if layout.tensors else [])
     body = [safety_badge(layout.path) if os.path.isfile(layout.path) else "",
-            html_table(["", ""], facts), _dtype_html(table), _figures_html(head),
-            _tensor_section(table, multi=False),
-            _figures_html(figures, start=len(head), legend=_legend(bm.lanes))]
+            html_table(["", ""], facts), lead, _dtype_html(table),
+            _figures_html(head, start=lead_figures), _tensor_section(table, multi=False),
+            _figures_html(figures, start=lead_figures + len(head), legend=_legend(bm.lanes))]
     if zip_:
         records = [[r.short_name, r.header_offset, r.data_offset, r.data_nbytes,
                     r.padding_nbytes, r.zip64_extra_nbytes, r.descriptor_nbytes,
@@ -478,7 +518,7 @@ def _placement_figure(parts: Sequence[tuple[str, Any]], multi: bool) -> go.Figur
 
 
 def _checkpoint_report(ck: Any, hex_bytes: bytes | None, hex_file: str | None,
-                       max_file_maps: int) -> str:
+                       max_file_maps: int, lead: str = "", lead_figures: int = 0) -> str:
     from ckptlab.gds.readiness import tensor_ranges
 
     multi = len(ck.files) > 1
@@ -545,8 +585,8 @@ def _checkpoint_report(ck: Any, hex_bytes: bytes | None, hex_file: str | None,
          largest_alignment(data_offsets) if data_offsets else "—"]]
     if any(p.compression for _, p in parts):
         facts.append(["compressed parts", sum(bool(p.compression) for _, p in parts)])
-    body = [safety_badge(ck), html_table(["", ""], facts), _dtype_html(table),
-            _figures_html(head), _tensor_section(table, multi)]
+    body = [safety_badge(ck), html_table(["", ""], facts), lead, _dtype_html(table),
+            _figures_html(head, start=lead_figures), _tensor_section(table, multi)]
     if ck.notes:
         body.append("<ul class=\"note\">" + "".join(f"<li>{html.escape(n)}</li>"
                                                     for n in ck.notes) + "</ul>")
@@ -557,7 +597,7 @@ def _checkpoint_report(ck: Any, hex_bytes: bytes | None, hex_file: str | None,
               next(r[2] for r in file_rows if r[0] == f.path),
               f"{100 * f.nbytes / max(ck.nbytes, 1):.2f}%"] for f in ck.files][:MAX_TABLE_ROWS])
             + _more(len(ck.files)))
-    body.append(_figures_html(figures, start=len(head), legend=_legend(lanes)))
+    body.append(_figures_html(figures, start=lead_figures + len(head), legend=_legend(lanes)))
     body.append(maps_note)
     if zip_layout is not None:
         records = [[r.short_name, r.header_offset, r.data_offset, r.data_nbytes,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from ckptlab._lazy import lazy_attributes
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
+    from ckptlab.widgets.compare import DiffExplorer, StatsExplorer
     from ckptlab.widgets.explorer import AlignmentExplorer, LayoutExplorer
     from ckptlab.widgets.plan import PlanExplorer
     from ckptlab.widgets.write import BucketExplorer, TimelineView, save_progress, sized_items
@@ -22,6 +23,9 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
 _LAZY_NAMES = {
     "AlignmentExplorer": "ckptlab.widgets.explorer:AlignmentExplorer",
     "LayoutExplorer": "ckptlab.widgets.explorer:LayoutExplorer",
+    # comparing and measuring views (ckptlab.compare)
+    "DiffExplorer": "ckptlab.widgets.compare:DiffExplorer",
+    "StatsExplorer": "ckptlab.widgets.compare:StatsExplorer",
     # async writing views (ckptlab.write)
     "BucketExplorer": "ckptlab.widgets.write:BucketExplorer",
     "TimelineView": "ckptlab.widgets.write:TimelineView",
@@ -31,7 +35,7 @@ _LAZY_NAMES = {
     "PlanExplorer": "ckptlab.widgets.plan:PlanExplorer",
 }
 
-__all__ = ["AlignmentExplorer", "BucketExplorer", "LayoutExplorer", "PlanExplorer",
-           "TimelineView", "save_progress", "sized_items"]
+__all__ = ["AlignmentExplorer", "BucketExplorer", "DiffExplorer", "LayoutExplorer",
+           "PlanExplorer", "StatsExplorer", "TimelineView", "save_progress", "sized_items"]
 
 __getattr__, __dir__ = lazy_attributes(__name__, globals(), _LAZY_NAMES)

@@ -275,3 +275,16 @@ class FigureWidget(go.FigureWidget):
         """Open the comm, unless the figure is still being built (see the class notes)."""
         if not getattr(self, "_defer_open", False):
             super().open()
+
+
+def replace_figure(target: go.FigureWidget, new: go.Figure) -> None:
+    """Show ``new`` in ``target`` (same trace count: updated in place, else rebuilt)."""
+    if len(target.data) == len(new.data):
+        with target.batch_update():
+            for old, trace in zip(target.data, new.data):
+                old.update(trace.to_plotly_json(), overwrite=True)
+            target.layout.update(new.layout.to_plotly_json(), overwrite=True)
+        return
+    target.data = ()
+    target.add_traces(list(new.data))
+    target.layout.update(new.layout.to_plotly_json(), overwrite=True)

@@ -8,13 +8,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import ipywidgets as w
-import plotly.graph_objects as go
 
 from ckptlab.errors import CkptlabError, InvalidArgumentError
 from ckptlab.plan.simulate import CONFIGS
 from ckptlab.viz._style import html_table, human_nbytes
 from ckptlab.viz.write import bucket_figure, timeline_figure
-from ckptlab.widgets._figure import FigureWidget
+from ckptlab.widgets._figure import FigureWidget, replace_figure
 from ckptlab.write.buckets import BucketAssignment, SizedItem, assign_buckets, sized_items
 from ckptlab.write.timeline import Timeline
 
@@ -54,19 +53,6 @@ def _assignment_html(assignment: BucketAssignment, items: list[SizedItem]) -> st
     table = html_table(["bucket", "group", "items", "bytes", "", "× ideal"], rows)
     return (f'<div class="ckptlab-summary">{head}</div>'
             f'<div style="max-height:220px;overflow-y:auto">{table}</div>')
-
-
-def _replace_figure(target: go.FigureWidget, new: go.Figure) -> None:
-    """Show ``new`` in ``target`` (same trace count: updated in place, else rebuilt)."""
-    if len(target.data) == len(new.data):
-        with target.batch_update():
-            for old, trace in zip(target.data, new.data):
-                old.update(trace.to_plotly_json(), overwrite=True)
-            target.layout.update(new.layout.to_plotly_json(), overwrite=True)
-        return
-    target.data = ()
-    target.add_traces(list(new.data))
-    target.layout.update(new.layout.to_plotly_json(), overwrite=True)
 
 
 class BucketExplorer(w.VBox):
@@ -183,7 +169,7 @@ class BucketExplorer(w.VBox):
                                   f"{html.escape(str(exc))}</div>")
             return
         self.assignment = assignment
-        _replace_figure(self.figure, bucket_figure(assignment))
+        replace_figure(self.figure, bucket_figure(assignment))
         self.summary.value = _assignment_html(assignment, self.items)
 
 
@@ -258,7 +244,7 @@ class TimelineView(w.VBox):
                 f"TimelineView needs a ckptlab.write.Timeline, got {type(timeline).__name__}")
         self.timeline = timeline
         fig = timeline_figure(timeline)
-        _replace_figure(self.figure, fig)
+        replace_figure(self.figure, fig)
         self.summary.value = _timeline_html(timeline, fig.layout.meta)
 
 

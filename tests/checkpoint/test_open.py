@@ -18,6 +18,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
 
 import ckptlab as cl
 from ckptlab.checkpoint.model import Checkpoint
@@ -172,6 +173,31 @@ def test_every_tensor_kind_reads_back_exactly(every_kind) -> None:
     assert ck.tensors["coo"].layout == "sparse_coo"
     assert [p.role for p in ck.tensors["qc"].parts] == ["data", "scales", "zero_points"]
     check_all(ck, loaded)
+
+
+def test_reads_into_a_scratch_give_the_same_tensors(every_kind, tmp_path: Path) -> None:
+    """Read one after another into one Scratch (memory reused, a tensor's parts in distinct
+    buffers), every kind is what torch.load gives; the memory is the scratch's, not new."""
+    from ckptlab.checkpoint import Scratch
+
+    path, _ = every_kind
+    ck = cl.open(path)
+    loaded = torch.load(path, weights_only=False)
+    scratch = Scratch()
+    for name, entry in ck.tensors.items():
+        if entry.kind == "subclass":
+            continue
+        same(lookup(loaded, entry.path), ck.read(name, scratch=scratch))
+    torch.manual_seed(0)
+    save_file({"a": torch.randn(1000), "b": torch.randn(10)}, str(tmp_path / "w.safetensors"))
+    st_ck = cl.open(tmp_path / "w.safetensors")
+    first = st_ck.read("a", scratch=scratch)
+    address = first.data_ptr()
+    assert torch.equal(first, load_file(str(tmp_path / "w.safetensors"))["a"])
+    del first
+    second = st_ck.read("b", scratch=scratch)  # into the buffer "a" was read into
+    assert second.data_ptr() == address
+    assert torch.equal(second, load_file(str(tmp_path / "w.safetensors"))["b"])
 
 
 def test_json_has_files_and_tensor_fields(every_kind) -> None:

@@ -17,6 +17,9 @@ from safetensors.torch import load_file, save_file
 
 import ckptlab as cl
 from ckptlab.cli import main
+from ckptlab.compare import _kernels
+
+pytestmark = pytest.mark.usefixtures("loops")  # NumPy loops, then compiled (conftest.py)
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -174,10 +177,8 @@ def test_cli(pair: tuple[Path, Path], tmp_path: Path, capsys: Any) -> None:
 
 def test_slices_join_exactly(pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """Compared in slices of 5 elements, every figure is the one-pass figure."""
-    from ckptlab.compare import _diff
-
     whole = cl.diff(*pair)
-    monkeypatch.setattr(_diff, "SLICE", 5)
+    monkeypatch.setattr(_kernels, "SLICE", 5)
     sliced = cl.diff(*pair)
     for name, t in whole.tensors.items():
         s = sliced.tensors[name]
@@ -185,3 +186,69 @@ def test_slices_join_exactly(pair: tuple[Path, Path], monkeypatch: pytest.Monkey
             t.n_diff, t.nan_a, t.nan_b, t.identical, t.within), name
         for field in ("max_abs", "rel_l2", "cosine"):
             assert getattr(s, field) == pytest.approx(getattr(t, field), rel=1e-12), name
+
+
+def test_norms_and_modules_against_torch(pair: tuple[Path, Path]) -> None:
+    """Each tensor's norms (identical ones too: one pass with the NaN count), and each
+    module's change over its tensors together, as torch computes them on the loaded pair."""
+    a_path, b_path = pair
+    result = cl.diff(a_path, b_path)
+    ta = torch.load(a_path, weights_only=True)
+    tb = load_file(str(b_path))
+    for name, t in result.tensors.items():
+        a, b = ta[name].double().reshape(-1), tb[name].double().reshape(-1)
+        ok = ~(torch.isnan(a) | torch.isnan(b))
+        assert t.norm_a == pytest.approx(a[ok].norm().item(), rel=1e-12), name
+        assert t.norm_b == pytest.approx(b[ok].norm().item(), rel=1e-12), name
+    modules = {m: (rel, changed, n) for m, rel, changed, n in result.by_module()}
+    assert set(modules) == {"emb", "layers.0", "layers.1", "(top)"}
+    assert modules["emb"] == (0.0, 0, 1)
+    for module in ("layers.0", "layers.1"):
+        names = [k for k in result.tensors if k.startswith(module + ".")]
+        num = den = 0.0
+        for k in names:
+            a, b = ta[k].double().reshape(-1), tb[k].double().reshape(-1)
+            ok = ~(torch.isnan(a) | torch.isnan(b))
+            num += ((a - b)[ok] ** 2).sum().item()
+            den += (a[ok] ** 2).sum().item()
+        assert modules[module][0] == pytest.approx(math.sqrt(num / den), rel=1e-12), module
+        assert modules[module][1:] == (sum(result.tensors[k].changed for k in names),
+                                       len(names))
+    assert result.by_module(depth=1)[1][0] == "layers"  # cut to one name component
+
+
+def test_a_bias_from_zero_does_not_make_its_layer_infinite(tmp_path: Path) -> None:
+    """A tensor all zero in A has rel_l2 inf and is listed after the finite changes; its
+    module's change is over the module's tensors together."""
+    torch.manual_seed(4)
+    a = {"l.w": torch.randn(8, 8), "l.b": torch.zeros(8), "m.w": torch.randn(8, 8)}
+    b = {"l.w": a["l.w"] + 0.1, "l.b": torch.full((8,), 0.5), "m.w": a["m.w"] * 1.5}
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file(b, str(tmp_path / "b.safetensors"))
+    result = cl.diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    assert result.tensors["l.b"].rel_l2 == math.inf
+    assert [n for n, _ in result.largest()] == ["m.w", "l.w", "l.b"]
+    rel = dict((m, r) for m, r, _, _ in result.by_module())
+    want = math.sqrt((0.1 ** 2 * 64 + 0.25 * 8) / (a["l.w"].double() ** 2).sum().item())
+    assert rel["l"] == pytest.approx(want, rel=1e-6) and rel["m"] == pytest.approx(0.5)
+
+
+def test_the_steps_of_a_run(tmp_path: Path) -> None:
+    """step_diffs: each save of a Trainer-style run against the one before it."""
+    from ckptlab.compare import step_diffs
+
+    torch.manual_seed(5)
+    w = torch.randn(4, 4)
+    for step, delta in ((10, 0.0), (20, 0.5), (30, 0.5)):
+        d = tmp_path / "run" / f"checkpoint-{step}"
+        d.mkdir(parents=True)
+        (d / "trainer_state.json").write_text("{}")
+        w = w + delta
+        save_file({"layer.w": w, "layer.b": torch.ones(4)}, str(d / "model.safetensors"))
+    steps = step_diffs(tmp_path / "run")
+    assert [(x, y) for x, y, _ in steps] == [("checkpoint-10", "checkpoint-20"),
+                                             ("checkpoint-20", "checkpoint-30")]
+    assert all(d.tensors["layer.b"].identical for _, _, d in steps)
+    assert steps[0][2].tensors["layer.w"].changed
+    with pytest.raises(cl.CkptlabError, match="not a training run"):
+        step_diffs(tmp_path / "run" / "checkpoint-10")

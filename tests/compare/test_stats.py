@@ -14,8 +14,10 @@ from safetensors.torch import save_file
 
 import ckptlab as cl
 from ckptlab.cli import main
-from ckptlab.compare import _stats as stats_module
+from ckptlab.compare import _kernels
 from ckptlab.compare._stats import BINS, health
+
+pytestmark = pytest.mark.usefixtures("loops")  # NumPy loops, then compiled (conftest.py)
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -68,7 +70,7 @@ def test_slices_join_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     t[123] = float("nan")
     save_file({"t": t}, str(tmp_path / "t.safetensors"))
     whole = cl.stats(tmp_path / "t.safetensors")["t"]
-    monkeypatch.setattr(stats_module, "SLICE", 1000)
+    monkeypatch.setattr(_kernels, "SLICE", 1000)
     sliced = cl.stats(tmp_path / "t.safetensors")["t"]
     assert sliced.counts == whole.counts and (sliced.min, sliced.max) == (whole.min, whole.max)
     assert sliced.mean == pytest.approx(whole.mean, rel=1e-12)

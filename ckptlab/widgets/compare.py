@@ -1,0 +1,192 @@
+"""Comparing and measuring widgets: :class:`DiffExplorer` (what changed between two
+checkpoints) and :class:`StatsExplorer` (each tensor's statistics and health). Views over
+:mod:`ckptlab.compare`: the figures and tables are :mod:`ckptlab.viz.compare`'s."""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+import ipywidgets as w
+
+from ckptlab.checkpoint import Checkpoint, TensorQuery, open_checkpoint
+from ckptlab.compare import CheckpointDiff, TensorStats, diff, health, stats
+from ckptlab.compare._stats import side_by_side
+from ckptlab.viz.compare import (
+    diff_figure,
+    diff_table_html,
+    health_html,
+    hist_figure,
+    stats_table_html,
+)
+from ckptlab.widgets._common import progress
+from ckptlab.widgets._figure import FigureWidget, replace_figure
+
+__all__ = ["DiffExplorer", "StatsExplorer"]
+
+MAX_OPTIONS = 2000  # tensors listed in a picker at once (the search narrows them)
+
+
+def _opened(source: Any) -> Checkpoint:
+    return source if isinstance(source, Checkpoint) else open_checkpoint(source)
+
+
+def _filtered(names: list[str], pattern: str) -> list[str]:
+    """The names the search matches (:class:`~ckptlab.checkpoint.TensorQuery`: a substring
+    or a glob, as everywhere in ckptlab)."""
+    if not pattern.strip():
+        return names
+    matches = TensorQuery(pattern).matches
+    return [n for n in names if matches(n)]
+
+
+class DiffExplorer(w.VBox):
+    """What changed between two checkpoints of any formats.
+
+    On top, how far each module moved (:func:`~ckptlab.viz.compare.diff_figure`: click a
+    bar to list that module's tensors); under it a tensor picker (the changed tensors, the
+    largest changes first; the search takes a substring or a glob) and, for the tensor
+    picked, the histograms of its values on both sides and of its changes (``b - a``); at
+    the bottom the table of every difference.
+
+    Parameters
+    ----------
+    a, b
+        Paths, URLs or :class:`~ckptlab.checkpoint.Checkpoint` objects; or ``a`` a
+        :class:`~ckptlab.compare.CheckpointDiff` already computed (``b`` then omitted: the
+        histograms open its two sides again by path).
+    depth
+        Group the module bars at this many name components (``2``: ``layers.0``).
+    **options
+        For :func:`ckptlab.diff` (``atol``, ``rtol``, ``rename``, ``names``).
+
+    Attributes
+    ----------
+    diff : CheckpointDiff
+    """
+
+    def __init__(self, a: Any, b: Any = None, *, depth: int | None = None,
+                 **options: Any) -> None:
+        if isinstance(a, CheckpointDiff):
+            self.diff, self._sides = a, [None, None]
+        else:
+            sides = [_opened(a), _opened(b)]
+            self.diff, self._sides = diff(sides[0], sides[1], **options), sides
+        d = self.diff
+        self._order = [n for n, _ in d.largest(len(d.tensors))] + [
+            n for n, t in d.tensors.items() if not t.changed]
+        self.figure = FigureWidget(diff_figure(d, depth=depth))
+        self.figure.data[0].on_click(self._module_clicked)
+        self.search = w.Text(placeholder="tensor: a substring or a glob (*.mlp.*)",
+                             layout=w.Layout(width="320px"))
+        self.picker = w.Dropdown(description="tensor", layout=w.Layout(width="560px"))
+        self.note = w.HTML()
+        self.hist = FigureWidget(hist_figure({}, title="Pick a tensor"))
+        self.table = w.HTML(diff_table_html(d))
+        self.search.observe(lambda _: self._list(), names="value")
+        self.picker.observe(lambda c: self._show(c["new"]), names="value")
+        header = w.HTML(f"<b>{html.escape(d.a)}</b> (A) vs <b>{html.escape(d.b)}</b> (B)")
+        super().__init__([header, self.figure, w.HBox([self.search, self.picker]), self.note,
+                          self.hist, self.table])
+        self._list()
+
+    def _module_clicked(self, trace: Any, points: Any, state: Any) -> None:
+        if points.point_inds:
+            module = self.diff.by_module()[points.point_inds[0]][0]
+            self.search.value = "" if module == "(top)" else module + "."
+
+    def _list(self) -> None:
+        names = _filtered(self._order, self.search.value)
+        self.picker.options = names[:MAX_OPTIONS]
+        self.note.value = (f'<span style="font-size:12px">{len(names):,} tensors match'
+                           + (f"; the first {MAX_OPTIONS:,} listed" if len(names) > MAX_OPTIONS
+                              else "") + "</span>")
+
+    def _side(self, i: int) -> Checkpoint:
+        if self._sides[i] is None:
+            self._sides[i] = open_checkpoint(self.diff.b if i else self.diff.a)
+        return self._sides[i]
+
+    def select(self, name: str) -> None:
+        """Show tensor ``name`` (A's name) in the histograms."""
+        if name not in self.diff.tensors:
+            raise KeyError(f"{name!r} is not a tensor both sides have")
+        self.search.value = ""
+        self.picker.value = name
+
+    def _show(self, name: str | None) -> None:
+        if name is None:
+            return
+        t = self.diff.tensors[name]
+        try:
+            series = side_by_side(self.diff, self._side(0), self._side(1), name)
+            state = "identical" if t.identical else "changed" if t.changed else \
+                "within tolerance"
+            title = f"{name}: {state}"
+        except Exception as exc:  # a side that cannot be read: said, not raised
+            series, title = {}, f"{name}: cannot be read: {exc}"[:200]
+        replace_figure(self.hist, hist_figure(series, title=title))
+
+
+class StatsExplorer(w.VBox):
+    """Each tensor's statistics (:func:`ckptlab.stats`) and what looks wrong
+    (:func:`ckptlab.compare.health`): the health line, a tensor picker with the histogram of
+    the tensor picked, and the table of statistics.
+
+    Parameters
+    ----------
+    source
+        A path, a URL or a :class:`~ckptlab.checkpoint.Checkpoint`.
+    names
+        Only these tensors (a list of names, or a test of a name).
+
+    Attributes
+    ----------
+    checkpoint : Checkpoint
+    stats : dict of str to TensorStats
+    health : list of str
+    """
+
+    def __init__(self, source: Any, names: Any = None) -> None:
+        self.checkpoint = ck = _opened(source)
+        wanted = list(ck.tensors) if names is None else (
+            [n for n in ck.tensors if names(n)] if callable(names) else list(names))
+        self.stats: dict[str, TensorStats] = {}
+        with progress(len(wanted), "measuring tensors") as bar:
+            for name in wanted:
+                self.stats.update(stats(ck, [name]))
+                bar.update(1)
+        self.health = health(self.stats)
+        self.search = w.Text(placeholder="tensor: a substring or a glob (*.mlp.*)",
+                             layout=w.Layout(width="320px"))
+        self.picker = w.Dropdown(description="tensor", layout=w.Layout(width="560px"))
+        self.hist = FigureWidget(hist_figure({}, title="Pick a tensor"))
+        self.table = w.HTML(stats_table_html(self.stats))
+        self.search.observe(lambda _: self._list(), names="value")
+        self.picker.observe(lambda c: self._show(c["new"]), names="value")
+        super().__init__([w.HTML(f"<b>{html.escape(ck.path)}</b>: {len(self.stats):,} "
+                                 f"tensor{'s' * (len(self.stats) != 1)}"),
+                          w.HTML(health_html(self.health)),
+                          w.HBox([self.search, self.picker]), self.hist, self.table])
+        self._list()
+
+    def _list(self) -> None:
+        self.picker.options = _filtered(list(self.stats), self.search.value)[:MAX_OPTIONS]
+
+    def select(self, name: str) -> None:
+        """Show tensor ``name``'s histogram."""
+        if name not in self.stats:
+            raise KeyError(f"{name!r} was not measured")
+        self.search.value = ""
+        self.picker.value = name
+
+    def _show(self, name: str | None) -> None:
+        if name is None:
+            return
+        s = self.stats[name]
+        title = name if s.error is None else f"{name}: {s.error}"
+        extra = [f"{s.nan:,} NaN" if s.nan else "", f"{s.inf:,} Inf" if s.inf else ""]
+        if any(extra):
+            title += " · " + ", ".join(e for e in extra if e)
+        replace_figure(self.hist, hist_figure({name: s} if s.error is None else {},
+                                              title=title))
