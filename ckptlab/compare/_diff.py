@@ -17,9 +17,11 @@ b|`` where neither side is NaN (equal infinities differ by 0); ``rel_l2`` is ``|
 ||b||)`` (1 when both are zero, 0 when one is); NaN positions are left out of the three
 norms. ``nan_a`` / ``nan_b`` count NaNs. The element loops are :mod:`ckptlab.compare._kernels`
 (NumPy, or compiled where built), over slices of at most
-:data:`~ckptlab.compare._kernels.SLICE` elements shared among a few threads. A tensor is *changed* when its dtype or shape
-differ, or some element is farther than ``atol + rtol * |b|`` (``torch.isclose``'s rule,
-NaN equal to NaN).
+:data:`~ckptlab.compare._kernels.SLICE` elements shared among a few threads. A tensor is *changed* when its shape differs
+or some element is farther than ``atol + rtol * |b|`` (``torch.isclose``'s rule: NaN equal to
+NaN, an infinity close only to itself); a tensor cast to another dtype whose every value is
+within the tolerances is *within tolerance* (the summary says its dtypes), so that ``diff(a,
+b, rtol=2**-8)`` accepts a bfloat16 copy of a float32 checkpoint.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class TensorDiff:
     n_diff: int | None = None
     nan_a: int = 0
     nan_b: int = 0
-    within: bool = False  # every element within the tolerances (and the same dtype, shape)
+    within: bool = False  # the same shape, every element within the tolerances
     compared: str = "bytes"  # "bytes", "values", "dense values", "dequantized values"
     error: str | None = None  # a side that could not be read, in words
     norm_a: float | None = None  # ||a||, ||b|| (NaN positions left out), where compared
@@ -177,6 +179,11 @@ class CheckpointDiff:
                         f"{t.cosine:.6g}, {t.n_diff:,} elements differ"
                         + (f", NaN {t.nan_a}/{t.nan_b}" if t.nan_a or t.nan_b else ""))
             lines.append(f"  changed  {name}: {what.strip()}")
+        recast = [(n, t) for n, t in self.tensors.items()
+                  if t.within and not t.identical and t.dtype[0] != t.dtype[1]]
+        for name, t in recast[:10]:
+            lines.append(f"  dtype    {name}: {t.dtype[0]} -> {t.dtype[1]}, the values within "
+                         "tolerance")
         for name, other in list(self.renamed.items())[:10]:
             lines.append(f"  renamed  {name} -> {other}")
         lines += [f"  only A   {n}" for n in self.only_a[:10] if n not in self.renamed]
@@ -319,7 +326,7 @@ def _compare(ta: Any, tb: Any, atol: float, rtol: float, impl: str | None = None
 
     n_diff = nan_a = nan_b = 0
     max_abs = sa = sb = sd = dot = 0.0
-    within = dtype[0] == dtype[1] and shape[0] == shape[1]
+    within = shape[0] == shape[1]  # (a dtype changed, the values within: said, not changed)
     for d, x, y, m, a2, b2, d2, ab, close in on_threads(part, slices(fa.numel())):
         n_diff, nan_a, nan_b = n_diff + d, nan_a + x, nan_b + y
         max_abs, sa, sb, sd, dot = max(max_abs, m), sa + a2, sb + b2, sd + d2, dot + ab

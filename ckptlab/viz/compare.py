@@ -108,8 +108,10 @@ def diff_table_html(d: Any, *, limit: int = MAX_ROWS) -> str:
     for name, t in changed + within:
         shape = t.shape[0] if t.shape[0] == t.shape[1] else f"{t.shape[0]} → {t.shape[1]}"
         dtype = t.dtype[0] if t.dtype[0] == t.dtype[1] else f"{t.dtype[0]} → {t.dtype[1]}"
+        rel = "inf (A all zero)" if t.rel_l2 == math.inf and t.norm_a == 0 else \
+            _num(t.rel_l2)
         rows.append([name, _status(t) if not t.error else t.error, dtype, str(shape),
-                     _num(t.max_abs), _num(t.rel_l2), _num(t.cosine, ".6g"),
+                     _num(t.max_abs), rel, _num(t.cosine, ".6g"),
                      t.n_diff if t.n_diff is not None else "—",
                      f"{t.nan_a:,} / {t.nan_b:,}" if t.nan_a or t.nan_b else ""])
     rows += [[n, f"renamed → {d.renamed[n]}", "", "", "", "", "", "", ""] for n in d.renamed]

@@ -149,8 +149,9 @@ def _lead(diff: Any, histograms: Mapping[str, Mapping[str, Any]],
         figs = [("What changed", diff_figure(diff))] + [
             (f"Histograms · {name}", hist_figure(series, title=name))
             for name, series in histograms.items()]
-        parts.append(f"<h2>Compared with {html.escape(diff.b)}</h2>" + diff_table_html(diff)
-                     + _figures_html(figs))
+        parts.append(f"<h2>Compared with {html.escape(diff.b)}</h2>" + _figures_html(figs)
+                     + "<h2>What differs, the largest changes first</h2>"
+                     + diff_table_html(diff))
         figures += len(figs)
     if stats is not None:
         parts.append("<h2>Tensor statistics</h2>" + health_html(health(dict(stats)))
