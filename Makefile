@@ -104,6 +104,7 @@ test-oldest-torch: nginx
 NEWEST_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13) $(shell command -v python3.13))
 NEWEST_VENV   ?= .venv-newest
 NEWEST_TESTS  := tests/format/test_interp.py tests/format/test_records.py tests/dcp/test_rows.py tests/test_io.py \
+	tests/compare/test_kernels_pair.py \
 	tests/test_lazy.py tests/write/test_state.py tests/write/test_commit.py \
 	tests/write/test_files.py tests/write/test_worker.py
 test-newest-python:

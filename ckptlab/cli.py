@@ -766,6 +766,9 @@ def _parser() -> _Parser:
     srv.add_argument("--address", default="127.0.0.1", metavar="A",
                      help="address to listen on (default 127.0.0.1: this machine only)")
     srv.add_argument("--show", action="store_true", help="open a browser tab")
+    srv.add_argument("--compare", default=None, metavar="OTHER",
+                     help="serve what changed from PATH to OTHER instead (any format; see "
+                          "'ckptlab diff'): module bars, histograms, the table")
     dif = sub.add_parser("diff", help=VERBS["diff"], description=VERBS["diff"])
     dif.add_argument("path", metavar="A", help="checkpoint file, directory or URL")
     dif.add_argument("other", metavar="B", help="checkpoint file, directory or URL")
@@ -1190,7 +1193,15 @@ def _check(args: argparse.Namespace) -> None:
             f"{args.path}' draws its bytes (or download the file and serve it)")
     if verb == "serve":
         _check_listen(args.address, args.port)
-    if verb == "serve" and args.path is not None:
+    if verb == "serve" and getattr(args, "compare", None) is not None:
+        if _is_url(args.compare) or args.path is None:
+            raise InvalidArgumentError(
+                f"{args.compare if args.path else '--compare'}: ckptlab serve --compare shows "
+                "two checkpoints on this machine (PATH and OTHER); for URLs, 'ckptlab report "
+                "A --compare B' draws the same")
+        _input_path(args.path, verb, directory=True)
+        _input_path(args.compare, verb, directory=True)
+    elif verb == "serve" and args.path is not None:
         _check_servable(args.path)
     elif verb != "sample" and args.path is not None:
         _input_path(args.path, verb, directory=True)
@@ -1483,6 +1494,12 @@ def _run(args: argparse.Namespace) -> int | None:
                     raise ModuleNotFoundError(f"No module named {module!r}", name=module)
         except ImportError as exc:
             _needs("widgets", exc)
+        if args.compare is not None:
+            from ckptlab.widgets.compare_app import serve_compare
+
+            serve_compare(args.path, args.compare, port=args.port, address=args.address,
+                          show=args.show)
+            return
         serve(_input_path(args.path, verb, directory=True), port=args.port,
               address=args.address, show=args.show)
 

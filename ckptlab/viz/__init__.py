@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         treemap_figure,
     )
     from ckptlab.viz.compare import (
+        DiffBrowser,
         diff_figure,
         diff_table_html,
         health_html,
@@ -66,8 +67,8 @@ _MODULES = {
     "ckptlab.viz._style": ("KIND_COLORS", "KIND_LABELS"),
     "ckptlab.viz.alignment": ("alignment_figure",),
     # comparing and measuring (ckptlab.compare)
-    "ckptlab.viz.compare": ("diff_figure", "diff_table_html", "health_html", "hist_figure",
-                            "stats_table_html", "steps_figure"),
+    "ckptlab.viz.compare": ("DiffBrowser", "diff_figure", "diff_table_html", "health_html",
+                            "hist_figure", "stats_table_html", "steps_figure"),
     "ckptlab.viz.bytemap": ("ByteMap", "bytemap_figure", "bytemap_marks", "bytemap_trace",
                             "files_figure", "highlight_shapes", "overhead_figure",
                             "update_bytemap"),
@@ -91,6 +92,7 @@ __all__ = [
     "KIND_COLORS",
     "KIND_LABELS",
     "ByteMap",
+    "DiffBrowser",
     "TensorTable",
     "alignment_figure",
     "block_classes",

@@ -6,7 +6,8 @@ and of tensor statistics (:func:`ckptlab.stats`): core objects in, plotly figure
 - :func:`diff_table_html`: the tensors that differ, the largest changes first;
 - :func:`hist_figure`: histograms side by side (a tensor in A and in B, or its changes);
 - :func:`stats_table_html` and :func:`health_html`: the statistics and what looks wrong;
-- :func:`steps_figure`: a run's modules against its consecutive saves, coloured by change.
+- :func:`steps_figure`: a run's modules against its consecutive saves, coloured by change;
+- :class:`DiffBrowser`: what a view of a diff does on a search, a click or a pick.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import plotly.graph_objects as go
 
 from ckptlab.viz._style import PALETTE, html_table, plain_text, style_figure, theme_colors
 
-__all__ = ["diff_figure", "diff_table_html", "health_html", "hist_figure", "stats_table_html",
-           "steps_figure"]
+__all__ = ["DiffBrowser", "diff_figure", "diff_table_html", "health_html", "hist_figure",
+           "stats_table_html", "steps_figure"]
 
 MAX_ROWS = 300  # table rows shown (the JSON of the CLI has them all)
 IDENTICAL = "#b8b8b8"
@@ -218,3 +219,81 @@ def _log(rel: float | None) -> float | None:
     if rel is None or rel == 0 or math.isnan(rel):
         return None
     return 3.0 if math.isinf(rel) else math.log10(rel)
+
+
+class DiffBrowser:
+    """What a view of a diff does when the user searches, clicks a module or picks a tensor,
+    without any widget: the notebook's :class:`~ckptlab.widgets.DiffExplorer` and the served
+    page (``ckptlab serve A --compare B``) are thin layers over it.
+
+    Parameters
+    ----------
+    d
+        The :class:`~ckptlab.compare.CheckpointDiff`.
+    a, b
+        Its two sides opened (:class:`~ckptlab.checkpoint.Checkpoint`), or None: opened from
+        ``d.a`` / ``d.b`` when a histogram first needs them.
+    depth
+        The module bars' depth (see :meth:`~ckptlab.compare.CheckpointDiff.by_module`).
+    """
+
+    MAX_OPTIONS = 2000  # tensors a picker lists at once (the search narrows them)
+
+    def __init__(self, d: Any, a: Any = None, b: Any = None, *,
+                 depth: int | None = None) -> None:
+        self.diff, self.depth = d, depth
+        self._sides = [a, b]
+        self._modules = [m for m, _, _, _ in d.by_module(depth)]
+        # the changed tensors, the largest changes first, then the others in A's order
+        self.order = [n for n, _ in d.largest(len(d.tensors))] + [
+            n for n, t in d.tensors.items() if not t.changed]
+
+    def figure(self, theme: str | None = None) -> go.Figure:
+        return diff_figure(self.diff, depth=self.depth, theme=theme)
+
+    def matching(self, pattern: str) -> list[str]:
+        """The tensors the search matches (a substring or a glob, as everywhere in ckptlab:
+        :class:`~ckptlab.checkpoint.TensorQuery`), in :attr:`order`."""
+        from ckptlab.checkpoint.query import TensorQuery
+
+        if not pattern.strip():
+            return list(self.order)
+        matches = TensorQuery(pattern).matches
+        return [n for n in self.order if matches(n)]
+
+    def listing(self, pattern: str) -> tuple[list[str], str]:
+        """The picker's options for ``pattern`` (at most :attr:`MAX_OPTIONS`) and a line
+        saying how many match."""
+        names = self.matching(pattern)
+        shown = names[:self.MAX_OPTIONS]
+        line = f"{len(names):,} tensor{'s' * (len(names) != 1)} match" + (
+            f"; the first {len(shown):,} listed" if len(shown) < len(names) else "")
+        return shown, line
+
+    def module_search(self, bar: int) -> str:
+        """The search that lists the tensors of the module of bar ``bar`` (clicked)."""
+        module = self._modules[bar]
+        return "" if module == "(top)" else module + "."
+
+    def side(self, i: int) -> Any:
+        """Side ``i`` (0: A, 1: B), opened on first use."""
+        if self._sides[i] is None:
+            from ckptlab.checkpoint import open_checkpoint
+
+            self._sides[i] = open_checkpoint(self.diff.b if i else self.diff.a)
+        return self._sides[i]
+
+    def histogram(self, name: str, theme: str | None = None) -> go.Figure:
+        """Tensor ``name`` (A's) on both sides and its changes (``B - A``), as
+        :func:`hist_figure`; a side that cannot be read is said in the title."""
+        from ckptlab.compare._stats import side_by_side
+
+        t = self.diff.tensors[name]
+        try:
+            series = side_by_side(self.diff, self.side(0), self.side(1), name)
+            state = "identical" if t.identical else "changed" if t.changed else \
+                "within tolerance"
+            title = f"{plain_text(name)}: {state}"
+        except Exception as exc:  # a side that cannot be read: said, not raised
+            series, title = {}, f"{plain_text(name)}: cannot be read: {exc}"[:200]
+        return hist_figure(series, title=title, theme=theme)

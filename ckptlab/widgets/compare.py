@@ -11,9 +11,8 @@ import ipywidgets as w
 
 from ckptlab.checkpoint import Checkpoint, TensorQuery, open_checkpoint
 from ckptlab.compare import CheckpointDiff, TensorStats, diff, health, stats
-from ckptlab.compare._stats import side_by_side
 from ckptlab.viz.compare import (
-    diff_figure,
+    DiffBrowser,
     diff_table_html,
     health_html,
     hist_figure,
@@ -47,7 +46,8 @@ class DiffExplorer(w.VBox):
     bar to list that module's tensors); under it a tensor picker (the changed tensors, the
     largest changes first; the search takes a substring or a glob) and, for the tensor
     picked, the histograms of its values on both sides and of its changes (``b - a``); at
-    the bottom the table of every difference.
+    the bottom the table of every difference. A view over
+    :class:`~ckptlab.viz.compare.DiffBrowser`, as the served page is.
 
     Parameters
     ----------
@@ -68,14 +68,13 @@ class DiffExplorer(w.VBox):
     def __init__(self, a: Any, b: Any = None, *, depth: int | None = None,
                  **options: Any) -> None:
         if isinstance(a, CheckpointDiff):
-            self.diff, self._sides = a, [None, None]
+            self.browser = DiffBrowser(a, depth=depth)
         else:
             sides = [_opened(a), _opened(b)]
-            self.diff, self._sides = diff(sides[0], sides[1], **options), sides
-        d = self.diff
-        self._order = [n for n, _ in d.largest(len(d.tensors))] + [
-            n for n, t in d.tensors.items() if not t.changed]
-        self.figure = FigureWidget(diff_figure(d, depth=depth))
+            self.browser = DiffBrowser(diff(sides[0], sides[1], **options), *sides,
+                                       depth=depth)
+        self.diff = d = self.browser.diff
+        self.figure = FigureWidget(self.browser.figure())
         self.figure.data[0].on_click(self._module_clicked)
         self.search = w.Text(placeholder="tensor: a substring or a glob (*.mlp.*)",
                              layout=w.Layout(width="320px"))
@@ -92,20 +91,12 @@ class DiffExplorer(w.VBox):
 
     def _module_clicked(self, trace: Any, points: Any, state: Any) -> None:
         if points.point_inds:
-            module = self.diff.by_module()[points.point_inds[0]][0]
-            self.search.value = "" if module == "(top)" else module + "."
+            self.search.value = self.browser.module_search(points.point_inds[0])
 
     def _list(self) -> None:
-        names = _filtered(self._order, self.search.value)
-        self.picker.options = names[:MAX_OPTIONS]
-        self.note.value = (f'<span style="font-size:12px">{len(names):,} tensors match'
-                           + (f"; the first {MAX_OPTIONS:,} listed" if len(names) > MAX_OPTIONS
-                              else "") + "</span>")
-
-    def _side(self, i: int) -> Checkpoint:
-        if self._sides[i] is None:
-            self._sides[i] = open_checkpoint(self.diff.b if i else self.diff.a)
-        return self._sides[i]
+        names, line = self.browser.listing(self.search.value)
+        self.picker.options = names
+        self.note.value = f'<span style="font-size:12px">{html.escape(line)}</span>'
 
     def select(self, name: str) -> None:
         """Show tensor ``name`` (A's name) in the histograms."""
@@ -115,17 +106,8 @@ class DiffExplorer(w.VBox):
         self.picker.value = name
 
     def _show(self, name: str | None) -> None:
-        if name is None:
-            return
-        t = self.diff.tensors[name]
-        try:
-            series = side_by_side(self.diff, self._side(0), self._side(1), name)
-            state = "identical" if t.identical else "changed" if t.changed else \
-                "within tolerance"
-            title = f"{name}: {state}"
-        except Exception as exc:  # a side that cannot be read: said, not raised
-            series, title = {}, f"{name}: cannot be read: {exc}"[:200]
-        replace_figure(self.hist, hist_figure(series, title=title))
+        if name is not None:
+            replace_figure(self.hist, self.browser.histogram(name))
 
 
 class StatsExplorer(w.VBox):
