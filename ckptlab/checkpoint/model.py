@@ -396,6 +396,36 @@ class Checkpoint:
         scratch.start()
         return self._reader(self, entry, None, scratch)
 
+    def read_pieces(self, name: str, *, most: int, scratch: Scratch | None = None
+                    ) -> Iterator[Any]:
+        """Tensor ``name`` in pieces of at most ``most`` elements, in order, for a loop that
+        holds one piece at a time: a dense tensor stored contiguously in one byte range is
+        read piece by piece (a read, or one ranged request, each), as flat tensors; any other
+        (sparse, quantized, a DCP tensor of several chunks, a view) comes whole, as
+        :meth:`read` gives it. With ``scratch`` each piece is read into its memory and is
+        valid until the next read with it."""
+        import dataclasses
+
+        entry = self.tensors[name]
+        part = entry.parts[0] if len(entry.parts) == 1 else None
+        size = DTYPE_ITEMSIZE.get(entry.dtype, 0)
+        if (part is None or entry.kind != "dense" or entry.layout != "strided"
+                or part.role != "data" or part.chunk_offsets is not None
+                or part.compression is not None or not part.contiguous or not size
+                or entry.shape is None or part.numel <= most or most < 1):
+            yield self.read(name, scratch=scratch)
+            return
+        for start in range(0, part.numel, most):
+            n = min(most, part.numel - start)
+            piece = dataclasses.replace(part, offset=part.offset + start * size,
+                                        nbytes=n * size, shape=(n,), stride=(1,),
+                                        storage_offset=part.storage_offset + start)
+            sub = TensorEntry(f"{name}[{start}:{start + n}]", entry.path, entry.dtype, (n,),
+                              (1,), "dense", (piece,))
+            if scratch is not None:
+                scratch.start()
+            yield self._reader(self, sub, None, scratch)
+
     def read_part(self, name: str, role: str) -> Any:
         """One part of tensor ``name`` (``"indices"``, ``"scales"``, an inner tensor of a
         subclass...) as a dense tensor with the part's own shape and stride."""

@@ -27,12 +27,14 @@ b, rtol=2**-8)`` accepts a bfloat16 copy of a float32 checkpoint.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptlab.compare._kernels import kernels, on_threads, slices
+from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 
 __all__ = ["CheckpointDiff", "TensorDiff", "diff", "step_diffs"]
 
@@ -298,63 +300,102 @@ def _elements(x: Any, kind: str) -> Any:
     return (x if x.dtype == want else x.to(want)).contiguous().numpy()
 
 
-def _compare(ta: Any, tb: Any, atol: float, rtol: float, impl: str | None = None) -> TensorDiff:
+CHUNK_NBYTES = 64 << 20  # a tensor larger than this is read and compared in pieces of it
+
+
+def _pieces(ck: Any, name: str, most: int, scratch: Any) -> Iterator[tuple[Any, str]]:
+    """Tensor ``name`` of ``ck`` as flat dense pieces of ``most`` elements (the last one
+    shorter), each with how its value was obtained (:func:`dense_value`): read piece by piece
+    where :meth:`~ckptlab.checkpoint.Checkpoint.read_pieces` can, else read whole and cut."""
+    for piece in ck.read_pieces(name, most=most, scratch=scratch):
+        value, how = dense_value(piece)
+        flat = value.detach().reshape(-1)
+        for start in range(0, max(flat.numel(), 1), most):
+            yield flat[start:start + most], how
+
+
+def _compare(ck_a: Any, name_a: str, ck_b: Any, name_b: str, atol: float, rtol: float,
+             scratches: tuple[Any, Any] = (None, None), impl: str | None = None) -> TensorDiff:
+    """Tensor ``name_a`` of ``ck_a`` against ``name_b`` of ``ck_b`` (see the module
+    docstring), one piece of at most :data:`CHUNK_NBYTES` of each side in memory at a time:
+    pieces with equal bytes count as equal without float work (only their NaNs and norm are
+    taken, in one pass), the others are compared element by element."""
     import torch
 
-    dtype = (str(ta.dtype).removeprefix("torch."), str(tb.dtype).removeprefix("torch."))
-    shape = (tuple(ta.shape), tuple(tb.shape))
-    va, how = dense_value(ta)
-    vb, how_b = dense_value(tb)
-    if how == how_b == "values" and dtype[0] == dtype[1] and shape[0] == shape[1] and \
-            torch.equal(_bytes_view(ta), _bytes_view(tb)):
-        nans, norm = _nans_and_norm(va, kernels(impl))
-        return TensorDiff(True, dtype, shape, 0.0, 0.0, 1.0, 0, nans, nans, within=True,
-                          norm_a=norm, norm_b=norm)
-    if va.shape != vb.shape:
-        return TensorDiff(False, dtype, shape, compared=how)
-    if va.is_complex() or vb.is_complex():
-        # as pairs of reals: (re, im) side by side, each compared as an element
-        how += " (complex as real and imaginary parts)"
-        va, vb = (torch.view_as_real(v.to(torch.complex128)) for v in (va, vb))
-    kind = "f" if _kind(va) == _kind(vb) == "f" else "d"
-    fa, fb = va.detach().reshape(-1), vb.detach().reshape(-1)
+    ea, eb = ck_a.tensors[name_a], ck_b.tensors[name_b]
+    dtype = (ea.dtype, eb.dtype)
+    shape = (ea.shape, eb.shape)
+    if ea.shape != eb.shape and ea.shape is not None and eb.shape is not None:
+        return TensorDiff(False, dtype, shape, compared="values")
+    size = max(DTYPE_ITEMSIZE.get(ea.dtype, 8), DTYPE_ITEMSIZE.get(eb.dtype, 8), 1)
+    most = max(1, CHUNK_NBYTES // size)
     k = kernels(impl)
-
-    def part(span: tuple[int, int]) -> tuple[Any, ...]:
-        return k.compare(_elements(fa[span[0]:span[1]], kind),
-                         _elements(fb[span[0]:span[1]], kind), kind, atol, rtol)
-
     n_diff = nan_a = nan_b = 0
     max_abs = sa = sb = sd = dot = 0.0
-    within = shape[0] == shape[1]  # (a dtype changed, the values within: said, not changed)
-    for d, x, y, m, a2, b2, d2, ab, close in on_threads(part, slices(fa.numel())):
-        n_diff, nan_a, nan_b = n_diff + d, nan_a + x, nan_b + y
-        max_abs, sa, sb, sd, dot = max(max_abs, m), sa + a2, sb + b2, sd + d2, dot + ab
-        within = within and close
-    na, nb, nd = math.sqrt(sa), math.sqrt(sb), math.sqrt(sd)
+    within = True
+    identical = True
+    how = "values"
+    pairs = itertools.zip_longest(_pieces(ck_a, name_a, most, scratches[0]),
+                                  _pieces(ck_b, name_b, most, scratches[1]))
+    for one, other in pairs:
+        if one is None or other is None or one[0].numel() != other[0].numel():
+            # dense values of another size (nested tensors: the shapes are in the bytes)
+            return TensorDiff(False, dtype, shape, compared=(one or other)[1])
+        (fa, how), (fb, how_b) = one, other
+        if dtype[0] == dtype[1] and how == how_b == "values" and fa.dtype == fb.dtype and \
+                torch.equal(_bytes_view(fa), _bytes_view(fb)):  # (no float work)
+            nans, squares, infinite = _nans_and_squares(fa, k)
+            nan_a, nan_b = nan_a + nans, nan_b + nans
+            sa, sb = sa + squares, sb + squares
+            dot += squares
+            if infinite:
+                sa = sb = dot = math.inf
+            continue
+        identical = False
+        if fa.is_complex() or fb.is_complex():  # as pairs of reals: (re, im) side by side
+            fa, fb = (torch.view_as_real(f.to(torch.complex128).resolve_conj()).reshape(-1)
+                      for f in (fa, fb))
+            how = how + " (complex as real and imaginary parts)"
+        kind = "f" if _kind(fa) == _kind(fb) == "f" else "d"
+
+        def part(span: tuple[int, int], fa: Any = fa, fb: Any = fb, kind: str = kind
+                 ) -> tuple[Any, ...]:
+            return k.compare(_elements(fa[span[0]:span[1]], kind),
+                             _elements(fb[span[0]:span[1]], kind), kind, atol, rtol)
+
+        for d, x, y, m, a2, b2, d2, ab, close in on_threads(part, slices(fa.numel())):
+            n_diff, nan_a, nan_b = n_diff + d, nan_a + x, nan_b + y
+            max_abs, sa, sb, sd, dot = max(max_abs, m), sa + a2, sb + b2, sd + d2, dot + ab
+            within = within and close
+    na, nb = math.sqrt(sa), math.sqrt(sb)
+    if identical:
+        return TensorDiff(True, dtype, shape, 0.0, 0.0, 1.0, 0, nan_a, nan_b, within=True,
+                          norm_a=na, norm_b=nb)
+    nd = math.sqrt(sd)
     rel = 0.0 if nd == 0 else (math.inf if na == 0 else nd / na)
     cosine = 1.0 if na == 0 and nb == 0 else 0.0 if na == 0 or nb == 0 else dot / (na * nb)
     return TensorDiff(False, dtype, shape, max_abs, rel, cosine, n_diff, nan_a, nan_b,
-                      within=within, compared=how, norm_a=na, norm_b=nb)
+                      within=within and shape[0] == shape[1], compared=how, norm_a=na,
+                      norm_b=nb)
 
 
-def _nans_and_norm(t: Any, k: Any) -> tuple[int, float]:
-    """NaNs in ``t`` and ``||t||`` over the others, in one pass (``moments``)."""
+def _nans_and_squares(t: Any, k: Any) -> tuple[int, float, bool]:
+    """NaNs in flat ``t``, the sum of the squares of its finite elements, and whether it
+    holds an infinity: one pass (``moments``)."""
     import torch
 
     if t.is_complex():
-        t = torch.view_as_real(t)
+        t = torch.view_as_real(t.resolve_conj()).reshape(-1)
     kind = _kind(t)
-    flat = t.detach().reshape(-1)
 
     def part(span: tuple[int, int]) -> tuple[Any, ...]:
-        return k.moments(_elements(flat[span[0]:span[1]], kind), kind)
+        return k.moments(_elements(t[span[0]:span[1]], kind), kind)
 
     nan = inf = 0
     squares = 0.0
-    for found in on_threads(part, slices(flat.numel())):
+    for found in on_threads(part, slices(t.numel())):
         nan, inf, squares = nan + found[0], inf + found[1], squares + found[7]
-    return nan, math.inf if inf else math.sqrt(squares)  # (as the norms of compare())
+    return nan, squares, inf > 0
 
 
 def _digest(ck: Any, name: str) -> str | None:
@@ -429,18 +470,14 @@ def diff(a: Any, b: Any, *, rename: Callable[[str], str] | Mapping[str, str] | N
     only_a = [n for n in a_names if to_b[n] not in b_set]
     only_b = [n for n in b_names if n not in matched]
     tensors = {}
-    scratch_a, scratch_b = Scratch(), Scratch()  # one tensor of each side at a time
+    scratches = (Scratch(), Scratch())  # one piece of each side at a time
     for na, nb in common:
         try:
-            ta = ck_a.read(na, scratch=scratch_a)
-            tb = ck_b.read(nb, scratch=scratch_b)
+            tensors[na] = _compare(ck_a, na, ck_b, nb, atol, rtol, scratches)
         except Exception as exc:  # said per tensor; the diff goes on
             ea, eb = ck_a.tensors[na], ck_b.tensors[nb]
             tensors[na] = TensorDiff(False, (ea.dtype, eb.dtype), (ea.shape, eb.shape),
                                      error=f"cannot be read: {exc}"[:300])
-            continue
-        tensors[na] = _compare(ta, tb, atol, rtol)
-        del ta, tb
     renamed = _renames(ck_a, ck_b, only_a, only_b)
     return CheckpointDiff(ck_a.path, ck_b.path, rule, tuple(only_a), tuple(only_b), renamed,
                           tensors, atol, rtol, {na: nb for na, nb in common if na != nb})

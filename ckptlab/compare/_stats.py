@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ckptlab.compare._kernels import SLICE, kernels, on_threads, slices
+from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 
 __all__ = ["BINS", "SLICE", "TensorStats", "difference", "health", "side_by_side", "stats"]
 
@@ -75,43 +77,62 @@ def _flat(t: Any) -> Any:
     return t.detach().contiguous().reshape(-1)
 
 
+CHUNK_NBYTES = 64 << 20  # a tensor larger than this is read in pieces of it
+
+
 def measure(t: Any, impl: str | None = None) -> TensorStats:
-    """:class:`TensorStats` of one tensor. Tensors of 8 or 16 bits are measured from the count
-    of each bit pattern (one pass; every figure then comes from at most 65,536 values), the
-    others in two passes over slices of :data:`SLICE` elements: the counts, the range and
-    the sum, then the squares around the mean and the histogram. ``impl`` picks the loops
-    (:func:`~ckptlab.compare._kernels.kernels`)."""
+    """:class:`TensorStats` of one tensor (see :func:`measure_pieces`)."""
+    return measure_pieces(lambda: iter([t]), str(t.dtype).removeprefix("torch."), impl)
+
+
+def measure_pieces(pieces: Callable[[], Iterator[Any]], dtype: str,
+                   impl: str | None = None) -> TensorStats:
+    """:class:`TensorStats` of a tensor given as ``pieces()`` (its pieces, in order: the
+    tensor whole, or flat pieces of it). Tensors of 8 or 16 bits are measured from the count
+    of each bit pattern: one pass over the pieces, every figure then from at most 65,536
+    values. The others in two: the counts, the range and the sum, then the squares around
+    the mean and the histogram; ``pieces()`` is called again for the second pass where there
+    is more than one piece (a tensor read in pieces is read twice). Each piece is cut into
+    slices the threads of :func:`~ckptlab.compare._kernels.on_threads` share. ``impl`` picks
+    the loops (:func:`~ckptlab.compare._kernels.kernels`)."""
     import numpy as np
 
     k = kernels(impl)
-    dtype = str(t.dtype).removeprefix("torch.")
-    x = _flat(t)
-    if x.element_size() <= 2:
-        values, counts = _table(x, k)
-        return _from_table(dtype, x.numel(), values, counts)
-    n = x.numel()
-    bounds = slices(n)
-
-    def first(span: tuple[int, int]) -> tuple[Any, ...]:
-        part = _floats(x[span[0]:span[1]])
-        return k.moments(part, part.dtype.char)
-
-    nan = inf = zeros = finite = 0
+    n = nan = inf = zeros = finite = 0
     lo, hi, total = math.inf, -math.inf, 0.0
-    for a, b, c, d, low, high, s, _ in on_threads(first, bounds):
-        nan, inf, zeros, finite, total = nan + a, inf + b, zeros + c, finite + d, total + s
-        lo, hi = min(lo, low), max(hi, high)
+    table = kept = None
+    for count, piece in enumerate(pieces()):
+        x = _flat(piece)
+        n += x.numel()
+        if x.element_size() <= 2:
+            table = _count(x, k, table)
+            continue
+        kept = x if count == 0 else None  # one piece: kept for the second pass
+
+        def first(span: tuple[int, int], x: Any = x) -> tuple[Any, ...]:
+            part = _floats(x[span[0]:span[1]])
+            return k.moments(part, part.dtype.char)
+
+        for a, b, c, d, low, high, s, _ in on_threads(first, slices(x.numel())):
+            nan, inf, zeros, finite, total = nan + a, inf + b, zeros + c, finite + d, total + s
+            lo, hi = min(lo, low), max(hi, high)
+    if table is not None:
+        return _from_table(dtype, n, *table)
     if not finite:
         return TensorStats(dtype, n, nan=nan, inf=inf, zeros=zeros)
     mean = total / finite
+    squares = 0.0
+    counts = np.zeros(BINS, dtype=np.int64)
+    for piece in [kept] if kept is not None else pieces():
+        x = _flat(piece)
 
-    def second(span: tuple[int, int]) -> tuple[float, Any]:
-        part, counts = _floats(x[span[0]:span[1]]), np.zeros(BINS, dtype=np.int64)
-        return k.spread(part, part.dtype.char, mean, lo, hi, counts), counts
+        def second(span: tuple[int, int], x: Any = x) -> tuple[float, Any]:
+            part, counts = _floats(x[span[0]:span[1]]), np.zeros(BINS, dtype=np.int64)
+            return k.spread(part, part.dtype.char, mean, lo, hi, counts), counts
 
-    done = on_threads(second, bounds)
-    squares = sum(sq for sq, _ in done)
-    counts = sum((c for _, c in done), np.zeros(BINS, dtype=np.int64))
+        for sq, c in on_threads(second, slices(x.numel())):
+            squares += sq
+            counts += c
     return _result(dtype, n, lo, hi, mean, squares / finite, nan, inf, zeros, counts)
 
 
@@ -125,22 +146,26 @@ def _floats(x: Any) -> Any:
     return x.numpy()
 
 
-def _table(x: Any, k: Any) -> tuple[Any, Any]:
-    """The value of each bit pattern of an 8- or 16-bit tensor (float64) and its count."""
+def _count(x: Any, k: Any, table: tuple[Any, Any] | None) -> tuple[Any, Any]:
+    """``table`` (the value of each bit pattern of an 8- or 16-bit dtype, float64, and its
+    count so far; None for none yet) with the patterns of flat ``x`` counted in."""
     import numpy as np
     import torch
 
-    if x.element_size() == 2:
-        patterns = torch.from_numpy(np.arange(1 << 16, dtype=np.uint16).view(np.int16))
-        counts = np.zeros(1 << 16, dtype=np.int64)
+    wide = x.element_size() == 2
+    if table is None:
+        patterns = torch.from_numpy(np.arange(1 << 16, dtype=np.uint16).view(np.int16)) \
+            if wide else torch.from_numpy(np.arange(1 << 8, dtype=np.uint8))
+        table = (patterns.view(x.dtype).to(torch.float64).numpy(),
+                 np.zeros(1 << (16 if wide else 8), dtype=np.int64))
+    counts = table[1]
+    if wide:
         bits = x.view(torch.int16).numpy()
         for start, end in slices(bits.size):
             k.count16(bits[start:end], counts)
     else:
-        patterns = torch.from_numpy(np.arange(1 << 8, dtype=np.uint8))
-        counts = np.bincount(x.view(torch.uint8).numpy(), minlength=1 << 8).astype(np.int64)
-    values = patterns.view(x.dtype).to(torch.float64).numpy()
-    return values, counts
+        counts += np.bincount(x.view(torch.uint8).numpy(), minlength=1 << 8)
+    return table
 
 
 def _from_table(dtype: str, n: int, values: Any, counts: Any) -> TensorStats:
@@ -220,13 +245,13 @@ def stats(source: Any, names: Any = None) -> dict[str, TensorStats]:
     out = {}
     for name in wanted:
         entry = ck.tensors[name]
+        most = max(1, CHUNK_NBYTES // max(DTYPE_ITEMSIZE.get(entry.dtype, 8), 1))
         try:
-            t = ck.read(name, scratch=scratch)
+            out[name] = measure_pieces(
+                lambda name=name, most=most: ck.read_pieces(name, most=most, scratch=scratch),
+                entry.dtype)
         except Exception as exc:  # said per tensor; the others are measured
             out[name] = TensorStats(entry.dtype, 0, error=f"cannot be read: {exc}"[:300])
-            continue
-        out[name] = measure(t)
-        del t
     return out
 
 

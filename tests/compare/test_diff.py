@@ -258,3 +258,46 @@ def test_the_steps_of_a_run(tmp_path: Path) -> None:
     assert steps[0][2].tensors["layer.w"].changed
     with pytest.raises(cl.CkptlabError, match="not a training run"):
         step_diffs(tmp_path / "run" / "checkpoint-10")
+
+
+def test_large_tensors_are_compared_in_pieces(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """With pieces of 4 KiB, no read is larger than a piece, and every figure is the one a
+    whole-tensor comparison gives: float32 against bfloat16, a NaN, an identical tensor, a
+    complex one, a sparse one (read whole), torch.save against safetensors."""
+    from ckptlab.compare import _diff
+    from ckptlab.source._tree import LocalTree
+
+    torch.manual_seed(9)
+    a = {"w": torch.randn(3000), "same": torch.randn(5000), "c": torch.randn(2000,
+                                                                        dtype=torch.cfloat),
+         "s": torch.eye(50).to_sparse()}
+    b = {"w": a["w"].to(torch.bfloat16), "same": a["same"].clone(), "c": a["c"] * 2,
+         "s": (torch.eye(50) * 2).to_sparse()}
+    b["same"][10] = a["same"][10]
+    a["w"][7] = float("nan")
+    torch.save(a, tmp_path / "a.pt")
+    torch.save(b, tmp_path / "b.pt")
+    whole = cl.diff(tmp_path / "a.pt", tmp_path / "b.pt")
+    sizes: list[int] = []
+    fetch = LocalTree.fetch
+
+    def spy(self: Any, full: str, start: int, end: int, into: Any = None) -> Any:
+        sizes.append(end - start)
+        return fetch(self, full, start, end, into)
+
+    monkeypatch.setattr(LocalTree, "fetch", spy)
+    monkeypatch.setattr(_diff, "CHUNK_NBYTES", 4096)
+    pieces = cl.diff(tmp_path / "a.pt", tmp_path / "b.pt")
+    dense = [n for n in a if n != "s"]
+    assert max(sizes) == 4096 and len(sizes) > 10  # (the sparse parts are small)
+    for name in a:
+        w, p = whole.tensors[name], pieces.tensors[name]
+        assert (w.identical, w.changed, w.n_diff, w.nan_a, w.nan_b, w.max_abs) == (
+            p.identical, p.changed, p.n_diff, p.nan_a, p.nan_b, p.max_abs), name
+        for field in ("rel_l2", "cosine", "norm_a", "norm_b"):
+            assert getattr(p, field) == pytest.approx(getattr(w, field), rel=1e-12), name
+    assert pieces.tensors["same"].identical and pieces.tensors["w"].nan_a == 1
+    assert pieces.tensors["c"].compared.endswith("(complex as real and imaginary parts)")
+    truth = _truth(a["w"], b["w"])
+    assert pieces.tensors["w"].n_diff == truth["n_diff"] and dense

@@ -113,3 +113,33 @@ def test_cli(tmp_path: Path, capsys: Any) -> None:
                       "hist"}
     assert len(w["hist"]["counts"]) == BINS and not math.isnan(w["mean"])
     assert "nan" not in doc["tensors"]  # (the filter)
+
+
+def test_large_tensors_are_measured_in_pieces(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """With pieces of 4 KiB no read is larger than a piece (a float32 tensor is read twice,
+    a bfloat16 one once), and every statistic is the whole tensor's."""
+    from ckptlab.compare import _stats
+    from ckptlab.source._tree import LocalTree
+
+    torch.manual_seed(10)
+    state = {"f": torch.randn(5000) * 3, "h": torch.randn(7000).to(torch.bfloat16)}
+    state["f"][17] = float("inf")
+    save_file(state, str(tmp_path / "s.safetensors"))
+    whole = cl.stats(tmp_path / "s.safetensors")
+    sizes: list[int] = []
+    fetch = LocalTree.fetch
+
+    def spy(self: Any, full: str, start: int, end: int, into: Any = None) -> Any:
+        sizes.append(end - start)
+        return fetch(self, full, start, end, into)
+
+    monkeypatch.setattr(LocalTree, "fetch", spy)
+    monkeypatch.setattr(_stats, "CHUNK_NBYTES", 4096)
+    pieces = cl.stats(tmp_path / "s.safetensors")
+    assert max(sizes) == 4096
+    assert sum(sizes) == 2 * state["f"].nbytes + state["h"].nbytes
+    for name, t in state.items():
+        _check(pieces[name], t)
+        assert pieces[name].counts == whole[name].counts
+        assert pieces[name].std == pytest.approx(whole[name].std, rel=1e-12)
