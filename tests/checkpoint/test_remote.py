@@ -673,3 +673,38 @@ def test_a_file_replaced_on_the_server_after_the_open_is_an_error(server, dcp_bi
     # and the file's ETag is another
     assert [r.status for r in _requests(server)] == [412, 206]
     assert torch.equal(cl.open(server.url("dcpswap/")).read("big.3"), dcp_big["big.3"])
+
+
+def test_diff_and_stats_of_urls_read_each_part_in_one_request(server, tmp_path,
+                                                               monkeypatch):
+    """``cl.diff`` of a URL against a local file and ``cl.stats`` of a URL: one ranged
+    request per tensor (and per piece of a tensor read in pieces), the figures those of the
+    local files."""
+    from safetensors.torch import save_file
+
+    from ckptlab.compare import _diff
+
+    torch.manual_seed(11)
+    state = {"a": torch.randn(100), "big": torch.randn(3000), "c": torch.arange(10)}
+    save_file(state, os.path.join(server.root, "cmp.safetensors"))
+    changed = {**state, "big": state["big"] + 1}
+    torch.save(changed, tmp_path / "local.pt")
+    url = server.url("cmp.safetensors")
+    ck = cl.open(url)
+    server.mark()
+    local = cl.diff(os.path.join(server.root, "cmp.safetensors"), tmp_path / "local.pt")
+    remote = cl.diff(ck, tmp_path / "local.pt")
+    seen = _requests(server)
+    assert len(seen) == len(state), seen  # one ranged request per tensor
+    assert all(r.status == 206 for r in seen)
+    for name, t in local.tensors.items():
+        assert remote.tensors[name] == t, name
+    monkeypatch.setattr(_diff, "CHUNK_NBYTES", 4096)
+    server.mark()
+    cl.diff(ck, tmp_path / "local.pt")
+    pieces = sum(-(-e.nbytes // 4096) for e in ck.tensors.values())
+    assert len(_requests(server)) == pieces > len(state)
+    server.mark()
+    found = cl.stats(ck)
+    assert len(_requests(server)) == len(state)
+    assert found == cl.stats(os.path.join(server.root, "cmp.safetensors"))
