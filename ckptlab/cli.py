@@ -12,13 +12,17 @@ Verbs (``ckptlab VERB --help`` tells each one's arguments):
   legacy, TorchScript or torch.export file, the same from its checkpoint model.
 - ``sample PATH [--alignment N]``: write the embedded sample checkpoint (N: a power of two,
   1 to :data:`MAX_STORAGE_ALIGNMENT`).
-- ``report [PATH] [-o OUT]``: a self-contained offline HTML report with the figures, of any
-  checkpoint file or directory (one section per file of a multi-file checkpoint).
+- ``report [PATH] [-o OUT] [--compare OTHER] [--stats]``: a self-contained offline HTML
+  report with the figures, of any checkpoint file or directory (one section per file of a
+  multi-file checkpoint); ``--compare`` opens it with what changed from PATH to OTHER,
+  ``--stats`` adds every tensor's statistics.
 - ``readiness PATH [--json]``: is a checkpoint ready for GPUDirect Storage / O_DIRECT reads?
-  What is 4 KiB aligned and what would align the rest, in the format's own terms.
-- ``serve [PATH] [--port N] [--address A] [--show]``: the interactive workbench (panel), for
-  any checkpoint file or directory on this machine; the port opens at once on a quick page
-  with the tensor table (:mod:`ckptlab.widgets.quick`), which becomes the workbench.
+  What is 4 KiB aligned and what would align the rest, in the format's own terms; exit 0
+  when ready, 1 when not.
+- ``serve [PATH] [--port N] [--address A] [--show] [--compare OTHER]``: the interactive
+  workbench (panel), for any checkpoint file or directory on this machine; the port opens at
+  once on a quick page with the tensor table (:mod:`ckptlab.widgets.quick`), which becomes
+  the workbench. With ``--compare`` the page shows what changed from PATH to OTHER.
 
 - ``diff A B [--json] [--filter PATTERN] [--atol X] [--rtol Y] [--step N]``: what changed
   between two checkpoints of any formats (:func:`ckptlab.compare.diff`); exit 0 when nothing
@@ -1484,6 +1488,7 @@ def _run(args: argparse.Namespace) -> int | None:
             _print_json(r.to_dict())
         else:
             print(_render_readiness(r))
+        return 0 if r.ready else 1  # (as scan and diff: a script can test it)
     elif verb == "serve":
         import importlib.util
 

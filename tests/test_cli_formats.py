@@ -356,9 +356,10 @@ def test_report_validates_its_input_before_plotting(tmp_path) -> None:
 
 def readiness_of(cli, path: Path) -> tuple[str, dict]:
     text = cli("readiness", str(path))
-    assert text.returncode == 0 and text.stderr == "", text.stderr
+    assert text.stderr == "", text.stderr
     doc = cli("readiness", str(path), "--json")
-    assert doc.returncode == 0
+    ready = json.loads(doc.stdout)["ready"]
+    assert text.returncode == doc.returncode == (0 if ready else 1)  # 1: NOT READY
     return text.stdout, json.loads(doc.stdout)
 
 
@@ -474,5 +475,6 @@ def test_serve_refuses_an_empty_directory_in_plain_words(tmp_path) -> None:
 def test_the_real_command_exits_0_without_a_traceback(made, verb, kind, tmp_path) -> None:
     extra = ("-o", str(tmp_path / "r.html")) if verb == "report" else ()
     proc = run(verb, str(made[kind]), *extra)
-    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    ready = verb != "readiness" or "NOT READY" not in proc.stdout  # (readiness: 1 when not)
+    assert proc.returncode == (0 if ready else 1) and proc.stderr == "", proc.stderr
     assert proc.stdout.strip()

@@ -573,7 +573,7 @@ def test_cli_verbs_take_urls(server, many, mid, hf_dir, capsys):
     assert doc["reads"] == 5 and len(doc["offsets"]) == len(hf_dir)
     assert cli.main(["inspect", server.url(mid), "--records"]) == 0
     assert "data.pkl" in capsys.readouterr().out
-    assert cli.main(["readiness", server.url(mid), "--json"]) == 0
+    assert cli.main(["readiness", server.url(mid), "--json"]) == 1  # not ready: a URL
     assert json.loads(capsys.readouterr().out)["o_direct"] is False
     assert cli.main(["serve", server.url(mid)]) == 2
     assert "serve shows a checkpoint on this machine" in capsys.readouterr().err

@@ -73,12 +73,13 @@ def test_to_dict_is_json(files) -> None:
 
 
 def test_cli_readiness(files, capsys) -> None:
-    assert main(["readiness", str(files[64])]) == 0
+    assert main(["readiness", str(files[64])]) == 1  # NOT READY: exit 1, as scan and diff
     out = capsys.readouterr().out
     assert "NOT READY" in out and "storage_alignment = 4096" in out
-    assert main(["readiness", str(files[4096]), "--json"]) == 0
+    status = main(["readiness", str(files[4096]), "--json"])
     d = json.loads(capsys.readouterr().out)
     assert d["storages_4k_aligned"] == d["storages"]
+    assert status == (0 if d["ready"] else 1)  # (O_DIRECT depends on this file system)
 
 
 def test_cli_readiness_of_bad_input_exits_2(tmp_path, capsys) -> None:
