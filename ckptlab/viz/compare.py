@@ -221,6 +221,24 @@ def _log(rel: float | None) -> float | None:
     return 3.0 if math.isinf(rel) else math.log10(rel)
 
 
+MAX_OPTIONS = 2000  # tensors a picker lists at once (the search narrows them)
+
+
+def listing(names: Sequence[str], pattern: str) -> tuple[list[str], str]:
+    """A picker's options: the ``names`` the search ``pattern`` matches (a substring or a
+    glob, as everywhere in ckptlab: :class:`~ckptlab.checkpoint.TensorQuery`), in their
+    order, at most :data:`MAX_OPTIONS`, and a line saying how many match."""
+    from ckptlab.checkpoint.query import TensorQuery
+
+    if pattern.strip():
+        matches = TensorQuery(pattern).matches
+        names = [n for n in names if matches(n)]
+    shown = list(names[:MAX_OPTIONS])
+    line = f"{len(names):,} tensor{'s' * (len(names) != 1)} match" + (
+        f"; the first {len(shown):,} listed" if len(shown) < len(names) else "")
+    return shown, line
+
+
 class DiffBrowser:
     """What a view of a diff does when the user searches, clicks a module or picks a tensor,
     without any widget: the notebook's :class:`~ckptlab.widgets.DiffExplorer` and the served
@@ -237,8 +255,6 @@ class DiffBrowser:
         The module bars' depth (see :meth:`~ckptlab.compare.CheckpointDiff.by_module`).
     """
 
-    MAX_OPTIONS = 2000  # tensors a picker lists at once (the search narrows them)
-
     def __init__(self, d: Any, a: Any = None, b: Any = None, *,
                  depth: int | None = None) -> None:
         self.diff, self.depth = d, depth
@@ -251,24 +267,9 @@ class DiffBrowser:
     def figure(self, theme: str | None = None) -> go.Figure:
         return diff_figure(self.diff, depth=self.depth, theme=theme)
 
-    def matching(self, pattern: str) -> list[str]:
-        """The tensors the search matches (a substring or a glob, as everywhere in ckptlab:
-        :class:`~ckptlab.checkpoint.TensorQuery`), in :attr:`order`."""
-        from ckptlab.checkpoint.query import TensorQuery
-
-        if not pattern.strip():
-            return list(self.order)
-        matches = TensorQuery(pattern).matches
-        return [n for n in self.order if matches(n)]
-
     def listing(self, pattern: str) -> tuple[list[str], str]:
-        """The picker's options for ``pattern`` (at most :attr:`MAX_OPTIONS`) and a line
-        saying how many match."""
-        names = self.matching(pattern)
-        shown = names[:self.MAX_OPTIONS]
-        line = f"{len(names):,} tensor{'s' * (len(names) != 1)} match" + (
-            f"; the first {len(shown):,} listed" if len(shown) < len(names) else "")
-        return shown, line
+        """The picker's options for ``pattern`` (see :func:`listing`)."""
+        return listing(self.order, pattern)
 
     def module_search(self, bar: int) -> str:
         """The search that lists the tensors of the module of bar ``bar`` (clicked)."""

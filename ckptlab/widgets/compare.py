@@ -9,13 +9,14 @@ from typing import Any
 
 import ipywidgets as w
 
-from ckptlab.checkpoint import Checkpoint, TensorQuery, open_checkpoint
+from ckptlab.checkpoint import Checkpoint, open_checkpoint
 from ckptlab.compare import CheckpointDiff, TensorStats, diff, health, stats
 from ckptlab.viz.compare import (
     DiffBrowser,
     diff_table_html,
     health_html,
     hist_figure,
+    listing,
     stats_table_html,
 )
 from ckptlab.widgets._common import progress
@@ -23,20 +24,8 @@ from ckptlab.widgets._figure import FigureWidget, replace_figure
 
 __all__ = ["DiffExplorer", "StatsExplorer"]
 
-MAX_OPTIONS = 2000  # tensors listed in a picker at once (the search narrows them)
-
-
 def _opened(source: Any) -> Checkpoint:
     return source if isinstance(source, Checkpoint) else open_checkpoint(source)
-
-
-def _filtered(names: list[str], pattern: str) -> list[str]:
-    """The names the search matches (:class:`~ckptlab.checkpoint.TensorQuery`: a substring
-    or a glob, as everywhere in ckptlab)."""
-    if not pattern.strip():
-        return names
-    matches = TensorQuery(pattern).matches
-    return [n for n in names if matches(n)]
 
 
 class DiffExplorer(w.VBox):
@@ -153,7 +142,7 @@ class StatsExplorer(w.VBox):
         self._list()
 
     def _list(self) -> None:
-        self.picker.options = _filtered(list(self.stats), self.search.value)[:MAX_OPTIONS]
+        self.picker.options = listing(list(self.stats), self.search.value)[0]
 
     def select(self, name: str) -> None:
         """Show tensor ``name``'s histogram."""
