@@ -35,3 +35,19 @@ def loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> It
     for module in (_diff, _stats):
         monkeypatch.setattr(module, "kernels", lambda which=None: chosen)
     yield request.param
+
+
+@pytest.fixture
+def read_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of every read of a local file from now on (``LocalTree.fetch``), in order."""
+    from ckptlab.source._tree import LocalTree
+
+    sizes: list[int] = []
+    fetch = LocalTree.fetch
+
+    def spy(self: Any, full: str, start: int, end: int, into: Any = None) -> Any:
+        sizes.append(end - start)
+        return fetch(self, full, start, end, into)
+
+    monkeypatch.setattr(LocalTree, "fetch", spy)
+    return sizes

@@ -115,30 +115,21 @@ def test_cli(tmp_path: Path, capsys: Any) -> None:
     assert "nan" not in doc["tensors"]  # (the filter)
 
 
-def test_large_tensors_are_measured_in_pieces(tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_large_tensors_are_measured_in_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              read_sizes: list[int]) -> None:
     """With pieces of 4 KiB no read is larger than a piece (a float32 tensor is read twice,
     a bfloat16 one once), and every statistic is the whole tensor's."""
     from ckptlab.compare import _stats
-    from ckptlab.source._tree import LocalTree
-
     torch.manual_seed(10)
     state = {"f": torch.randn(5000) * 3, "h": torch.randn(7000).to(torch.bfloat16)}
     state["f"][17] = float("inf")
     save_file(state, str(tmp_path / "s.safetensors"))
     whole = cl.stats(tmp_path / "s.safetensors")
-    sizes: list[int] = []
-    fetch = LocalTree.fetch
-
-    def spy(self: Any, full: str, start: int, end: int, into: Any = None) -> Any:
-        sizes.append(end - start)
-        return fetch(self, full, start, end, into)
-
-    monkeypatch.setattr(LocalTree, "fetch", spy)
+    read_sizes.clear()  # (the reads of the whole-tensor pass above)
     monkeypatch.setattr(_stats, "CHUNK_NBYTES", 4096)
     pieces = cl.stats(tmp_path / "s.safetensors")
-    assert max(sizes) == 4096
-    assert sum(sizes) == 2 * state["f"].nbytes + state["h"].nbytes
+    assert max(read_sizes) == 4096
+    assert sum(read_sizes) == 2 * state["f"].nbytes + state["h"].nbytes
     for name, t in state.items():
         _check(pieces[name], t)
         assert pieces[name].counts == whole[name].counts
