@@ -22,6 +22,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 static int
 elements(Py_buffer *view, int kind, Py_ssize_t *n)
@@ -109,8 +112,77 @@ NAME(const T *x, Py_ssize_t n, Moments *m)                                      
         }                                                                                 \
     }                                                                                     \
 }
-MOMENTS(moments_f, float)
+MOMENTS(moments_f_scalar, float)
 MOMENTS(moments_d, double)
+
+#ifdef __SSE2__
+/* moments_f with SSE2 (every x86-64 has it): a block's minima, maxima, zero counts, sums
+ * and sums of squares four floats at a time (the sums in double, two at a time), eight per
+ * step; a block whose NaN check fails (x * 0 is NaN for NaN and +-inf) is done by
+ * moments_f_scalar. The same results as moments_f_scalar but for the order of the sums. */
+static void
+moments_f(const float *x, Py_ssize_t n, Moments *m)
+{
+    const __m128 zero = _mm_setzero_ps();
+    Py_ssize_t start = 0;
+    for (; start + BLOCK <= n; start += BLOCK) {
+        const float *b = x + start;
+        __m128 lo0 = _mm_set1_ps(INFINITY), lo1 = lo0, hi0 = _mm_set1_ps(-INFINITY), hi1 = hi0;
+        __m128 check = zero;
+        __m128d s0 = _mm_setzero_pd(), s1 = s0, s2 = s0, s3 = s0;
+        __m128d q0 = s0, q1 = s0, q2 = s0, q3 = s0;
+        __m128i zeros = _mm_setzero_si128();
+        for (Py_ssize_t i = 0; i < BLOCK; i += 8) {
+            __m128 v = _mm_loadu_ps(b + i), w = _mm_loadu_ps(b + i + 4);
+            lo0 = _mm_min_ps(lo0, v);
+            lo1 = _mm_min_ps(lo1, w);
+            hi0 = _mm_max_ps(hi0, v);
+            hi1 = _mm_max_ps(hi1, w);
+            check = _mm_add_ps(check, _mm_add_ps(_mm_mul_ps(v, zero), _mm_mul_ps(w, zero)));
+            zeros = _mm_sub_epi32(zeros, _mm_castps_si128(_mm_cmpeq_ps(v, zero)));
+            zeros = _mm_sub_epi32(zeros, _mm_castps_si128(_mm_cmpeq_ps(w, zero)));
+            __m128d a = _mm_cvtps_pd(v), c = _mm_cvtps_pd(_mm_movehl_ps(v, v));
+            __m128d d = _mm_cvtps_pd(w), e = _mm_cvtps_pd(_mm_movehl_ps(w, w));
+            s0 = _mm_add_pd(s0, a);
+            s1 = _mm_add_pd(s1, c);
+            s2 = _mm_add_pd(s2, d);
+            s3 = _mm_add_pd(s3, e);
+            q0 = _mm_add_pd(q0, _mm_mul_pd(a, a));
+            q1 = _mm_add_pd(q1, _mm_mul_pd(c, c));
+            q2 = _mm_add_pd(q2, _mm_mul_pd(d, d));
+            q3 = _mm_add_pd(q3, _mm_mul_pd(e, e));
+        }
+        float f[4];
+        _mm_storeu_ps(f, check);
+        if (f[0] != f[0] || f[1] != f[1] || f[2] != f[2] || f[3] != f[3]) {
+            moments_f_scalar(b, BLOCK, m);  /* a NaN or an infinity in this block */
+            continue;
+        }
+        float l[8], h[8];
+        double sum[2], sq[2];
+        int32_t z[4];
+        _mm_storeu_ps(l, lo0);
+        _mm_storeu_ps(l + 4, lo1);
+        _mm_storeu_ps(h, hi0);
+        _mm_storeu_ps(h + 4, hi1);
+        _mm_storeu_pd(sum, _mm_add_pd(_mm_add_pd(s0, s1), _mm_add_pd(s2, s3)));
+        _mm_storeu_pd(sq, _mm_add_pd(_mm_add_pd(q0, q1), _mm_add_pd(q2, q3)));
+        _mm_storeu_si128((__m128i *)z, zeros);
+        for (int j = 0; j < 8; j++) {
+            m->lo = (double)l[j] < m->lo ? (double)l[j] : m->lo;
+            m->hi = (double)h[j] > m->hi ? (double)h[j] : m->hi;
+        }
+        m->sum += sum[0] + sum[1];
+        m->squares += sq[0] + sq[1];
+        m->zeros += (long long)z[0] + z[1] + z[2] + z[3];
+        m->finite += BLOCK;
+    }
+    if (start < n)
+        moments_f_scalar(x + start, n - start, m);
+}
+#else
+#define moments_f moments_f_scalar
+#endif
 
 static PyObject *
 moments(PyObject *self, PyObject *args)
