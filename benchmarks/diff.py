@@ -61,8 +61,8 @@ elif job == "torch":
 elif job == "stats":
     cl.stats(a)
 elif job == "load_stats":  # the obvious alternative: load, then torch's reductions per tensor
-    for t in load_file(a).values():
-        x = t.double()
+    for tensor in load_file(a).values():
+        x = tensor.double()
         f = x[torch.isfinite(x)]
         f.min(), f.max(), f.mean(), f.std(correction=0), torch.histc(f, 64)
         torch.isnan(x).sum(), torch.isinf(x).sum(), (x == 0).sum()
