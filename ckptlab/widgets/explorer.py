@@ -47,6 +47,19 @@ _SELECTION_COLOR = "rgba(0, 0, 0, 0.9)"
 PAGE_ROWS = 200  # tensor rows listed at once: a page of the filtered, sorted table
 
 
+def _stats_text(s: Any) -> str:
+    """A tensor's statistics in a line (after " · "), or "" when not measured."""
+    if s is None:
+        return ""
+    if s.error:
+        return f" · {s.error}"
+    if s.min is None:
+        return f" · no finite value ({s.nan:,} NaN, {s.inf:,} Inf)"
+    bad = (f", NaN {s.nan:,}" if s.nan else "") + (f", Inf {s.inf:,}" if s.inf else "")
+    return (f" · min {s.min:.4g} max {s.max:.4g} mean {s.mean:.4g} std {s.std:.4g}"
+            + bad)
+
+
 def _is_checkpoint(source: Any) -> bool:
     return hasattr(source, "files") and hasattr(source, "tensors") and hasattr(source, "format")
 
@@ -60,7 +73,10 @@ class LayoutExplorer(w.VBox):
     in hex. Click the map and the item under the pointer is selected in the item list;
     select an item and the map marks its byte range. Zooming re-bins the map (exact
     segments once few enough are visible). A checkpoint of several files (Hugging Face
-    shards, DCP ranks) has a file picker; each file has its own map.
+    shards, DCP ranks) has a file picker; each file has its own map. Tick "statistics" and
+    the tensors listed are measured (:func:`ckptlab.stats`: each read once, on demand): their
+    rows and the selected tensor's details gain min, max, mean, std and NaN/Inf counts, and a
+    health line names what looks wrong.
 
     Parameters
     ----------
@@ -166,6 +182,14 @@ class LayoutExplorer(w.VBox):
         self._view = np.arange(len(self.table))
         self.search.observe(lambda _: self._query(), names="value")
         self.sort.observe(lambda _: self._query(), names="value")
+        # statistics on demand (a checkpoint's tensors only: a layout has no reader)
+        self._stats: dict[str, Any] = {}
+        self.statistics = w.Checkbox(
+            value=False, description="statistics", indent=False, layout=w.Layout(width="110px"),
+            disabled=self.checkpoint is None,
+            tooltip="min, max, mean, std and NaN/Inf of the tensors listed (each read once)")
+        self.health = w.HTML()
+        self.statistics.observe(lambda _: self.show_page(self._page), names="value")
         self.prev_page.on_click(lambda _: self.show_page(self._page - 1))
         self.next_page.on_click(lambda _: self.show_page(self._page + 1))
         self.tensors.observe(self._on_tensor, names="value")
@@ -178,8 +202,8 @@ class LayoutExplorer(w.VBox):
                 value=self._file, description="file", layout=w.Layout(width="60%"))
             self.files.observe(self._on_file, names="value")
             head.append(self.files)
-        controls = w.HBox([self.search, self.sort, self.prev_page, self.next_page,
-                           self.page_info])
+        controls = w.HBox([self.search, self.sort, self.statistics, self.prev_page,
+                           self.next_page, self.page_info])
         right = w.VBox([self.details, self.hex], layout=w.Layout(width="66%"))
         # the alignment what-if applies where the writer picks the alignment: torch.save zips
         self.what_if: w.Accordion | None = None
@@ -191,7 +215,7 @@ class LayoutExplorer(w.VBox):
             self.what_if.set_title(0, "alignment what-if: the same file at another alignment")
             self.what_if.observe(self._on_what_if, names="selected_index")
             tail.append(self.what_if)
-        super().__init__([*head, controls, self.tensors, self.figure,
+        super().__init__([*head, controls, self.health, self.tensors, self.figure,
                           w.HBox([self.items, right]), *tail])
         self.add_class("ckptlab-layout-explorer")
         self._query()
@@ -294,9 +318,11 @@ class LayoutExplorer(w.VBox):
         self._page = min(max(page, 0), pages - 1)
         rows = self._view[self._page * PAGE_ROWS : (self._page + 1) * PAGE_ROWS]
         t = self.table
+        measured = self._measure([t.names[i] for i in rows.tolist()])
         options = [(f"{t.names[i]} · {t.dtypes[i]} {t.shapes[i]} · "
                     f"{human_nbytes(int(t.nbytes[i]))} · {int(t.parameters[i]):,} params"
-                    + (f" · {t.files[i]}" if self.files is not None else ""), t.names[i])
+                    + (f" · {t.files[i]}" if self.files is not None else "")
+                    + _stats_text(measured.get(t.names[i])), t.names[i])
                    for i in rows.tolist()]
         self._refilling = True
         try:
@@ -314,6 +340,25 @@ class LayoutExplorer(w.VBox):
                                 + "</span>")
         self.prev_page.disabled = self._page == 0
         self.next_page.disabled = self._page >= pages - 1
+
+    def _measure(self, names: list[str]) -> dict[str, Any]:
+        """The statistics of ``names`` when the statistics box is ticked (each tensor read
+        once, kept for this view), and the health line of every tensor measured so far."""
+        if not self.statistics.value or self.checkpoint is None:
+            self.health.value = ""
+            return {}
+        from ckptlab.compare import health, stats
+        from ckptlab.viz.compare import health_html
+
+        todo = [n for n in names if n not in self._stats]
+        with progress(len(todo), "measuring tensors") as bar:
+            for name in todo:
+                self._stats.update(stats(self.checkpoint, [name]))
+                bar.update(1)
+        self.health.value = (health_html(health(self._stats)) +
+                             f'<span class="note">({len(self._stats):,} of '
+                             f"{len(self.table):,} tensors measured: those listed)</span>")
+        return {n: self._stats[n] for n in names}
 
     def _on_tensor(self, change: dict[str, Any]) -> None:
         if not self._refilling and change["new"] is not None and \
@@ -352,6 +397,9 @@ class LayoutExplorer(w.VBox):
                   + (" …" if len(ranges) > 8 else "")]]
         if row["file"]:
             facts.insert(0, ["file", row["file"]])
+        measured = self._stats.get(name)
+        if measured is not None:
+            facts.append(["statistics", _stats_text(measured).removeprefix(" · ")])
         self.details.value = (f"<b>{html.escape(name)}</b>" + html_table(["", ""], facts)
                               + self.details.value)
         self._show_hex(offset, min(max(nbytes, 1), HEX_NBYTES))

@@ -145,3 +145,27 @@ def test_alignment_what_if_only_for_a_torch_save_zip(small_file, safetensors_fil
         assert ex.what_if is None
         with pytest.raises(InvalidArgumentError, match=r"torch\.save zip"):
             ex.open_what_if()
+
+
+def test_statistics_on_demand(tmp_path):
+    """Tick "statistics": the tensors listed are measured (as ckptlab.stats measures them),
+    their line and the selected tensor's details say min, max, mean, std, NaN; the health
+    line names the tensor with a NaN; a layout (no reader) has the box disabled."""
+    from safetensors.torch import save_file
+
+    sd = {"a.w": torch.arange(6.0).reshape(2, 3), "b.w": torch.tensor([1.0, float("nan")])}
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    x = LayoutExplorer(tmp_path / "m.safetensors")
+    assert x.health.value == "" and "min" not in x.tensors.options[0][0]
+    x.statistics.value = True
+    labels = dict((v, k) for k, v in x.tensors.options)
+    assert "min 0 max 5 mean 2.5" in labels["a.w"] and "NaN 1" in labels["b.w"]
+    assert "NaN or Inf in 1 tensor: b.w" in x.health.value
+    want = cl.stats(tmp_path / "m.safetensors")["a.w"]
+    assert x._stats["a.w"] == want
+    x.select_tensor("a.w")
+    assert "std 1.708" in x.details.value
+    x.statistics.value = False
+    assert x.health.value == ""
+    torch.save({"w": torch.ones(2)}, tmp_path / "m.pt")
+    assert LayoutExplorer(cl.inspect(tmp_path / "m.pt")).statistics.disabled
