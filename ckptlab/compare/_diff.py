@@ -5,9 +5,11 @@ not (``module.`` of DDP, ``_orig_mod.`` of ``torch.compile``, ``model.``...): th
 matches the most names wins (``rename=`` overrides it). Tensors left on one side with the
 same dtype, shape and bytes as one on the other are ``renamed``.
 
-Each common tensor is read once per side (``Checkpoint.read``: its bytes only, no pickle
-run; one tensor of each side in memory at a time, read into memory kept from one tensor to
-the next). Equal dtypes, shapes and bytes are ``identical`` without any float work. Otherwise
+Each common tensor is read once per side (its bytes only, no pickle run), into memory kept
+from one tensor to the next: one tensor of each side in memory at a time, or one piece of
+at most :data:`CHUNK_NBYTES` of it for a larger dense one
+(:meth:`~ckptlab.checkpoint.Checkpoint.read_pieces`). Equal dtypes, shapes and bytes are
+``identical`` without any float work (one pass takes their NaNs and norm). Otherwise
 both sides are compared in their value (sparse tensors dense, quantized ones dequantized) in
 float64 arithmetic: every value of both sides is held exactly (bool, integers up to 2**53;
 complex tensors as pairs of a real and an imaginary part, each counted as an element), NaN
