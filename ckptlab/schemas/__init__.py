@@ -7,7 +7,9 @@ package data next to this module:
 - ``records`` (``records.schema.json``): ``ckptlab inspect PATH --records --json``, the
   byte-level layout alone (a torch.save zip or safetensors file's, or a DCP directory's);
 - ``offsets`` (``offsets.schema.json``): ``ckptlab offsets PATH --json``, both of its shapes
-  (a torch.save file's storage keys; every other checkpoint's tensor parts).
+  (a torch.save file's storage keys; every other checkpoint's tensor parts);
+- ``diff`` (``diff.schema.json``): ``ckptlab diff A B --json``;
+- ``stats`` (``stats.schema.json``): ``ckptlab stats PATH --json``.
 
 The keys a schema requires are the ones the contract promises, typed (offsets and sizes are
 non-negative integers, dtypes torch's names without the ``torch.`` prefix); every object may
@@ -29,7 +31,7 @@ from typing import Any
 
 __all__ = ["NAMES", "schema", "schema_text"]
 
-NAMES = ("inspect", "offsets", "records")
+NAMES = ("diff", "inspect", "offsets", "records", "stats")
 
 
 def schema_text(name: str) -> str:
