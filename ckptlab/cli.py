@@ -756,6 +756,9 @@ def _parser() -> _Parser:
     rep.add_argument("--stats", action="store_true",
                      help="add every tensor's statistics and the health line "
                           "(see 'ckptlab stats'; reads every tensor once)")
+    rep.add_argument("--steps", action="store_true",
+                     help="for a training run's directory: how far each module moved between "
+                          "its consecutive saves (reads every save once)")
     rdy = sub.add_parser("readiness", help=VERBS["readiness"], description=VERBS["readiness"])
     rdy.add_argument("path", metavar="PATH", help="checkpoint file or directory")
     rdy.add_argument("--step", type=_step, default=None, metavar="N", help=_STEP_HELP)
@@ -900,14 +903,23 @@ def _stats(args: argparse.Namespace) -> int:
 REPORT_HISTOGRAMS = 4  # the most changed tensors a compare report draws histograms of
 
 
-def _report_extra(args: argparse.Namespace, ck: Any) -> dict[str, Any]:
-    """``report --compare OTHER`` and ``--stats``: the diff, the histograms of the most changed
-    tensors (both sides and the changes) and the statistics, for :func:`report_html`."""
+def _report_extra(args: argparse.Namespace, ck: Any, run: Any) -> dict[str, Any]:
+    """``report --compare OTHER``, ``--stats`` and ``--steps``: the diff, the histograms of
+    the most changed tensors (both sides and the changes), the statistics and a run's
+    consecutive diffs, for :func:`report_html`."""
     from ckptlab._progress import task
-    from ckptlab.compare import diff, stats
+    from ckptlab.compare import diff, stats, step_diffs
     from ckptlab.compare._stats import side_by_side
 
     extra: dict[str, Any] = {}
+    if args.steps:
+        if run is None:
+            from ckptlab.checkpoint.runs import RUN_LAYOUTS
+
+            raise InvalidArgumentError(f"{args.path}: --steps is for a training run's "
+                                       f"directory (saves side by side: {RUN_LAYOUTS})")
+        with task("comparing the run's saves"):
+            extra["steps"] = step_diffs(run)
     if args.compare is not None:
         other = args.compare if _is_url(args.compare) else _input_path(
             args.compare, "report", directory=True)
@@ -1458,7 +1470,7 @@ def _run(args: argparse.Namespace) -> int | None:
         layout = ck.files[0].layout if len(ck.files) == 1 else None
         from ckptlab._progress import task
 
-        extra = _report_extra(args, ck)
+        extra = _report_extra(args, ck, run)
         with task("drawing the report"):
             if ck.format == "torch-zip" and isinstance(layout, ArchiveLayout):
                 # records, alignment what-if

@@ -488,15 +488,17 @@ def diff(a: Any, b: Any, *, rename: Callable[[str], str] | Mapping[str, str] | N
 def step_diffs(source: Any, **options: Any) -> list[tuple[str, str, CheckpointDiff]]:
     """Each complete save of a training run against the one before it: ``(earlier, later,
     diff)`` by save name, in the run's order. ``source`` is the run's local directory (any
-    layout :func:`~ckptlab.checkpoint.runs.find_run` knows) or a checkpoint opened from one;
-    ``options`` go to :func:`diff`. Each save is opened once."""
+    layout :func:`~ckptlab.checkpoint.runs.find_run` knows), its ``Run``, or a checkpoint
+    opened from one; ``options`` go to :func:`diff`. Each save is opened once."""
     import os
 
     from ckptlab.checkpoint import Checkpoint
-    from ckptlab.checkpoint.runs import RUN_LAYOUTS, find_run
+    from ckptlab.checkpoint.runs import RUN_LAYOUTS, Run, find_run
     from ckptlab.errors import UnsupportedFormatError
 
-    if isinstance(source, Checkpoint) and source.run is not None:
+    if isinstance(source, Run):
+        run = source
+    elif isinstance(source, Checkpoint) and source.run is not None:
         run = source.run
     else:
         path = source.path if isinstance(source, Checkpoint) else os.fspath(source)

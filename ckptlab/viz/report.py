@@ -93,7 +93,8 @@ def _more(total: int) -> str:
 def report_html(source: Any, *, hex_bytes: bytes | None = None, hex_file: str | None = None,
                 max_file_maps: int = MAX_FILE_MAPS, diff: Any = None,
                 histograms: Mapping[str, Mapping[str, Any]] | None = None,
-                stats: Mapping[str, Any] | None = None) -> str:
+                stats: Mapping[str, Any] | None = None,
+                steps: Sequence[tuple[str, str, Any]] | None = None) -> str:
     """One HTML document with the figures, tables and plotly.js inline (works offline).
 
     Parameters
@@ -118,6 +119,9 @@ def report_html(source: Any, *, hex_bytes: bytes | None = None, hex_file: str | 
     stats
         Tensor name -> :class:`~ckptlab.compare.TensorStats` (``ckptlab.stats``): a section
         with the health line and the statistics table (``ckptlab report --stats``).
+    steps
+        A training run's consecutive diffs (:func:`ckptlab.compare.step_diffs`): a figure of
+        how far each module moved between saves (``ckptlab report RUN --steps``).
 
     Returns
     -------
@@ -125,16 +129,17 @@ def report_html(source: Any, *, hex_bytes: bytes | None = None, hex_file: str | 
         The document. Its figures are the same builders the widgets use; plotly.js is
         embedded once, so the file opens with no network access.
     """
-    lead, n = _lead(diff, histograms or {}, stats)
+    lead, n = _lead(diff, histograms or {}, stats, steps)
     if isinstance(source, ArchiveLayout):
         return _layout_report(source, hex_bytes, lead, n)
     return _checkpoint_report(source, hex_bytes, hex_file, max_file_maps, lead, n)
 
 
 def _lead(diff: Any, histograms: Mapping[str, Mapping[str, Any]],
-          stats: Mapping[str, Any] | None) -> tuple[str, int]:
-    """The sections a report opens with (what changed, the statistics) and their figure
-    count: they come first, with plotly.js."""
+          stats: Mapping[str, Any] | None,
+          steps: Sequence[tuple[str, str, Any]] | None = None) -> tuple[str, int]:
+    """The sections a report opens with (a run's saves, what changed, the statistics) and
+    their figure count: they come first, with plotly.js."""
     from ckptlab.compare import health
     from ckptlab.viz.compare import (
         diff_figure,
@@ -142,14 +147,20 @@ def _lead(diff: Any, histograms: Mapping[str, Mapping[str, Any]],
         health_html,
         hist_figure,
         stats_table_html,
+        steps_figure,
     )
 
     parts, figures = [], 0
+    if steps:
+        parts.append("<h2>The run's saves</h2>" + _figures_html(
+            [("How far each module moved between consecutive saves", steps_figure(steps))]))
+        figures += 1
     if diff is not None:
         figs = [("What changed", diff_figure(diff))] + [
             (f"Histograms · {name}", hist_figure(series, title=name))
             for name, series in histograms.items()]
-        parts.append(f"<h2>Compared with {html.escape(diff.b)}</h2>" + _figures_html(figs)
+        parts.append(f"<h2>Compared with {html.escape(diff.b)}</h2>"
+                     + _figures_html(figs, start=figures)
                      + "<h2>What differs, the largest changes first</h2>"
                      + diff_table_html(diff))
         figures += len(figs)

@@ -164,3 +164,27 @@ def test_a_shape_change_is_drawn_apart(tmp_path: Path) -> None:
     fig = diff_figure(cl.diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors"))
     assert fig.layout.meta["rel_l2"] == [math.inf, 1.0]
     assert fig.data[0].marker.color[0] == "#d62728"
+
+
+def test_report_of_a_run_with_its_steps(tmp_path: Path, capsys: Any) -> None:
+    """``ckptlab report RUN --steps``: the saves compared one after another, a figure at the
+    top of the report of the save the run resumes from; on a directory that is not a run,
+    one error line."""
+    torch.manual_seed(13)
+    w = torch.randn(4, 4)
+    for step in (5, 10, 15):
+        d = tmp_path / "run" / f"checkpoint-{step}"
+        d.mkdir(parents=True)
+        (d / "trainer_state.json").write_text("{}")
+        w = w + 0.1
+        save_file({"enc.w": w, "dec.b": torch.ones(2)}, str(d / "model.safetensors"))
+    out = tmp_path / "run.html"
+    assert main(["report", str(tmp_path / "run"), "--steps", "-o", str(out)]) == 0
+    page = out.read_text()
+    assert "The run&#x27;s saves" in page or "The run's saves" in page
+    steps = ("checkpoint-5 \\u2192 checkpoint-10", "checkpoint-10 \\u2192 checkpoint-15")
+    assert all(s in page for s in steps)  # (the figure's JSON escapes the arrow)
+    capsys.readouterr()
+    single = tmp_path / "run" / "checkpoint-5" / "model.safetensors"
+    assert main(["report", str(single), "--steps", "-o", str(tmp_path / "x.html")]) == 2
+    assert "--steps is for a training run" in capsys.readouterr().err
