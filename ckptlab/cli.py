@@ -12,10 +12,11 @@ Verbs (``ckptlab VERB --help`` tells each one's arguments):
   legacy, TorchScript or torch.export file, the same from its checkpoint model.
 - ``sample PATH [--alignment N]``: write the embedded sample checkpoint (N: a power of two,
   1 to :data:`MAX_STORAGE_ALIGNMENT`).
-- ``report [PATH] [-o OUT] [--compare OTHER] [--stats]``: a self-contained offline HTML
-  report with the figures, of any checkpoint file or directory (one section per file of a
-  multi-file checkpoint); ``--compare`` opens it with what changed from PATH to OTHER,
-  ``--stats`` adds every tensor's statistics.
+- ``report [PATH] [-o OUT] [--compare OTHER] [--stats] [--steps]``: a self-contained
+  offline HTML report with the figures, of any checkpoint file or directory (one section per
+  file of a multi-file checkpoint); ``--compare`` opens it with what changed from PATH to
+  OTHER, ``--stats`` adds every tensor's statistics, ``--steps`` (a training run's
+  directory) how far each module moved between its consecutive saves.
 - ``readiness PATH [--json]``: is a checkpoint ready for GPUDirect Storage / O_DIRECT reads?
   What is 4 KiB aligned and what would align the rest, in the format's own terms; exit 0
   when ready, 1 when not.
