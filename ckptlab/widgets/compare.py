@@ -76,6 +76,7 @@ class DiffExplorer(w.VBox):
         header = w.HTML(f"<b>{html.escape(d.a)}</b> (A) vs <b>{html.escape(d.b)}</b> (B)")
         super().__init__([header, self.figure, w.HBox([self.search, self.picker]), self.note,
                           self.hist, self.table])
+        self.add_class("ckptlab-diff-explorer")
         self._list()
 
     def _module_clicked(self, trace: Any, points: Any, state: Any) -> None:
@@ -139,6 +140,7 @@ class StatsExplorer(w.VBox):
                                  f"tensor{'s' * (len(self.stats) != 1)}"),
                           w.HTML(health_html(self.health)),
                           w.HBox([self.search, self.picker]), self.hist, self.table])
+        self.add_class("ckptlab-stats-explorer")
         self._list()
 
     def _list(self) -> None:

@@ -264,6 +264,31 @@ def test_start_here_shows_layout_explorer(lab: Lab, page, page_log, screenshot):
 
 
 
+def test_comparing_checkpoints_draws_its_explorers(lab: Lab, page, page_log, screenshot):
+    """notebooks/07_comparing_checkpoints.ipynb runs clean in the browser: its DiffExplorer
+    draws the module bars and the picked tensor's three histograms (A, B, B - A), its
+    StatsExplorer its histogram."""
+    name = "07_comparing_checkpoints.ipynb"
+    _run_notebook(page, lab, name)
+    plots = page.locator(".ckptlab-diff-explorer .js-plotly-plot")
+    plots.first.wait_for(timeout=RENDER_TIMEOUT_MS)
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('.ckptlab-diff-explorer .js-plotly-plot')]"
+        ".map(p => (p.data || []).map(t => t.name).join(',')).includes('A,B,B - A')",
+        timeout=RENDER_TIMEOUT_MS)
+    metas = plots.evaluate_all("ps => ps.map(p => (p.layout.meta || {}).kind)")
+    assert metas[:2] == ["diff", "hist"], metas
+    plots.first.scroll_into_view_if_needed()
+    screenshot("diff-explorer", full_page=False)
+    stats = page.locator(".ckptlab-stats-explorer .js-plotly-plot")
+    stats.first.wait_for(timeout=RENDER_TIMEOUT_MS)
+    stats.first.scroll_into_view_if_needed()
+    screenshot("stats-explorer", full_page=False)
+    _assert_no_error_outputs(page, name)
+    page_log.assert_offline()
+    page_log.assert_no_errors()
+
+
 # -- ckptlab's FigureWidget: updates sent while the front end is still loading plotly -------------
 UPDATES_NOTEBOOK = "browser_figure_updates.ipynb"
 UPDATED_FIGURES = 4
