@@ -218,13 +218,33 @@ def difference(a: Any, b: Any) -> TensorStats:
 def side_by_side(d: Any, a: Any, b: Any, name: str) -> dict[str, TensorStats]:
     """Tensor ``name`` (A's name) of diff ``d`` measured on both sides, and its changes:
     ``{"A": ..., "B": ..., "B - A": ...}`` (the changes where it is not identical and both
-    shapes agree); ``a``, ``b``: the two checkpoints, opened."""
-    ta = a.read(name)
-    tb = b.read(d.b_names.get(name, name))
-    out = {"A": measure(ta), "B": measure(tb)}
+    shapes agree); ``a``, ``b``: the two checkpoints, opened. A tensor over
+    :data:`CHUNK_NBYTES` is read in pieces (each side once per pass; the changes in float64
+    one piece at a time), so that a view of a large embedding holds pieces, not copies."""
+    import torch
+
+    from ckptlab.checkpoint import Scratch
+    from ckptlab.compare._diff import _pieces
+
+    other = d.b_names.get(name, name)
+    ea, eb = a.tensors[name], b.tensors[other]
+    most = max(1, CHUNK_NBYTES // 8)  # (float64 pieces of the changes)
+    scratches = Scratch(), Scratch()
+
+    def side(ck: Any, key: str, i: int) -> TensorStats:
+        return measure_pieces(lambda: ck.read_pieces(key, most=most, scratch=scratches[i]),
+                              ck.tensors[key].dtype)
+
+    out = {"A": side(a, name, 0), "B": side(b, other, 1)}
     t = d.tensors.get(name)
-    if t is not None and not t.identical and tuple(ta.shape) == tuple(tb.shape):
-        out["B - A"] = difference(ta, tb)
+    if t is not None and not t.identical and ea.shape == eb.shape and \
+            out["A"].numel == out["B"].numel:
+        def changes() -> Iterator[Any]:
+            for (pa, _), (pb, _) in zip(_pieces(a, name, most, scratches[0]),
+                                        _pieces(b, other, most, scratches[1]), strict=True):
+                yield _flat(pb).to(torch.float64) - _flat(pa).to(torch.float64)
+
+        out["B - A"] = measure_pieces(changes, "float64")
     return out
 
 

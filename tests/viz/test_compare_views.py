@@ -68,10 +68,18 @@ def test_diff_figure_and_table(tuned: tuple[Path, Path]) -> None:
     assert re.search(r"NaN A / B.*1 / 1|0 / 1", table, re.S)
 
 
-def test_histograms_against_torch(tuned: tuple[Path, Path]) -> None:
+def test_histograms_against_torch(tuned: tuple[Path, Path],
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptlab.compare import _stats
+
     d = cl.diff(*tuned)
     ck_a, ck_b = cl.open(tuned[0]), cl.open(tuned[1])
     series = side_by_side(d, ck_a, ck_b, "block.1.w")
+    monkeypatch.setattr(_stats, "CHUNK_NBYTES", 256)  # the same, read in pieces of 32
+    pieces = side_by_side(d, ck_a, ck_b, "block.1.w")
+    for label, s in series.items():
+        assert pieces[label].counts == s.counts and pieces[label].min == s.min, label
+        assert pieces[label].std == pytest.approx(s.std, rel=1e-12), label
     assert list(series) == ["A", "B", "B - A"]
     a, b = load_file(str(tuned[0]))["block.1.w"], torch.load(tuned[1])["block.1.w"]
     delta = (b.double() - a.double()).reshape(-1)
