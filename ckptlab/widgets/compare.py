@@ -34,8 +34,8 @@ class DiffExplorer(w.VBox):
     On top, how far each module moved (:func:`~ckptlab.viz.compare.diff_figure`: click a
     bar to list that module's tensors); under it a tensor picker (the changed tensors, the
     largest changes first; the search takes a substring or a glob) and, for the tensor
-    picked, the histograms of its values on both sides and of its changes (``b - a``); at
-    the bottom the table of every difference. A view over
+    picked (at first the largest change), the histograms of its values on both sides and of
+    its changes (``b - a``); at the bottom the table of every difference. A view over
     :class:`~ckptlab.viz.compare.DiffBrowser`, as the served page is.
 
     Parameters
@@ -78,6 +78,8 @@ class DiffExplorer(w.VBox):
                           self.hist, self.table])
         self.add_class("ckptlab-diff-explorer")
         self._list()
+        if self.picker.options:  # open on the largest change
+            self.picker.value = self.picker.options[0]
 
     def _module_clicked(self, trace: Any, points: Any, state: Any) -> None:
         if points.point_inds:
@@ -103,7 +105,8 @@ class DiffExplorer(w.VBox):
 class StatsExplorer(w.VBox):
     """Each tensor's statistics (:func:`ckptlab.stats`) and what looks wrong
     (:func:`ckptlab.compare.health`): the health line, a tensor picker with the histogram of
-    the tensor picked, and the table of statistics.
+    the tensor picked (at first the first tensor with a NaN or an Inf, else the first), and
+    the table of statistics.
 
     Parameters
     ----------
@@ -142,6 +145,9 @@ class StatsExplorer(w.VBox):
                           w.HBox([self.search, self.picker]), self.hist, self.table])
         self.add_class("ckptlab-stats-explorer")
         self._list()
+        bad = [n for n, st in self.stats.items() if st.nan or st.inf or st.error]
+        if bad or self.stats:  # open on the first tensor that looks wrong, else the first
+            self.picker.value = (bad or list(self.stats))[0]
 
     def _list(self) -> None:
         self.picker.options = listing(list(self.stats), self.search.value)[0]

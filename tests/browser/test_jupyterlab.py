@@ -278,12 +278,15 @@ def test_comparing_checkpoints_draws_its_explorers(lab: Lab, page, page_log, scr
         timeout=RENDER_TIMEOUT_MS)
     metas = plots.evaluate_all("ps => ps.map(p => (p.layout.meta || {}).kind)")
     assert metas[:2] == ["diff", "hist"], metas
-    plots.first.scroll_into_view_if_needed()
-    screenshot("diff-explorer", full_page=False)
+    screenshot("diff-explorer-modules", plots.nth(0))
+    screenshot("diff-explorer-histograms", plots.nth(1))
     stats = page.locator(".ckptlab-stats-explorer .js-plotly-plot")
     stats.first.wait_for(timeout=RENDER_TIMEOUT_MS)
-    stats.first.scroll_into_view_if_needed()
-    screenshot("stats-explorer", full_page=False)
+    page.wait_for_function(  # it opens on the tensor with the NaN
+        "() => [...document.querySelectorAll('.ckptlab-stats-explorer .js-plotly-plot')]"
+        ".some(p => (p.data || []).map(t => t.name).join() === 'blocks.1.norm.weight')",
+        timeout=RENDER_TIMEOUT_MS)
+    screenshot("stats-explorer", page.locator(".ckptlab-stats-explorer").first)
     _assert_no_error_outputs(page, name)
     page_log.assert_offline()
     page_log.assert_no_errors()

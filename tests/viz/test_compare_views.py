@@ -129,6 +129,7 @@ def test_explorers_as_a_user_drives_them(tuned: tuple[Path, Path]) -> None:
     from ckptlab.widgets import DiffExplorer, StatsExplorer
 
     x = DiffExplorer(*tuned)
+    assert x.picker.value == "block.1.w" and len(x.hist.data) == 3  # opens on the largest
     # the largest finite change first, the NaN (rel_l2 0 elsewhere), the bias from zero last
     assert x.picker.options[:3] == ("block.1.w", "head.w", "block.2.b")
     x.select("block.1.w")
@@ -142,6 +143,7 @@ def test_explorers_as_a_user_drives_them(tuned: tuple[Path, Path]) -> None:
     assert [t.name for t in again.hist.data] == ["A", "B", "B - A"]
     s = StatsExplorer(tuned[1])
     assert "head.w" in s.health[0]
+    assert s.picker.value == "head.w" and s.hist.data[0].name == "head.w"  # the NaN first
     s.select("block.1.w")
     assert len(s.hist.data) == 1 and s.hist.layout.title.text == "block.1.w"
     with pytest.raises(KeyError):
