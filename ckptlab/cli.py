@@ -76,6 +76,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from ckptlab import __version__
 from ckptlab._lazy import lazy_attributes
+from ckptlab._words import plural
 from ckptlab.errors import CkptlabError, InvalidArgumentError
 
 if TYPE_CHECKING:  # imported where used: --version and argument errors need none of them
@@ -170,9 +171,7 @@ def _human(nbytes: int) -> str:
     return str(nbytes)
 
 
-def _plural(n: int, word: str, plural: str | None = None) -> str:
-    """``n`` (with separators) and ``word``, in the plural unless ``n`` is 1."""
-    return f"{n:,} {word if n == 1 else plural or word + 's'}"
+_plural = plural  # (ckptlab._words: the views say counts the same way)
 
 
 def _count(n: int) -> str:

@@ -365,7 +365,7 @@ class Checkpoint:
         return sum(t.parameters for t in self.tensors.values())
 
     def __repr__(self) -> str:
-        return (f"<Checkpoint {self.format} {self.path!r}: {len(self.tensors)} tensors, "
+        return (f"<Checkpoint {self.format} {self.path!r}: {len(self.tensors)} tensor(s), "
                 f"{len(self._objects)} objects, {len(self.files)} files, {self.nbytes:,} bytes>")
 
     def __iter__(self) -> Iterator[str]:

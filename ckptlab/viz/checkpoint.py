@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import plotly.graph_objects as go
 
+from ckptlab._words import plural
 from ckptlab.checkpoint.query import SORT_KEYS, TensorCatalog, TensorQuery
 from ckptlab.errors import InvalidArgumentError
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
@@ -497,7 +498,8 @@ def treemap_figure(source: Any, *, max_nodes: int = 1500, theme: str | None = No
         maxdepth=4, tiling={"pad": 2}))
     fig.update_layout(treemapcolorway=list(PALETTE))
     fig.update_layout(
-        title=f"Bytes by module · {len(table):,} tensors · {human_nbytes(table.total_nbytes)}"
+        title=f"Bytes by module · {plural(len(table), 'tensor')} · "
+              f"{human_nbytes(table.total_nbytes)}"
               + (f" · {folded:,} small names folded" if folded else ""),
         height=520, margin={"l": 10, "r": 10, "t": 76, "b": 10},
         meta={"kind": "treemap", "folded": folded, "nodes": len(nodes),

@@ -22,6 +22,7 @@ from typing import Any
 import plotly.graph_objects as go
 import plotly.io as pio
 
+from ckptlab._words import plural
 from ckptlab.checkpoint.query import TensorQuery
 from ckptlab.format import ArchiveLayout, alignment_costs
 from ckptlab.format.archive import largest_alignment
@@ -359,7 +360,7 @@ def _tensor_section(table: TensorTable, multi: bool) -> str:
         rows.append(row)
     n = len(table)
     hidden = n - min(n, MAX_TENSOR_ROWS)
-    count = (f"{n:,} tensors" + (f"; showing the first {MAX_TENSOR_ROWS:,}, {hidden:,} hidden "
+    count = (plural(n, "tensor") + (f"; showing the first {MAX_TENSOR_ROWS:,}, {hidden:,} hidden "
                                  "(search to find any)" if hidden else ""))
     searchable = ("" if n <= MAX_FILTER_ROWS else
                   f" The search covers the first {MAX_FILTER_ROWS:,} tensors; "
@@ -438,7 +439,7 @@ def _layout_report(layout: ArchiveLayout, hex_bytes: bytes | None, lead: str = "
     bm = ByteMap.from_layout(layout)
     name = plain_text(layout.path.rsplit("/", 1)[-1])
     title = None if zip_ else (f"{name} · {human_nbytes(layout.file_nbytes)} · "
-                               f"{len(layout.tensors)} tensors · data alignment "
+                               f"{plural(len(layout.tensors), 'tensor')} · data alignment "
                                f"{layout.alignment}")
     figures: list[tuple[str, go.Figure]] = [
         ("Byte map", bytemap_figure(bm, title=title)),
@@ -565,7 +566,7 @@ def _checkpoint_report(ck: Any, hex_bytes: bytes | None, hex_file: str | None,
         bm = ByteMap.from_file(f, ck.tensors.values())
         lanes.update(dict.fromkeys(bm.lanes))
         title = (f"{plain_text(f.path)} · {human_nbytes(f.nbytes)} · "
-                 f"{tensors_in.get(f.path, 0)} tensors" +
+                 f"{plural(tensors_in.get(f.path, 0), 'tensor')}" +
                  (f" · data alignment {largest_alignment(offsets)}" if offsets else ""))
         figures.append((f"Byte map · {f.path}" if multi else "Byte map",
                         bytemap_figure(bm, title=title)))

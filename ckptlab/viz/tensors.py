@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
+from ckptlab._words import plural
 from ckptlab.errors import InvalidArgumentError
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.format.layout import ArchiveLayout, TensorInfo
@@ -87,7 +88,7 @@ def storage_figure(layout: ArchiveLayout, *, max_rows: int = 60,
                        "storage bytes [%{customdata[0]:,}, %{customdata[1]:,})<br>"
                        "file bytes [%{customdata[2]:,}, %{customdata[3]:,})<extra></extra>")))
     fig.update_layout(
-        barmode="overlay", title=(f"Tensors → storages → bytes · {len(layout.tensors)} tensors "
+        barmode="overlay", title=(f"Tensors → storages → bytes · {plural(len(layout.tensors), 'tensor')} "
                                   f"over {len(layout.storages)} storages, "
                                   f"{len(shared)} shared"),
         xaxis={"title": "byte offset inside the storage", "tickformat": ",d"},

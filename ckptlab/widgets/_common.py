@@ -9,6 +9,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from ckptlab._words import plural
 from ckptlab.errors import InvalidArgumentError
 from ckptlab.format import ArchiveLayout, inspect
 from ckptlab.viz import ByteMap
@@ -50,7 +51,8 @@ def summary_html(layout: ArchiveLayout) -> str:
     pct = 100 * layout.overhead_nbytes / max(layout.file_nbytes, 1)
     return (f'<div class="ckptlab-summary"><b>{name}</b> · {layout.format} · '
             f"{human_nbytes(layout.file_nbytes)} · {len(layout.records)} records · "
-            f"{len(layout.storages)} storages · {len(layout.tensors)} tensors · "
+            f"{plural(len(layout.storages), 'storage')} · "
+            f"{plural(len(layout.tensors), 'tensor')} · "
             f"alignment {layout.alignment} · overhead {human_nbytes(layout.overhead_nbytes)} "
             f"({pct:.2f}%), FB padding {human_nbytes(layout.padding_nbytes)}"
             f"{' · zip64' if layout.zip64 else ''}</div>")

@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 import panel as pn
 
+from ckptlab._words import plural
 from ckptlab.checkpoint._cache import CheckpointIndex
 from ckptlab.checkpoint.query import TensorCatalog
 from ckptlab.viz._style import html_table, human_nbytes
@@ -161,7 +162,8 @@ class TensorTable:
 
     def _count_text(self, shown: int) -> str:
         total = len(self.frame)
-        what = f"{total:,} tensors" if shown == total else f"{shown:,} of {total:,} tensors"
+        what = plural(total, "tensor") if shown == total else \
+            f"{shown:,} of {plural(total, 'tensor')}"
         return f'<span class="ckptlab-count-text">{what}</span>'
 
     def _filter(self, df: pd.DataFrame, pattern: str | None = "") -> pd.DataFrame:

@@ -40,6 +40,7 @@ from tornado import httputil, locks, web
 from tornado.httpserver import HTTPServer
 from tornado.ioloop import IOLoop
 
+from ckptlab._words import plural
 from ckptlab.checkpoint._cache import CheckpointIndex, InspectionCache
 from ckptlab.errors import InvalidArgumentError
 from ckptlab.viz._style import human_nbytes, plain_text
@@ -139,7 +140,7 @@ class CheckpointRows:
             dtypes = ", ".join(f"{dtype} {human_nbytes(nb)}" for dtype, (_, _, nb)
                                in by_dtype[:8]) + (", …" if len(by_dtype) > 8 else "")
             self._summary = (f"{idx.format} · {nfiles:,} file{'s' * (nfiles != 1)} · "
-                             f"{human_nbytes(idx.file_nbytes)} on disk · {len(idx):,} tensors · "
+                             f"{human_nbytes(idx.file_nbytes)} on disk · {plural(len(idx), 'tensor')} · "
                              f"{idx.total_parameters:,} parameters"
                              + (f" · tensor bytes by dtype: {dtypes}" if dtypes else ""))
         return self._summary
@@ -616,8 +617,9 @@ _PAGE_JS = r"""
       frag.appendChild(tr)
     }
     $('rows').replaceChildren(frag)
-    $('count').textContent = page.matched === page.total ? `${fmt(page.total)} tensors`
-      : `${fmt(page.matched)} of ${fmt(page.total)} tensors`
+    const tensors = `tensor${page.total === 1 ? '' : 's'}`
+    $('count').textContent = page.matched === page.total ? `${fmt(page.total)} ${tensors}`
+      : `${fmt(page.matched)} of ${fmt(page.total)} ${tensors}`
     const end = page.offset + page.rows.length
     $('range').textContent = page.rows.length ? `rows ${fmt(page.offset + 1)}–${fmt(end)}` : ''
     $('prev').disabled = page.offset <= 0
