@@ -69,6 +69,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import stat
 import sys
 from collections.abc import Callable, Sequence
@@ -121,9 +122,29 @@ def _fmt_path(path: Sequence[Any]) -> str:
     return ".".join(str(p) for p in path) or "<root>"
 
 
+# the terminal's width that tables are fitted into (set by ``main`` at a terminal without
+# ``--wide``); None: tables as wide as their cells (a pipe, a file, ``--wide``)
+_FIT: int | None = None
+MIN_NAME = 24  # a fitted table cuts its name column down to this many characters at most
+
+
+def _cut(text: str, width: int) -> str:
+    """``text`` in ``width`` characters, its middle replaced by "…" (both ends of a tensor's
+    name say which it is: ``model.layers.0.mlp.c_fc.weight``)."""
+    if len(text) <= width:
+        return text
+    head = (width - 1) // 2
+    return text[:head] + "…" + text[len(text) - (width - 1 - head):]
+
+
 def _table(rows: list[Sequence[Any]], header: Sequence[str], right: set[int]) -> str:
     cells = [[str(c) for c in row] for row in [header, *rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    over = sum(widths) + 2 * (len(widths) - 1) - _FIT if _FIT else 0
+    if over > 0 and 0 not in right:  # the first column (the names) gives up the width
+        widths[0] = max(widths[0] - over, min(MIN_NAME, widths[0]))
+        for r in cells[1:]:
+            r[0] = _cut(r[0], widths[0])
     lines = []
     for row in cells:
         lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w)
@@ -721,6 +742,9 @@ def _parser() -> _Parser:
                      help="checkpoint file or DCP directory" + default)
     ins.add_argument("--step", type=_step, default=None, metavar="N", help=_STEP_HELP)
     ins.add_argument("--json", action="store_true", help="print one JSON object")
+    ins.add_argument("--wide", action="store_true",
+                     help="tables as wide as their longest names (at a terminal they are "
+                          "fitted to its width, names cut in the middle)")
     ins.add_argument("--records", action="store_true",
                      help="the byte-level view: zip records / DCP items instead of tensors")
     ins.add_argument("--filter", metavar="PATTERN", default=None,
@@ -763,6 +787,9 @@ def _parser() -> _Parser:
     rdy.add_argument("path", metavar="PATH", help="checkpoint file or directory")
     rdy.add_argument("--step", type=_step, default=None, metavar="N", help=_STEP_HELP)
     rdy.add_argument("--json", action="store_true", help="print one JSON object")
+    rdy.add_argument("--wide", action="store_true",
+                     help="tables as wide as their longest names (at a terminal they are "
+                          "fitted to its width, names cut in the middle)")
     srv = sub.add_parser("serve", help=VERBS["serve"], description=VERBS["serve"])
     srv.add_argument("path", nargs="?", metavar="PATH",
                      help="checkpoint file or directory (any format ckptlab.open reads)"
@@ -792,6 +819,9 @@ def _parser() -> _Parser:
     sts = sub.add_parser("stats", help=VERBS["stats"], description=VERBS["stats"])
     sts.add_argument("path", metavar="PATH", help="checkpoint file, directory or URL")
     sts.add_argument("--json", action="store_true", help="print one JSON object")
+    sts.add_argument("--wide", action="store_true",
+                     help="tables as wide as their longest names (at a terminal they are "
+                          "fitted to its width, names cut in the middle)")
     sts.add_argument("--filter", metavar="PATTERN", default=None,
                      help="only tensors whose name contains PATTERN, or matches it whole when "
                           "it is a glob with * ? or [; case-insensitive")
@@ -1590,6 +1620,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(_usage(), file=sys.stderr)
             return 2
         _check(args)
+        global _FIT
+        _FIT = shutil.get_terminal_size().columns if sys.stdout.isatty() and \
+            not getattr(args, "wide", False) else None
         with _progress_bars():
             status = _run(args)
         return status or 0

@@ -84,3 +84,33 @@ def test_names_that_do_not_print_are_shown_escaped(tmp_path: Path) -> None:
     proc = run("inspect", str(tmp_path / "odd.pt"), "--json")
     assert proc.returncode == 0, proc.stderr
     assert {t["name"] for t in json.loads(proc.stdout)["tensors"]} == {"\ud800bad", "tab\there"}
+
+
+def test_tables_fit_the_terminal_and_wide_does_not(tmp_path, capsys, monkeypatch) -> None:
+    """At an 80-column terminal the tensor table fits (names cut in the middle, both ends
+    kept); ``--wide`` and a pipe print the names whole."""
+    import os
+    import shutil
+    import sys
+
+    import torch
+
+    from ckptlab.cli import main
+
+    long = "model.transformer.h.0.attention_block.with_a_long_name.c_attn.weight"
+    torch.save({long: torch.ones(2), long.replace("c_attn", "c_proj"): torch.ones(2)},
+               tmp_path / "m.pt")
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
+    monkeypatch.setattr(shutil, "get_terminal_size",
+                        lambda fallback=(80, 24): os.terminal_size((80, 24)))
+    assert main(["inspect", str(tmp_path / "m.pt")]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("name "):].splitlines()
+    assert all(len(line) <= 80 for line in table), table
+    assert any("…" in line and line.split()[0].endswith("c_attn.weight") for line in table)
+    assert any(line.split()[0].endswith("c_proj.weight") for line in table)
+    assert main(["inspect", str(tmp_path / "m.pt"), "--wide"]) == 0
+    assert long in capsys.readouterr().out
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False, raising=False)
+    assert main(["inspect", str(tmp_path / "m.pt")]) == 0
+    assert long in capsys.readouterr().out

@@ -33,6 +33,10 @@ def arrays(dtype: Any) -> Any:
 
 
 def _close(a: float, b: float, scale: float) -> bool:
+    """Equal to rounding: within 1e-12 of ``scale`` (the sum of the magnitudes added; where
+    that is not finite, an infinity beside finite values, of the larger of the two)."""
+    if not math.isfinite(scale):
+        scale = max(abs(a), abs(b))
     return a == b or (math.isnan(a) and math.isnan(b)) or abs(a - b) <= 1e-12 * scale + 1e-300
 
 
