@@ -125,7 +125,7 @@ def _fmt_path(path: Sequence[Any]) -> str:
 # the terminal's width that tables are fitted into (set by ``main`` at a terminal without
 # ``--wide``); None: tables as wide as their cells (a pipe, a file, ``--wide``)
 _FIT: int | None = None
-MIN_NAME = 24  # a fitted table cuts its name column down to this many characters at most
+MIN_NAME = 40  # a fitted table cuts its name column down to this many characters at most
 
 
 def _cut(text: str, width: int) -> str:
@@ -140,8 +140,18 @@ def _cut(text: str, width: int) -> str:
 def _table(rows: list[Sequence[Any]], header: Sequence[str], right: set[int]) -> str:
     cells = [[str(c) for c in row] for row in [header, *rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    same = ""
+    if _FIT and sum(widths) + 2 * (len(widths) - 1) > _FIT and len(rows) > 1:
+        # too wide for the terminal: columns with one value in every row go to a line below
+        keep = [i for i in range(len(header))
+                if i == 0 or len({r[i] for r in cells[1:]}) > 1]
+        same = ", ".join(f"{cells[0][i]} {cells[1][i]}" for i in range(len(header))
+                         if i not in keep)
+        cells = [[r[i] for i in keep] for r in cells]
+        widths = [widths[i] for i in keep]
+        right = {keep.index(i) for i in right if i in keep}
     over = sum(widths) + 2 * (len(widths) - 1) - _FIT if _FIT else 0
-    if over > 0 and 0 not in right:  # the first column (the names) gives up the width
+    if over > 0 and 0 not in right:  # then the first column (the names) gives up width
         widths[0] = max(widths[0] - over, min(MIN_NAME, widths[0]))
         for r in cells[1:]:
             r[0] = _cut(r[0], widths[0])
@@ -149,6 +159,8 @@ def _table(rows: list[Sequence[Any]], header: Sequence[str], right: set[int]) ->
     for row in cells:
         lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w)
                                for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+    if same:
+        lines.append(f"(every row: {same})")
     return "\n".join(lines)
 
 

@@ -87,8 +87,9 @@ def test_names_that_do_not_print_are_shown_escaped(tmp_path: Path) -> None:
 
 
 def test_tables_fit_the_terminal_and_wide_does_not(tmp_path, capsys, monkeypatch) -> None:
-    """At an 80-column terminal the tensor table fits (names cut in the middle, both ends
-    kept); ``--wide`` and a pipe print the names whole."""
+    """At an 80-column terminal the tensor table fits (columns with one value in every row
+    said once below it, names cut in the middle, both ends kept); ``--wide`` and a pipe
+    print the names whole."""
     import os
     import shutil
     import sys
@@ -97,9 +98,9 @@ def test_tables_fit_the_terminal_and_wide_does_not(tmp_path, capsys, monkeypatch
 
     from ckptlab.cli import main
 
-    long = "model.transformer.h.0.attention_block.with_a_long_name.c_attn.weight"
-    torch.save({long: torch.ones(2), long.replace("c_attn", "c_proj"): torch.ones(2)},
-               tmp_path / "m.pt")
+    long = "model.transformer.h.0.attention_block.with_a_long_name_that_goes_on.c_attn.weight"
+    torch.save({long: torch.ones(2), long.replace("c_attn", "c_proj"): torch.ones(3).half(),
+                "bias": torch.zeros(2)}, tmp_path / "m.pt")
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
     monkeypatch.setattr(shutil, "get_terminal_size",
                         lambda fallback=(80, 24): os.terminal_size((80, 24)))
