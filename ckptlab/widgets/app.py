@@ -776,6 +776,13 @@ class CheckpointApp:
                                     stylesheets=[TABLE_CSS],
                                     css_classes=["ckptlab-tensor-details"])
         self.hex = pn.pane.HTML("", width=640, css_classes=["ckptlab-tensor-hex"])
+        # statistics of the selected tensor, on demand (it is read once: a click, not a row)
+        self.measure = pn.widgets.Button(name="statistics of this tensor", disabled=True,
+                                         css_classes=["ckptlab-measure"], width=200)
+        self.measure.on_click(lambda _: self.measure_selected())
+        self.statistics = pn.pane.HTML("", sizing_mode="stretch_width",
+                                       stylesheets=[TABLE_CSS],
+                                       css_classes=["ckptlab-tensor-stats"])
         self.values = pn.pane.HTML(served.objects_html, sizing_mode="stretch_width",
                                     stylesheets=[TABLE_CSS],
                                    css_classes=["ckptlab-values-pane"])
@@ -787,6 +794,7 @@ class CheckpointApp:
             self.title, self.summary, self.safety,
             self.tensors.view,
             pn.Row(self.details, self.hex, sizing_mode="stretch_width"),
+            pn.Row(self.measure, self.statistics, sizing_mode="stretch_width"),
             pn.pane.HTML("<h3 style='margin:8px 0 2px'>Values besides tensors</h3>"),
             self.values,
             self.map_section, sizing_mode="stretch_width", css_classes=["ckptlab-app"])
@@ -954,6 +962,8 @@ class CheckpointApp:
         index = self.index
         self.selected = row
         self.details.object = tensor_details_html(index, row)
+        self.statistics.object = ""
+        self.measure.disabled = False
         parts = index.parts_of(row)
         first = next(((file, offset, nbytes) for _, file, offset, nbytes in parts if file),
                      None)
@@ -984,6 +994,23 @@ class CheckpointApp:
                 fig = self.map_pane.object
                 fig.layout.shapes = self._selection_shapes(fig)
                 self.map_pane.object = fig
+
+    def measure_selected(self) -> None:
+        """The statistics of the selected tensor (:func:`ckptlab.stats`: min, max, mean,
+        std, NaN/Inf/zero counts; it is read once, in pieces when large), under its
+        details."""
+        if self.selected is None:
+            return
+        from ckptlab.compare import health, stats
+        from ckptlab.viz.compare import health_html, stats_table_html
+
+        name = self.index.names[self.selected]
+        if not self.served.ready.is_set():
+            self.statistics.object = "<i>Still opening the checkpoint: try again shortly.</i>"
+            return
+        found = stats(self.served.checkpoint, [name])
+        lines = health({name: found[name]})
+        self.statistics.object = stats_table_html(found) + (health_html(lines) if lines else "")
 
     def close(self) -> None:
         """Stop reacting to events and drop this session's figures and widgets."""

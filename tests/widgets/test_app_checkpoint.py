@@ -278,3 +278,22 @@ def test_tensor_frame_columns(sample_file):
             row["file"], row["offset"]) == (t.name, t.dtype, t.kind, t.nbytes, t.parameters,
                                             "sample.pt", t.parts[0].offset)
     assert re.fullmatch(r"\[\d+(, \d+)*\]", row["shape"])
+
+
+def test_statistics_of_the_selected_tensor_on_demand(safetensors_file):
+    """The button under a selected tensor measures it (``ckptlab.stats``'s figures, its
+    health line when something looks wrong); a new selection clears them."""
+    app = CheckpointApp(safetensors_file)
+    app.served.load()
+    assert app.measure.disabled
+    ck = cl.open(safetensors_file)
+    names = list(ck.tensors)
+    app.select(names[0])
+    assert not app.measure.disabled and app.statistics.object == ""
+    app.measure.clicks += 1  # what a click on the button does
+    want = cl.stats(safetensors_file, [names[0]])[names[0]]
+    shown = app.statistics.object
+    assert html.escape(names[0]) in shown and f"{want.numel:,}" in shown
+    assert format(want.max, ".4g") in shown
+    app.select(names[-1])
+    assert app.statistics.object == ""
