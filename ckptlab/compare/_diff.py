@@ -7,7 +7,7 @@ same dtype, shape and bytes as one on the other are ``renamed``.
 
 Each common tensor is read once per side (its bytes only, no pickle run), into memory kept
 from one tensor to the next: one tensor of each side in memory at a time, or one piece of
-at most :data:`CHUNK_NBYTES` of it for a larger dense one
+at most :data:`~ckptlab.compare._kernels.CHUNK_NBYTES` of it for a larger dense one
 (:meth:`~ckptlab.checkpoint.Checkpoint.read_pieces`). Equal dtypes, shapes and bytes are
 ``identical`` without any float work (one pass takes their NaNs and norm). Otherwise
 both sides are compared in their value (sparse tensors dense, quantized ones dequantized) in
@@ -17,13 +17,14 @@ equal to NaN. ``n_diff`` counts the elements that differ; ``max_abs`` is the lar
 b|`` where neither side is NaN (equal infinities differ by 0); ``rel_l2`` is ``||a - b|| /
 ||a||`` (0 when both are zero, inf when only ``a`` is); ``cosine`` is ``a . b / (||a||
 ||b||)`` (1 when both are zero, 0 when one is); NaN positions are left out of the three
-norms. ``nan_a`` / ``nan_b`` count NaNs. The element loops are :mod:`ckptlab.compare._kernels`
-(NumPy, or compiled where built), over slices of at most
-:data:`~ckptlab.compare._kernels.SLICE` elements shared among a few threads. A tensor is *changed* when its shape differs
-or some element is farther than ``atol + rtol * |b|`` (``torch.isclose``'s rule: NaN equal to
-NaN, an infinity close only to itself); a tensor cast to another dtype whose every value is
-within the tolerances is *within tolerance* (the summary says its dtypes), so that ``diff(a,
-b, rtol=2**-8)`` accepts a bfloat16 copy of a float32 checkpoint.
+norms. ``nan_a`` / ``nan_b`` count NaNs. The element loops are
+:mod:`ckptlab.compare._kernels` (NumPy, or compiled where built), over slices of at most
+:data:`~ckptlab.compare._kernels.SLICE` elements shared among a few threads. A tensor is
+*changed* when its shape differs or some element is farther than ``atol + rtol * |b|``
+(``torch.isclose``'s rule: NaN equal to NaN, an infinity close only to itself); a tensor cast
+to another dtype whose every value is within the tolerances is *within tolerance* (the
+summary says its dtypes), so that ``diff(a, b, rtol=2**-8)`` accepts a bfloat16 copy of a
+float32 checkpoint.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptlab.compare._kernels import kernels, on_threads, slices
+from ckptlab.compare import _kernels
+from ckptlab.compare._kernels import elements, kernels, kind_of, moments_of, on_threads, slices
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 
 __all__ = ["CheckpointDiff", "TensorDiff", "diff", "step_diffs"]
@@ -283,28 +285,6 @@ def _raw(t: Any) -> bytes:
     return view.numpy().tobytes() if view.numel() else b""  # (hashed for renames)
 
 
-# dtypes whose every value float32 holds exactly (compared as float32, in float64 arithmetic)
-_FLOAT32_EXACT = frozenset({"float32", "bfloat16", "float16", "int8", "uint8", "int16", "bool",
-                            "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-                            "float8_e5m2fnuz"})
-
-
-def _kind(x: Any) -> str:
-    """``"f"`` when float32 holds each value of ``x`` exactly, else ``"d"`` (float64)."""
-    return "f" if str(x.dtype).removeprefix("torch.") in _FLOAT32_EXACT else "d"
-
-
-def _elements(x: Any, kind: str) -> Any:
-    """A slice as a NumPy array of ``kind``'s float type."""
-    import torch
-
-    want = torch.float32 if kind == "f" else torch.float64
-    return (x if x.dtype == want else x.to(want)).contiguous().numpy()
-
-
-CHUNK_NBYTES = 64 << 20  # a tensor larger than this is read and compared in pieces of it
-
-
 def _pieces(ck: Any, name: str, most: int, scratch: Any) -> Iterator[tuple[Any, str]]:
     """Tensor ``name`` of ``ck`` as flat dense pieces of ``most`` elements (the last one
     shorter), each with how its value was obtained (:func:`dense_value`): read piece by piece
@@ -319,7 +299,8 @@ def _pieces(ck: Any, name: str, most: int, scratch: Any) -> Iterator[tuple[Any, 
 def _compare(ck_a: Any, name_a: str, ck_b: Any, name_b: str, atol: float, rtol: float,
              scratches: tuple[Any, Any] = (None, None), impl: str | None = None) -> TensorDiff:
     """Tensor ``name_a`` of ``ck_a`` against ``name_b`` of ``ck_b`` (see the module
-    docstring), one piece of at most :data:`CHUNK_NBYTES` of each side in memory at a time:
+    docstring), one piece of at most :data:`~ckptlab.compare._kernels.CHUNK_NBYTES` of each
+    side in memory at a time:
     pieces with equal bytes count as equal without float work (only their NaNs and norm are
     taken, in one pass), the others are compared element by element."""
     import torch
@@ -329,8 +310,8 @@ def _compare(ck_a: Any, name_a: str, ck_b: Any, name_b: str, atol: float, rtol: 
     shape = (ea.shape, eb.shape)
     if ea.shape != eb.shape and ea.shape is not None and eb.shape is not None:
         return TensorDiff(False, dtype, shape, compared="values")
-    size = max(DTYPE_ITEMSIZE.get(ea.dtype, 8), DTYPE_ITEMSIZE.get(eb.dtype, 8), 1)
-    most = max(1, CHUNK_NBYTES // size)
+    most = _kernels.piece_elements(max(DTYPE_ITEMSIZE.get(ea.dtype, 8),
+                                       DTYPE_ITEMSIZE.get(eb.dtype, 8)))
     k = kernels(impl)
     n_diff = nan_a = nan_b = 0
     max_abs = sa = sb = sd = dot = 0.0
@@ -358,12 +339,12 @@ def _compare(ck_a: Any, name_a: str, ck_b: Any, name_b: str, atol: float, rtol: 
             fa, fb = (torch.view_as_real(f.to(torch.complex128).resolve_conj()).reshape(-1)
                       for f in (fa, fb))
             how = how + " (complex as real and imaginary parts)"
-        kind = "f" if _kind(fa) == _kind(fb) == "f" else "d"
+        kind = "f" if kind_of(fa) == kind_of(fb) == "f" else "d"
 
         def part(span: tuple[int, int], fa: Any = fa, fb: Any = fb, kind: str = kind
                  ) -> tuple[Any, ...]:
-            return k.compare(_elements(fa[span[0]:span[1]], kind),
-                             _elements(fb[span[0]:span[1]], kind), kind, atol, rtol)
+            return k.compare(elements(fa[span[0]:span[1]], kind),
+                             elements(fb[span[0]:span[1]], kind), kind, atol, rtol)
 
         for d, x, y, m, a2, b2, d2, ab, close in on_threads(part, slices(fa.numel())):
             n_diff, nan_a, nan_b = n_diff + d, nan_a + x, nan_b + y
@@ -388,16 +369,8 @@ def _nans_and_squares(t: Any, k: Any) -> tuple[int, float, bool]:
 
     if t.is_complex():
         t = torch.view_as_real(t.resolve_conj()).reshape(-1)
-    kind = _kind(t)
-
-    def part(span: tuple[int, int]) -> tuple[Any, ...]:
-        return k.moments(_elements(t[span[0]:span[1]], kind), kind)
-
-    nan = inf = 0
-    squares = 0.0
-    for found in on_threads(part, slices(t.numel())):
-        nan, inf, squares = nan + found[0], inf + found[1], squares + found[7]
-    return nan, squares, inf > 0
+    found = moments_of(t, k)
+    return found[0], found[7], found[1] > 0
 
 
 def _digest(ck: Any, name: str) -> str | None:

@@ -27,6 +27,7 @@ the buffer protocol; all arithmetic is in float64.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,10 +36,17 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-__all__ = ["SLICE", "WORKERS", "kernels", "on_threads", "slices"]
+__all__ = ["CHUNK_NBYTES", "SLICE", "WORKERS", "bins_of", "elements", "kernels", "kind_of",
+           "moments_of", "on_threads", "piece_elements", "slices"]
 
 SLICE = 1 << 21  # elements per call at most (16 MiB of float64 where a slice is converted)
 WORKERS = max(1, min(4, os.cpu_count() or 1))  # threads the loops of one tensor share
+CHUNK_NBYTES = 64 << 20  # a tensor larger than this is read in pieces of it (diff, stats)
+
+# dtypes whose every value float32 holds exactly (passed as "f", in float64 arithmetic)
+_FLOAT32_EXACT = frozenset({"float32", "bfloat16", "float16", "int8", "uint8", "int16", "bool",
+                            "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                            "float8_e5m2fnuz"})
 
 _DTYPES = {"f": np.float32, "d": np.float64}
 
@@ -77,13 +85,18 @@ def spread(x: Any, kind: str, mean: float, lo: float, hi: float, counts: Any) ->
     out = np.frombuffer(counts, dtype=np.int64)
     if not 0 < out.size <= 1 << 20:
         raise ValueError("counts must be an int64 buffer of 1 to 2**20 bins")
-    inside = f[(f >= lo) & (f <= hi)]
-    width = hi - lo
-    pos = ((inside - lo) * float(out.size) / width).astype(np.int64) if width > 0 else \
-        np.zeros(inside.size, dtype=np.int64)
-    np.minimum(pos, out.size - 1, out=pos)
-    out += np.bincount(pos, minlength=out.size)
+    out += np.bincount(bins_of(f[(f >= lo) & (f <= hi)], lo, hi, out.size), minlength=out.size)
     return float(((f - mean) ** 2).sum())
+
+
+def bins_of(values: np.ndarray, lo: float, hi: float, bins: int) -> np.ndarray:
+    """The bin of each of ``values`` (all in ``[lo, hi]``): ``floor((x - lo) * bins / (hi -
+    lo))`` in float64 in that order, ``hi`` in the last bin, every one in bin 0 when ``hi ==
+    lo`` (the rule of ``spread``, and of ``torch.histc`` on float64)."""
+    width = hi - lo
+    if not width > 0:
+        return np.zeros(values.size, dtype=np.int64)
+    return np.minimum(((values - lo) * float(bins) / width).astype(np.int64), bins - 1)
 
 
 def count16(x: Any, counts: Any) -> None:
@@ -150,3 +163,39 @@ def on_threads(f: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
     if _POOL is None:
         _POOL = ThreadPoolExecutor(WORKERS, thread_name_prefix="ckptlab-compare")
     return list(_POOL.map(f, items))
+
+
+def piece_elements(itemsize: int) -> int:
+    """Elements of a piece of :data:`CHUNK_NBYTES` for elements of ``itemsize`` bytes."""
+    return max(1, CHUNK_NBYTES // max(itemsize, 1))
+
+
+def kind_of(x: Any) -> str:
+    """The ``kind`` a torch tensor's elements are passed as: ``"f"`` (float32) where float32
+    holds each of its values exactly, else ``"d"`` (float64: integers exact up to 2**53)."""
+    return "f" if str(x.dtype).removeprefix("torch.") in _FLOAT32_EXACT else "d"
+
+
+def elements(x: Any, kind: str) -> Any:
+    """A flat torch tensor as a NumPy array of ``kind``'s float type (converted where it is
+    another)."""
+    import torch
+
+    want = torch.float32 if kind == "f" else torch.float64
+    return (x if x.dtype == want else x.to(want)).contiguous().numpy()
+
+
+def moments_of(x: Any, k: Any) -> tuple[int, int, int, int, float, float, float, float]:
+    """``moments`` of a flat torch tensor of reals (``k``: the loops of :func:`kernels`), its
+    slices shared by the threads of :func:`on_threads`, the figures joined."""
+    kind = kind_of(x)
+
+    def part(span: tuple[int, int]) -> tuple[Any, ...]:
+        return k.moments(elements(x[span[0]:span[1]], kind), kind)
+
+    nan = inf = zeros = finite = 0
+    lo, hi, total, squares = math.inf, -math.inf, 0.0, 0.0
+    for a, b, c, d, low, high, s, q in on_threads(part, slices(x.numel())):
+        nan, inf, zeros, finite = nan + a, inf + b, zeros + c, finite + d
+        lo, hi, total, squares = min(lo, low), max(hi, high), total + s, squares + q
+    return nan, inf, zeros, finite, lo, hi, total, squares

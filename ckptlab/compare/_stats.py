@@ -27,7 +27,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ckptlab.compare._kernels import SLICE, kernels, on_threads, slices
+from ckptlab.compare import _kernels
+from ckptlab.compare._kernels import (
+    SLICE,
+    bins_of,
+    elements,
+    kernels,
+    kind_of,
+    moments_of,
+    on_threads,
+    slices,
+)
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 
 __all__ = ["BINS", "SLICE", "TensorStats", "difference", "health", "side_by_side", "stats"]
@@ -77,9 +87,6 @@ def _flat(t: Any) -> Any:
     return t.detach().contiguous().reshape(-1)
 
 
-CHUNK_NBYTES = 64 << 20  # a tensor larger than this is read in pieces of it
-
-
 def measure(t: Any, impl: str | None = None) -> TensorStats:
     """:class:`TensorStats` of one tensor (see :func:`measure_pieces`)."""
     return measure_pieces(lambda: iter([t]), str(t.dtype).removeprefix("torch."), impl)
@@ -108,14 +115,9 @@ def measure_pieces(pieces: Callable[[], Iterator[Any]], dtype: str,
             table = _count(x, k, table)
             continue
         kept = x if count == 0 else None  # one piece: kept for the second pass
-
-        def first(span: tuple[int, int], x: Any = x) -> tuple[Any, ...]:
-            part = _floats(x[span[0]:span[1]])
-            return k.moments(part, part.dtype.char)
-
-        for a, b, c, d, low, high, s, _ in on_threads(first, slices(x.numel())):
-            nan, inf, zeros, finite, total = nan + a, inf + b, zeros + c, finite + d, total + s
-            lo, hi = min(lo, low), max(hi, high)
+        a, b, c, d, low, high, s, _ = moments_of(x, k)
+        nan, inf, zeros, finite, total = nan + a, inf + b, zeros + c, finite + d, total + s
+        lo, hi = min(lo, low), max(hi, high)
     if table is not None:
         return _from_table(dtype, n, *table)
     if not finite:
@@ -125,25 +127,17 @@ def measure_pieces(pieces: Callable[[], Iterator[Any]], dtype: str,
     counts = np.zeros(BINS, dtype=np.int64)
     for piece in [kept] if kept is not None else pieces():
         x = _flat(piece)
+        kind = kind_of(x)
 
-        def second(span: tuple[int, int], x: Any = x) -> tuple[float, Any]:
-            part, counts = _floats(x[span[0]:span[1]]), np.zeros(BINS, dtype=np.int64)
-            return k.spread(part, part.dtype.char, mean, lo, hi, counts), counts
+        def second(span: tuple[int, int], x: Any = x, kind: str = kind) -> tuple[float, Any]:
+            counts = np.zeros(BINS, dtype=np.int64)
+            part = elements(x[span[0]:span[1]], kind)
+            return k.spread(part, kind, mean, lo, hi, counts), counts
 
         for sq, c in on_threads(second, slices(x.numel())):
             squares += sq
             counts += c
     return _result(dtype, n, lo, hi, mean, squares / finite, nan, inf, zeros, counts)
-
-
-def _floats(x: Any) -> Any:
-    """A slice as a NumPy float32 or float64 array (other types converted to float64: exact
-    for integers up to 2**53)."""
-    import torch
-
-    if x.dtype not in (torch.float32, torch.float64):
-        x = x.to(torch.float64)
-    return x.numpy()
 
 
 def _count(x: Any, k: Any, table: tuple[Any, Any] | None) -> tuple[Any, Any]:
@@ -186,11 +180,7 @@ def _from_table(dtype: str, n: int, values: Any, counts: Any) -> TensorStats:
     lo, hi = float(values.min()), float(values.max())
     mean = float((values * counts).sum()) / finite
     squares = float((counts * (values - mean) ** 2).sum())
-    hist = np.zeros(BINS, dtype=np.int64)
-    width = hi - lo
-    pos = ((values - lo) * float(BINS) / width).astype(np.int64) if width > 0 else \
-        np.zeros(values.size, dtype=np.int64)
-    np.add.at(hist, np.minimum(pos, BINS - 1), counts)
+    hist = np.bincount(bins_of(values, lo, hi, BINS), weights=counts, minlength=BINS)
     return _result(dtype, n, lo, hi, mean, squares / finite, nan, inf, zeros, hist)
 
 
@@ -219,8 +209,9 @@ def side_by_side(d: Any, a: Any, b: Any, name: str) -> dict[str, TensorStats]:
     """Tensor ``name`` (A's name) of diff ``d`` measured on both sides, and its changes:
     ``{"A": ..., "B": ..., "B - A": ...}`` (the changes where it is not identical and both
     shapes agree); ``a``, ``b``: the two checkpoints, opened. A tensor over
-    :data:`CHUNK_NBYTES` is read in pieces (each side once per pass; the changes in float64
-    one piece at a time), so that a view of a large embedding holds pieces, not copies."""
+    :data:`~ckptlab.compare._kernels.CHUNK_NBYTES` is read in pieces (each side once per
+    pass; the changes in float64 one piece at a time), so that a view of a large embedding
+    holds pieces, not copies."""
     import torch
 
     from ckptlab.checkpoint import Scratch
@@ -228,7 +219,7 @@ def side_by_side(d: Any, a: Any, b: Any, name: str) -> dict[str, TensorStats]:
 
     other = d.b_names.get(name, name)
     ea, eb = a.tensors[name], b.tensors[other]
-    most = max(1, CHUNK_NBYTES // 8)  # (float64 pieces of the changes)
+    most = _kernels.piece_elements(8)  # (float64 pieces of the changes)
     scratches = Scratch(), Scratch()
 
     def side(ck: Any, key: str, i: int) -> TensorStats:
@@ -265,7 +256,7 @@ def stats(source: Any, names: Any = None) -> dict[str, TensorStats]:
     out = {}
     for name in wanted:
         entry = ck.tensors[name]
-        most = max(1, CHUNK_NBYTES // max(DTYPE_ITEMSIZE.get(entry.dtype, 8), 1))
+        most = _kernels.piece_elements(DTYPE_ITEMSIZE.get(entry.dtype, 8))
         try:
             out[name] = measure_pieces(
                 lambda name=name, most=most: ck.read_pieces(name, most=most, scratch=scratch),

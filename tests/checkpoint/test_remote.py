@@ -682,7 +682,7 @@ def test_diff_and_stats_of_urls_read_each_part_in_one_request(server, tmp_path,
     local files."""
     from safetensors.torch import save_file
 
-    from ckptlab.compare import _diff
+    from ckptlab.compare import _kernels
 
     torch.manual_seed(11)
     state = {"a": torch.randn(100), "big": torch.randn(3000), "c": torch.arange(10)}
@@ -699,11 +699,12 @@ def test_diff_and_stats_of_urls_read_each_part_in_one_request(server, tmp_path,
     assert all(r.status == 206 for r in seen)
     for name, t in local.tensors.items():
         assert remote.tensors[name] == t, name
-    monkeypatch.setattr(_diff, "CHUNK_NBYTES", 4096)
+    monkeypatch.setattr(_kernels, "CHUNK_NBYTES", 4096)
     server.mark()
     cl.diff(ck, tmp_path / "local.pt")
     pieces = sum(-(-e.nbytes // 4096) for e in ck.tensors.values())
     assert len(_requests(server)) == pieces > len(state)
+    monkeypatch.undo()  # (stats at the usual piece size: each tensor whole)
     server.mark()
     found = cl.stats(ck)
     assert len(_requests(server)) == len(state)

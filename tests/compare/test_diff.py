@@ -265,8 +265,6 @@ def test_large_tensors_are_compared_in_pieces(tmp_path: Path, monkeypatch: pytes
     """With pieces of 4 KiB, no read is larger than a piece, and every figure is the one a
     whole-tensor comparison gives: float32 against bfloat16, a NaN, an identical tensor, a
     complex one, a sparse one (read whole), torch.save against safetensors."""
-    from ckptlab.compare import _diff
-
     torch.manual_seed(9)
     a = {"w": torch.randn(3000), "same": torch.randn(5000), "c": torch.randn(2000,
                                                                         dtype=torch.cfloat),
@@ -279,7 +277,7 @@ def test_large_tensors_are_compared_in_pieces(tmp_path: Path, monkeypatch: pytes
     torch.save(b, tmp_path / "b.pt")
     whole = cl.diff(tmp_path / "a.pt", tmp_path / "b.pt")
     read_sizes.clear()  # (the reads of the whole-tensor pass above)
-    monkeypatch.setattr(_diff, "CHUNK_NBYTES", 4096)
+    monkeypatch.setattr(_kernels, "CHUNK_NBYTES", 4096)
     pieces = cl.diff(tmp_path / "a.pt", tmp_path / "b.pt")
     dense = [n for n in a if n != "s"]
     assert max(read_sizes) == 4096 and len(read_sizes) > 10  # (the sparse parts are small)

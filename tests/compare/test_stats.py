@@ -119,14 +119,13 @@ def test_large_tensors_are_measured_in_pieces(tmp_path: Path, monkeypatch: pytes
                                               read_sizes: list[int]) -> None:
     """With pieces of 4 KiB no read is larger than a piece (a float32 tensor is read twice,
     a bfloat16 one once), and every statistic is the whole tensor's."""
-    from ckptlab.compare import _stats
     torch.manual_seed(10)
     state = {"f": torch.randn(5000) * 3, "h": torch.randn(7000).to(torch.bfloat16)}
     state["f"][17] = float("inf")
     save_file(state, str(tmp_path / "s.safetensors"))
     whole = cl.stats(tmp_path / "s.safetensors")
     read_sizes.clear()  # (the reads of the whole-tensor pass above)
-    monkeypatch.setattr(_stats, "CHUNK_NBYTES", 4096)
+    monkeypatch.setattr(_kernels, "CHUNK_NBYTES", 4096)
     pieces = cl.stats(tmp_path / "s.safetensors")
     assert max(read_sizes) == 4096
     assert sum(read_sizes) == 2 * state["f"].nbytes + state["h"].nbytes

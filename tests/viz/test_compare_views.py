@@ -70,12 +70,12 @@ def test_diff_figure_and_table(tuned: tuple[Path, Path]) -> None:
 
 def test_histograms_against_torch(tuned: tuple[Path, Path],
                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptlab.compare import _stats
+    from ckptlab.compare import _kernels
 
     d = cl.diff(*tuned)
     ck_a, ck_b = cl.open(tuned[0]), cl.open(tuned[1])
     series = side_by_side(d, ck_a, ck_b, "block.1.w")
-    monkeypatch.setattr(_stats, "CHUNK_NBYTES", 256)  # the same, read in pieces of 32
+    monkeypatch.setattr(_kernels, "CHUNK_NBYTES", 256)  # the same, read in pieces of 32
     pieces = side_by_side(d, ck_a, ck_b, "block.1.w")
     for label, s in series.items():
         assert pieces[label].counts == s.counts and pieces[label].min == s.min, label
