@@ -175,8 +175,8 @@ def render_layout(layout: ArchiveLayout) -> str:
         + (f" (.storage_alignment {layout.storage_alignment})"
            if layout.storage_alignment is not None else "")
         + f", zip64 {'yes' if layout.zip64 else 'no'}",
-        f"  {_plural(len(layout.records), 'record')}, {_plural(len(layout.storages), 'storage')}, "
-        f"{_plural(len(layout.tensors), 'tensor')}; overhead {layout.overhead_nbytes:,} bytes "
+        f"  {plural(len(layout.records), 'record')}, {plural(len(layout.storages), 'storage')}, "
+        f"{plural(len(layout.tensors), 'tensor')}; overhead {layout.overhead_nbytes:,} bytes "
         f"({pct:.2f}%), "
         f"padding {layout.padding_nbytes:,} bytes",
         "",
@@ -204,7 +204,6 @@ def _human(nbytes: int) -> str:
     return str(nbytes)
 
 
-_plural = plural  # (ckptlab._words: the views say counts the same way)
 
 
 def _count(n: int) -> str:
@@ -233,7 +232,7 @@ def render_checkpoint(ck: Any, tensors: list[Any], pattern: str | None = None,
     values."""
     total = ck.parameters
     out = [f"{ck.path}",
-           f"  {ck.format} checkpoint: {_plural(len(ck.tensors), 'tensor')}, {_count(total)} parameters, "
+           f"  {ck.format} checkpoint: {plural(len(ck.tensors), 'tensor')}, {_count(total)} parameters, "
            f"{_human(ck.nbytes)} in {len(ck.files)} file{'s' * (len(ck.files) != 1)}"]
     by_dtype: dict[str, list[int]] = {}
     for t in ck.tensors.values():
@@ -243,7 +242,7 @@ def render_checkpoint(ck: Any, tensors: list[Any], pattern: str | None = None,
         acc[2] += t.nbytes
     if safety is not None:
         out.append(f"  safe to load? {_text(safety.headline())}")
-    out.append("  " + "; ".join(f"{d}: {_plural(n, 'tensor')}, {_count(p)} params, {_human(b)}"
+    out.append("  " + "; ".join(f"{d}: {plural(n, 'tensor')}, {_count(p)} params, {_human(b)}"
                                 for d, (n, p, b) in sorted(by_dtype.items(),
                                                            key=lambda kv: -kv[1][2])))
     for note in ck.notes:
@@ -317,9 +316,9 @@ def checkpoint_json(ck: Any, tensors: list[Any]) -> dict[str, Any]:
 def render_dcp(layout: DcpLayout) -> str:
     """Readable summary of a DCP directory: files, then one row per item."""
     out = [f"{layout.path}: DCP checkpoint, {layout.file_nbytes:,} bytes in "
-           f"{_plural(len(layout.files), 'data file')} + .metadata "
-           f"({layout.metadata_nbytes:,} B), {_plural(len(layout.items), 'item')}, "
-           f"{_plural(len(layout.tensors), 'tensor')}"]
+           f"{plural(len(layout.files), 'data file')} + .metadata "
+           f"({layout.metadata_nbytes:,} B), {plural(len(layout.items), 'item')}, "
+           f"{plural(len(layout.tensors), 'tensor')}"]
     out.append(_table([(name, f"{n:,}") for name, n in layout.files], ("file", "bytes"), {1}))
     rows = [(i.fqn, i.kind, "x".join(map(str, i.chunk_sizes)) or "-",
              ",".join(map(str, i.chunk_offsets)) or "-", i.file, f"{i.offset:,}",

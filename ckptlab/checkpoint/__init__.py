@@ -14,9 +14,9 @@ from ckptlab.checkpoint.model import (
     TensorEntry,
     plain_value,
 )
-from ckptlab.checkpoint.open import open_checkpoint
+from ckptlab.checkpoint.open import as_checkpoint, open_checkpoint
 from ckptlab.checkpoint.query import TensorCatalog, TensorQuery, TensorSelection, select_tensors
 
 __all__ = ["Checkpoint", "FileEntry", "Part", "Scratch", "TensorCatalog", "TensorEntry",
-           "TensorQuery", "TensorSelection", "inspect_json", "open_checkpoint", "plain_value",
-           "select_tensors"]
+           "TensorQuery", "TensorSelection", "as_checkpoint", "inspect_json", "open_checkpoint",
+           "plain_value", "select_tensors"]

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptlab._words import plural
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.format._plain import plain_value
 from ckptlab.format.layout import Segment, SegmentKind, contiguous_strides
@@ -365,8 +366,9 @@ class Checkpoint:
         return sum(t.parameters for t in self.tensors.values())
 
     def __repr__(self) -> str:
-        return (f"<Checkpoint {self.format} {self.path!r}: {len(self.tensors)} tensor(s), "
-                f"{len(self._objects)} objects, {len(self.files)} files, {self.nbytes:,} bytes>")
+        return (f"<Checkpoint {self.format} {self.path!r}: "
+                f"{plural(len(self.tensors), 'tensor')}, {plural(len(self._objects), 'object')}, "
+                f"{plural(len(self.files), 'file')}, {self.nbytes:,} bytes>")
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)
@@ -391,9 +393,13 @@ class Checkpoint:
             entry = self.tensors[name]
         except KeyError:
             raise KeyError(f"{name!r} is not a tensor of {self.path}") from None
-        if scratch is None:
-            return self._reader(self, entry)
-        scratch.start()
+        return self._read_entry(entry, scratch)
+
+    def _read_entry(self, entry: TensorEntry, scratch: Scratch | None) -> Any:
+        """The tensor ``entry`` describes, through this checkpoint's reader (into
+        ``scratch``'s memory, freed for this read, where given)."""
+        if scratch is not None:
+            scratch.start()
         return self._reader(self, entry, None, scratch)
 
     def read_pieces(self, name: str, *, most: int, scratch: Scratch | None = None
@@ -420,11 +426,9 @@ class Checkpoint:
             piece = dataclasses.replace(part, offset=part.offset + start * size,
                                         nbytes=n * size, shape=(n,), stride=(1,),
                                         storage_offset=part.storage_offset + start)
-            sub = TensorEntry(f"{name}[{start}:{start + n}]", entry.path, entry.dtype, (n,),
-                              (1,), "dense", (piece,))
-            if scratch is not None:
-                scratch.start()
-            yield self._reader(self, sub, None, scratch)
+            yield self._read_entry(TensorEntry(f"{name}[{start}:{start + n}]", entry.path,
+                                               entry.dtype, (n,), (1,), "dense", (piece,)),
+                                   scratch)
 
     def read_part(self, name: str, role: str) -> Any:
         """One part of tensor ``name`` (``"indices"``, ``"scales"``, an inner tensor of a

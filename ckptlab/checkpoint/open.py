@@ -61,7 +61,7 @@ from ckptlab.source import (
     locate,
 )
 
-__all__ = ["DIR_PROBES", "FILE_ADAPTERS", "directory_location", "open_checkpoint",
+__all__ = ["DIR_PROBES", "FILE_ADAPTERS", "as_checkpoint", "directory_location", "open_checkpoint",
            "open_location", "open_url"]
 
 Source = str | os.PathLike[str] | BinaryIO | bytes
@@ -577,6 +577,12 @@ def open_url(url: str, storage_options: dict[str, Any] | None = None
     ``stats`` count the requests made (opening, then each ``read``)."""
     ck, tree = _open_location(url, storage_options)
     return ck, getattr(tree, "store", None)
+
+
+def as_checkpoint(source: Any) -> Checkpoint:
+    """``source`` as it is where it is a :class:`Checkpoint`, else opened
+    (:func:`open_checkpoint`): for functions that take either."""
+    return source if isinstance(source, Checkpoint) else open_checkpoint(source)
 
 
 def open_checkpoint(source: Source, *,

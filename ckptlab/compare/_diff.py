@@ -405,12 +405,6 @@ def _renames(ck_a: Any, ck_b: Any, only_a: list[str], only_b: list[str]) -> dict
     return out
 
 
-def _open(x: Any) -> Any:
-    from ckptlab.checkpoint import Checkpoint, open_checkpoint
-
-    return x if isinstance(x, Checkpoint) else open_checkpoint(x)
-
-
 def diff(a: Any, b: Any, *, rename: Callable[[str], str] | Mapping[str, str] | None = None,
          names: Callable[[str], bool] | None = None, atol: float = 0.0,
          rtol: float = 0.0) -> CheckpointDiff:
@@ -432,9 +426,9 @@ def diff(a: Any, b: Any, *, rename: Callable[[str], str] | Mapping[str, str] | N
     -------
     CheckpointDiff
     """
-    from ckptlab.checkpoint import Scratch
+    from ckptlab.checkpoint import Scratch, as_checkpoint
 
-    ck_a, ck_b = _open(a), _open(b)
+    ck_a, ck_b = as_checkpoint(a), as_checkpoint(b)
     keep = names or (lambda n: True)
     a_names = [n for n in ck_a.tensors if keep(n)]
     b_names = [n for n in ck_b.tensors if keep(n)]
@@ -465,7 +459,7 @@ def step_diffs(source: Any, **options: Any) -> list[tuple[str, str, CheckpointDi
     opened from one; ``options`` go to :func:`diff`. Each save is opened once."""
     import os
 
-    from ckptlab.checkpoint import Checkpoint
+    from ckptlab.checkpoint import Checkpoint, as_checkpoint
     from ckptlab.checkpoint.runs import RUN_LAYOUTS, Run, find_run
     from ckptlab.errors import UnsupportedFormatError
 
@@ -481,6 +475,6 @@ def step_diffs(source: Any, **options: Any) -> list[tuple[str, str, CheckpointDi
                 f"not a training run's directory (saves side by side: {RUN_LAYOUTS})",
                 path=path)
     saves = [s for s in run.steps if s.complete]
-    opened = [_open(os.path.join(run.path, s.name)) for s in saves]
+    opened = [as_checkpoint(os.path.join(run.path, s.name)) for s in saves]
     return [(saves[i].name, saves[i + 1].name, diff(opened[i], opened[i + 1], **options))
             for i in range(len(saves) - 1)]

@@ -239,22 +239,28 @@ def side_by_side(d: Any, a: Any, b: Any, name: str) -> dict[str, TensorStats]:
     return out
 
 
-def stats(source: Any, names: Any = None) -> dict[str, TensorStats]:
+def wanted(ck: Any, names: Any = None) -> list[str]:
+    """The tensors of ``ck`` that ``names`` picks (None: all; a test of a name; a list of
+    names), in the checkpoint's order for the first two."""
+    if names is None:
+        return list(ck.tensors)
+    if callable(names):
+        return [n for n in ck.tensors if names(n)]
+    return list(names)
+
+
+def stats(source: Any, names: Any = None, *,
+          measured: Callable[[str], None] | None = None) -> dict[str, TensorStats]:
     """Statistics of every tensor of a checkpoint (path, URL or
     :class:`~ckptlab.checkpoint.Checkpoint`), or of ``names`` (a list of names, or a test of a
-    name), in the checkpoint's order; a tensor that cannot be read gets ``error``."""
-    from ckptlab.checkpoint import Checkpoint, Scratch, open_checkpoint
+    name), in the checkpoint's order; a tensor that cannot be read gets ``error``.
+    ``measured`` is called with each tensor's name once it is measured (a progress bar)."""
+    from ckptlab.checkpoint import Scratch, as_checkpoint
 
-    ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
+    ck = as_checkpoint(source)
     scratch = Scratch()  # one tensor at a time, read into the same memory
-    if names is None:
-        wanted = list(ck.tensors)
-    elif callable(names):
-        wanted = [n for n in ck.tensors if names(n)]
-    else:
-        wanted = list(names)
     out = {}
-    for name in wanted:
+    for name in wanted(ck, names):
         entry = ck.tensors[name]
         most = _kernels.piece_elements(DTYPE_ITEMSIZE.get(entry.dtype, 8))
         try:
@@ -263,6 +269,8 @@ def stats(source: Any, names: Any = None) -> dict[str, TensorStats]:
                 entry.dtype)
         except Exception as exc:  # said per tensor; the others are measured
             out[name] = TensorStats(entry.dtype, 0, error=f"cannot be read: {exc}"[:300])
+        if measured is not None:
+            measured(name)
     return out
 
 

@@ -19,10 +19,11 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from ckptlab._words import plural
 from ckptlab.viz._style import PALETTE, html_table, plain_text, style_figure, theme_colors
 
-__all__ = ["DiffBrowser", "diff_figure", "diff_table_html", "health_html", "hist_figure",
-           "stats_table_html", "steps_figure"]
+__all__ = ["DiffBrowser", "counts_text", "diff_figure", "diff_table_html", "health_html",
+           "hist_figure", "stats_table_html", "steps_figure"]
 
 MAX_ROWS = 300  # table rows shown (the JSON of the CLI has them all)
 IDENTICAL = "#b8b8b8"
@@ -50,7 +51,7 @@ def diff_figure(d: Any, *, depth: int | None = None, theme: str | None = None) -
     low = min(moved) / 10 if moved else 1e-8
     high = max(moved) * 10 if moved else 1.0
     x = [low if r == 0 else high if math.isinf(r) else r for _, r, _, _ in rows]
-    logs = [math.log10(r) for _, r, _, _ in rows if 0 < r < math.inf]
+    logs = [math.log10(r) for r in moved]
     lo, span = (min(logs), (max(logs) - min(logs)) or 1.0) if logs else (0.0, 1.0)
     colors = [IDENTICAL if r == 0 else BROKEN if math.isinf(r) else
               _viridis((math.log10(r) - lo) / span) for _, r, _, _ in rows]
@@ -61,8 +62,8 @@ def diff_figure(d: Any, *, depth: int | None = None, theme: str | None = None) -
                       "tensors changed<extra></extra>")
     fig = go.Figure(bar)
     counts = d.counts()
-    title = (f"How far each module moved: {counts['changed']:,} of {len(d.tensors):,} "
-             f"compared tensor{'s' * (len(d.tensors) != 1)} changed")
+    title = (f"How far each module moved: {counts['changed']:,} of "
+             f"{plural(len(d.tensors), 'compared tensor')} changed")
     extra = [f"{counts['only_a']:,} only in A" if counts["only_a"] else "",
              f"{counts['only_b']:,} only in B" if counts["only_b"] else ""]
     if any(extra):
@@ -92,11 +93,21 @@ def _num(x: float | None, spec: str = ".4g") -> str:
 
 
 def _status(t: Any) -> str:
+    """A compared tensor in a word or two (its error where it could not be read)."""
     if t.error:
-        return "unreadable"
+        return t.error
     if t.identical:
         return "identical"
     return "changed" if t.changed else "within tolerance"
+
+
+def counts_text(d: Any) -> str:
+    """The counts of a diff in a line: identical, changed, within tolerance, on one side
+    only, and the name rule."""
+    c = d.counts()
+    return (f"{c['identical']:,} identical · {c['changed']:,} changed · "
+            f"{c['within_tolerance']:,} within tolerance · {c['only_a']:,} only in A · "
+            f"{c['only_b']:,} only in B · names matched: {d.mapping}")
 
 
 def diff_table_html(d: Any, *, limit: int = MAX_ROWS) -> str:
@@ -111,7 +122,7 @@ def diff_table_html(d: Any, *, limit: int = MAX_ROWS) -> str:
         dtype = t.dtype[0] if t.dtype[0] == t.dtype[1] else f"{t.dtype[0]} → {t.dtype[1]}"
         rel = "inf (A all zero)" if t.rel_l2 == math.inf and t.norm_a == 0 else \
             _num(t.rel_l2)
-        rows.append([name, _status(t) if not t.error else t.error, dtype, str(shape),
+        rows.append([name, _status(t), dtype, str(shape),
                      _num(t.max_abs), rel, _num(t.cosine, ".6g"),
                      t.n_diff if t.n_diff is not None else "—",
                      f"{t.nan_a:,} / {t.nan_b:,}" if t.nan_a or t.nan_b else ""])
@@ -120,11 +131,7 @@ def diff_table_html(d: Any, *, limit: int = MAX_ROWS) -> str:
              if n not in d.renamed]
     gone = set(d.renamed.values())
     rows += [[n, "only in B", "", "", "", "", "", "", ""] for n in d.only_b if n not in gone]
-    c = d.counts()
-    head = (f'<p class="ckptlab-diff-counts">{c["identical"]:,} identical · '
-            f'{c["changed"]:,} changed · {c["within_tolerance"]:,} within tolerance · '
-            f'{c["only_a"]:,} only in A · {c["only_b"]:,} only in B · names matched: '
-            f"{html.escape(d.mapping)}</p>")
+    head = f'<p class="ckptlab-diff-counts">{html.escape(counts_text(d))}</p>'
     if not rows:
         return head + "<p>Every compared tensor is identical.</p>"
     more = (f'<p class="note">First {limit:,} of {len(rows):,} rows; <code>ckptlab diff '
@@ -188,8 +195,9 @@ def stats_table_html(found: Mapping[str, Any], *, limit: int = MAX_ROWS) -> str:
 def steps_figure(steps: Sequence[tuple[str, str, Any]], *, depth: int | None = None,
                  theme: str | None = None) -> go.Figure:
     """A training run's modules (rows) against its consecutive saves (columns: ``earlier →
-    later``, from :func:`~ckptlab.compare.step_diffs`), each cell the module's largest
-    relative change between the two saves on a log colour scale; identical cells blank."""
+    later``, from :func:`~ckptlab.compare.step_diffs`), each cell the module's relative
+    change between the two saves (``CheckpointDiff.by_module``) on a log colour scale;
+    unchanged cells blank."""
     modules: dict[str, None] = {}
     columns = []
     for earlier, later, d in steps:
@@ -234,7 +242,7 @@ def listing(names: Sequence[str], pattern: str) -> tuple[list[str], str]:
         matches = TensorQuery(pattern).matches
         names = [n for n in names if matches(n)]
     shown = list(names[:MAX_OPTIONS])
-    line = f"{len(names):,} tensor{'s' * (len(names) != 1)} match" + (
+    line = f"{plural(len(names), 'tensor')} match" + (
         f"; the first {len(shown):,} listed" if len(shown) < len(names) else "")
     return shown, line
 
@@ -292,9 +300,7 @@ class DiffBrowser:
         t = self.diff.tensors[name]
         try:
             series = side_by_side(self.diff, self.side(0), self.side(1), name)
-            state = "identical" if t.identical else "changed" if t.changed else \
-                "within tolerance"
-            title = f"{plain_text(name)}: {state}"
+            title = f"{plain_text(name)}: {_status(t)}"
         except Exception as exc:  # a side that cannot be read: said, not raised
             series, title = {}, f"{plain_text(name)}: cannot be read: {exc}"[:200]
         return hist_figure(series, title=title, theme=theme)

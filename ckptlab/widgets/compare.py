@@ -9,8 +9,10 @@ from typing import Any
 
 import ipywidgets as w
 
-from ckptlab.checkpoint import Checkpoint, open_checkpoint
+from ckptlab._words import plural
+from ckptlab.checkpoint import as_checkpoint
 from ckptlab.compare import CheckpointDiff, TensorStats, diff, health, stats
+from ckptlab.compare._stats import wanted
 from ckptlab.viz.compare import (
     DiffBrowser,
     diff_table_html,
@@ -23,10 +25,6 @@ from ckptlab.widgets._common import progress
 from ckptlab.widgets._figure import FigureWidget, replace_figure
 
 __all__ = ["DiffExplorer", "StatsExplorer"]
-
-def _opened(source: Any) -> Checkpoint:
-    return source if isinstance(source, Checkpoint) else open_checkpoint(source)
-
 
 class DiffExplorer(w.VBox):
     """What changed between two checkpoints of any formats.
@@ -59,7 +57,7 @@ class DiffExplorer(w.VBox):
         if isinstance(a, CheckpointDiff):
             self.browser = DiffBrowser(a, depth=depth)
         else:
-            sides = [_opened(a), _opened(b)]
+            sides = [as_checkpoint(a), as_checkpoint(b)]
             self.browser = DiffBrowser(diff(sides[0], sides[1], **options), *sides,
                                        depth=depth)
         self.diff = d = self.browser.diff
@@ -123,14 +121,11 @@ class StatsExplorer(w.VBox):
     """
 
     def __init__(self, source: Any, names: Any = None) -> None:
-        self.checkpoint = ck = _opened(source)
-        wanted = list(ck.tensors) if names is None else (
-            [n for n in ck.tensors if names(n)] if callable(names) else list(names))
-        self.stats: dict[str, TensorStats] = {}
-        with progress(len(wanted), "measuring tensors") as bar:
-            for name in wanted:
-                self.stats.update(stats(ck, [name]))
-                bar.update(1)
+        self.checkpoint = ck = as_checkpoint(source)
+        chosen = wanted(ck, names)
+        with progress(len(chosen), "measuring tensors") as bar:
+            self.stats: dict[str, TensorStats] = stats(ck, chosen,
+                                                       measured=lambda _: bar.update(1))
         self.health = health(self.stats)
         self.search = w.Text(placeholder="tensor: a substring or a glob (*.mlp.*)",
                              layout=w.Layout(width="320px"))
@@ -139,8 +134,8 @@ class StatsExplorer(w.VBox):
         self.table = w.HTML(stats_table_html(self.stats))
         self.search.observe(lambda _: self._list(), names="value")
         self.picker.observe(lambda c: self._show(c["new"]), names="value")
-        super().__init__([w.HTML(f"<b>{html.escape(ck.path)}</b>: {len(self.stats):,} "
-                                 f"tensor{'s' * (len(self.stats) != 1)}"),
+        super().__init__([w.HTML(f"<b>{html.escape(ck.path)}</b>: "
+                                 f"{plural(len(self.stats), 'tensor')}"),
                           w.HTML(health_html(self.health)),
                           w.HBox([self.search, self.picker]), self.hist, self.table])
         self.add_class("ckptlab-stats-explorer")

@@ -16,7 +16,7 @@ from typing import Any
 
 import panel as pn
 
-from ckptlab.viz.compare import DiffBrowser, diff_table_html, hist_figure
+from ckptlab.viz.compare import DiffBrowser, counts_text, diff_table_html, hist_figure
 
 __all__ = ["CompareApp", "serve_compare"]
 
@@ -38,11 +38,8 @@ class CompareApp:
     def __init__(self, browser: DiffBrowser) -> None:
         self.browser = browser
         d = browser.diff
-        c = d.counts()
         head = (f"<h2 style='margin:4px 0'>{html.escape(d.a)} (A) vs {html.escape(d.b)} (B)"
-                f"</h2><p>{c['identical']:,} identical · {c['changed']:,} changed · "
-                f"{c['within_tolerance']:,} within tolerance · {c['only_a']:,} only in A · "
-                f"{c['only_b']:,} only in B · names matched: {html.escape(d.mapping)}</p>")
+                f"</h2><p>{html.escape(counts_text(d))}</p>")
         self.figure = pn.pane.Plotly(browser.figure(theme="light"), sizing_mode="stretch_width",
                                      config={"displaylogo": False, "responsive": True})
         self.figure.param.watch(self._clicked, "click_data")

@@ -352,9 +352,7 @@ class LayoutExplorer(w.VBox):
 
         todo = [n for n in names if n not in self._stats]
         with progress(len(todo), "measuring tensors") as bar:
-            for name in todo:
-                self._stats.update(stats(self.checkpoint, [name]))
-                bar.update(1)
+            self._stats.update(stats(self.checkpoint, todo, measured=lambda _: bar.update(1)))
         self.health.value = (health_html(health(self._stats)) +
                              f'<span class="note">({len(self._stats):,} of '
                              f"{len(self.table):,} tensors measured: those listed)</span>")
