@@ -204,8 +204,6 @@ def _human(nbytes: int) -> str:
     return str(nbytes)
 
 
-
-
 def _count(n: int) -> str:
     for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
         if n >= size:
