@@ -197,12 +197,17 @@ def difference(a: Any, b: Any) -> TensorStats:
     """Statistics of ``b - a`` (two tensors of one shape, in float64: the changes of one
     tensor, for a histogram of them), measured as :func:`measure` measures; ``dtype`` is
     ``"float64"``. It holds a float64 copy of the tensor: for one tensor at a time."""
+    if a.numel() != b.numel():
+        raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    return measure(_change(a, b))
+
+
+def _change(a: Any, b: Any) -> Any:
+    """``b - a`` of two tensors (or pieces) of one size, flat, in float64 (complex ones by
+    modulus)."""
     import torch
 
-    va, vb = _flat(a), _flat(b)  # (complex ones by modulus)
-    if va.shape != vb.shape:
-        raise ValueError(f"shapes differ: {tuple(va.shape)} vs {tuple(vb.shape)}")
-    return measure(vb.to(torch.float64) - va.to(torch.float64))
+    return _flat(b).to(torch.float64) - _flat(a).to(torch.float64)
 
 
 def side_by_side(d: Any, a: Any, b: Any, name: str) -> dict[str, TensorStats]:
@@ -212,8 +217,6 @@ def side_by_side(d: Any, a: Any, b: Any, name: str) -> dict[str, TensorStats]:
     :data:`~ckptlab.compare._kernels.CHUNK_NBYTES` is read in pieces (each side once per
     pass; the changes in float64 one piece at a time), so that a view of a large embedding
     holds pieces, not copies."""
-    import torch
-
     from ckptlab.checkpoint import Scratch
     from ckptlab.compare._diff import _pieces
 
@@ -233,7 +236,7 @@ def side_by_side(d: Any, a: Any, b: Any, name: str) -> dict[str, TensorStats]:
         def changes() -> Iterator[Any]:
             for (pa, _), (pb, _) in zip(_pieces(a, name, most, scratches[0]),
                                         _pieces(b, other, most, scratches[1]), strict=True):
-                yield _flat(pb).to(torch.float64) - _flat(pa).to(torch.float64)
+                yield _change(pa, pb)
 
         out["B - A"] = measure_pieces(changes, "float64")
     return out
