@@ -42,16 +42,18 @@ chromium:
 	  if [ -n "$$CI" ]; then exit 1; fi; fi
 
 # The compiled interpreter (ckptlab/format/_interp.c, built by setup.py with the install)
-# needs a C compiler. Installed here when missing, as chromium is; without it ckptlab installs
-# without it and its tests skip, or fail when CI is set.
+# needs a C compiler; DeepSpeed, which writes the runs of tests/checkpoint/test_deepspeed.py,
+# compiles its CPU communication op with g++ on first use. Installed here when missing, as
+# chromium is; without them ckptlab installs without its compiled part and those tests fail
+# or skip (they fail when CI is set).
 gcc:
-	@command -v gcc >/dev/null 2>&1 && exit 0; \
+	@command -v gcc >/dev/null 2>&1 && command -v g++ >/dev/null 2>&1 && exit 0; \
 	why=""; if [ "$$(id -u)" = 0 ]; then sudo=""; elif command -v sudo >/dev/null 2>&1; then sudo=sudo; \
 	  else why="installing it needs root or sudo"; fi; \
 	command -v apt-get >/dev/null 2>&1 || why="there is no apt-get (not Debian)"; \
 	if [ -z "$$why" ]; then echo "make: installing Debian gcc for the compiled interpreter"; \
-	  $$sudo apt-get update -q && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends gcc libc6-dev \
-	    || why="apt-get install gcc failed"; fi; \
+	  $$sudo apt-get update -q && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends gcc g++ libc6-dev \
+	    || why="apt-get install gcc g++ failed"; fi; \
 	if [ -n "$$why" ]; then \
 	  echo "make: gcc is missing and $$why; ckptlab installs without its compiled interpreter (its tests fail when CI is set)."; \
 	  if [ -n "$$CI" ]; then exit 1; fi; fi

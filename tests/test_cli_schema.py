@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import io
 import itertools
 import json
@@ -72,11 +73,12 @@ MADE_FORMATS = {
     "dcp-safetensors": "dcp",  # SerializationFormat.SAFETENSORS
     "dcp-zstd": "dcp",  # the ZStandard extension: compressed chunks
     "dir": "dir",  # .pt files of both torch.save formats, a JSON file, a text file
+    "deepspeed": "deepspeed",  # a ZeRO 3 run written by DeepSpeed (CPU, two gloo ranks)
 }
 # `--records` shows one torch.save zip or safetensors file, or a DCP directory: the rest of
 # the local paths are refused in one line (behind a URL, a single file of any kind has one)
 NO_RECORDS = ("torch-legacy", "torchscript", "pt2", "pt2-torch27", "hf", "hf-single",
-              "hf-dcp-shards", "dir")
+              "hf-dcp-shards", "dir", "deepspeed")
 
 
 # -- running the command -----------------------------------------------------------------------
@@ -257,6 +259,10 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> Made:
     (plain / "meta.json").write_text(json.dumps({"epoch": 3}))
     (plain / "README.txt").write_text("notes\n")
     out["dir"] = plain
+    if importlib.util.find_spec("deepspeed") is not None or os.environ.get("CI"):
+        from ckptlab.testing.deepspeed_run import write_run
+
+        out["deepspeed"] = write_run(3, base / "deepspeed", port=29637)
     return out
 
 

@@ -26,7 +26,11 @@ def _pyproject_names(extras: tuple[str, ...]) -> set[str]:
 
 def _conda_names(path: Path) -> set[str]:
     deps = yaml.safe_load(path.read_text())["dependencies"]
-    return {_name(d) for d in deps if isinstance(d, str)} - {"python", "pip"}
+    names = {_name(d) for d in deps if isinstance(d, str)} - {"python", "pip"}
+    for d in deps:  # packages conda-forge lacks, installed by pip (not "-e .")
+        if isinstance(d, dict):
+            names |= {_name(p) for p in d.get("pip", ()) if not p.startswith("-")}
+    return names
 
 
 def test_environment_yml_matches_pyproject():

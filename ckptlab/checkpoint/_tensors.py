@@ -362,12 +362,18 @@ def part_tensor(part_bytes: Any, name_of: Any, part: Part) -> Any:
 
 
 def _assemble(entry: TensorEntry, part_bytes: Any, name_of: Any) -> Any:
-    """A DCP tensor: the global tensor, each saved chunk copied into its box."""
+    """A tensor saved in chunks: each DCP chunk copied into its box, each flat ``piece``
+    (a run of elements of a DeepSpeed partition) to its row-major position."""
     import torch
 
     out = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
+    flat = out.view(-1)
     for p in entry.parts:
         chunk = part_tensor(part_bytes, name_of, p)
+        if p.role == "piece":
+            (at,) = p.chunk_offsets or (0,)
+            flat[at:at + p.numel] = chunk
+            continue
         box = tuple(slice(o, o + n) for o, n in zip(p.chunk_offsets or (), p.shape))
         out[box] = chunk
     if entry.requires_grad and (out.dtype.is_floating_point or out.dtype.is_complex):

@@ -23,7 +23,8 @@ __all__ = ["Checkpoint", "FileEntry", "Part", "Scratch", "TensorEntry", "plain_v
            "tensor_name"]
 
 KINDS = ("dense", "sparse", "quantized", "nested", "subclass")
-FORMATS = ("torch-zip", "torch-legacy", "torchscript", "pt2", "safetensors", "hf", "dcp", "dir")
+FORMATS = ("torch-zip", "torch-legacy", "torchscript", "pt2", "safetensors", "hf", "dcp", "dir",
+           "deepspeed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +46,9 @@ class Part:
     stride: tuple[int, ...]
     storage_offset: int = 0  # in elements, inside the storage the part views
     storage_key: str = ""  # the storage (torch formats), tensor key (safetensors)
-    chunk_offsets: tuple[int, ...] | None = None  # DCP: where the chunk sits in the tensor
+    # DCP: where the chunk sits in the tensor; role "piece" (a run of a DeepSpeed partition):
+    # (the run's row-major element position,)
+    chunk_offsets: tuple[int, ...] | None = None
     compression: str | None = None  # DCP transforms ("zstd"), None for raw bytes
     stored_nbytes: int | None = None  # bytes on disk when compressed
     item_offset: int | None = None  # DCP: first byte of the item holding this part
@@ -306,7 +309,7 @@ class Checkpoint:
     ----------
     format
         ``"torch-zip"``, ``"torch-legacy"``, ``"torchscript"``, ``"pt2"``, ``"safetensors"``,
-        ``"hf"``, ``"dcp"`` or ``"dir"``.
+        ``"hf"``, ``"dcp"``, ``"dir"`` or ``"deepspeed"``.
     path
         What was opened.
     files

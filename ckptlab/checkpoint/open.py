@@ -492,6 +492,15 @@ def _open_dir(tree: Tree, entry: str | None = None, *, composite: bool = True) -
     if not candidates:
         raise UnsupportedFormatError("a directory without checkpoint files (no .metadata, no "
                                      "*.index.json, no model files)", path=tree.name)
+    from ckptlab.checkpoint.deepspeed import (
+        deepspeed_checkpoint,
+        is_deepspeed_save,
+        universal_files,
+    )
+
+    deepspeed = is_deepspeed_save(names)
+    if deepspeed and isinstance(tree, LocalTree):  # a universal checkpoint's zero/<param>/
+        names = names + universal_files(tree.root)
     ck = Checkpoint("dir", tree.name, (), {}, {}, _reader(tree))
     errors: list[ArchiveError] = []
     ck = _with_extra_files(ck, tree, names, errors)
@@ -501,7 +510,7 @@ def _open_dir(tree: Tree, entry: str | None = None, *, composite: bool = True) -
             raise damaged
         raise UnsupportedFormatError("a directory whose files are not checkpoints ckptlab "
                                      f"reads ({', '.join(names[:5])})", path=tree.name)
-    return ck
+    return deepspeed_checkpoint(ck) if deepspeed else ck
 
 
 def _open_probed(tree: Tree) -> Checkpoint:
