@@ -329,7 +329,7 @@ def render_dcp(layout: DcpLayout) -> str:
 
 _FORMAT_WORDS = {"safetensors": "a safetensors file", "hf": "a Hugging Face directory",
                  "dcp": "a DCP directory", "dir": "a directory of checkpoint files",
-                 "deepspeed": "a DeepSpeed save",
+                 "deepspeed": "a DeepSpeed save", "tensorizer": "a tensorizer file",
                  "torch-zip": "a torch.save file", "torch-legacy": "a legacy torch.save file",
                  "torchscript": "a TorchScript archive", "pt2": "a torch.export archive"}
 _READINESS_ROWS = 20  # ranges listed by ``ckptlab readiness``; --json lists every one

@@ -74,6 +74,7 @@ MADE_FORMATS = {
     "dcp-zstd": "dcp",  # the ZStandard extension: compressed chunks
     "dir": "dir",  # .pt files of both torch.save formats, a JSON file, a text file
     "deepspeed": "deepspeed",  # a ZeRO 3 run written by DeepSpeed (CPU, two gloo ranks)
+    "tensorizer": "tensorizer",  # TensorSerializer.write_state_dict
 }
 # `--records` shows one torch.save zip or safetensors file, or a DCP directory: the rest of
 # the local paths are refused in one line (behind a URL, a single file of any kind has one)
@@ -259,6 +260,13 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> Made:
     (plain / "meta.json").write_text(json.dumps({"epoch": 3}))
     (plain / "README.txt").write_text("notes\n")
     out["dir"] = plain
+    if importlib.util.find_spec("tensorizer") is not None or os.environ.get("CI"):
+        from tensorizer import TensorSerializer
+
+        serializer = TensorSerializer(str(base / "model.tensors"))
+        serializer.write_state_dict({**sd, "nested": {"w": torch.ones(2, 3).bfloat16()}})
+        serializer.close()
+        out["tensorizer"] = base / "model.tensors"
     if importlib.util.find_spec("deepspeed") is not None or os.environ.get("CI"):
         from ckptlab.testing.deepspeed_run import write_run
 

@@ -401,6 +401,8 @@ def build_tensor(entry: TensorEntry, part_bytes: Any, name_of: Any, *,
     if entry.kind in ("dense", "subclass") and entry.layout == "strided" and \
             list(parts) == ["data"]:
         tensor = part("data")
+    elif not entry.parts and entry.kind == "dense" and extra.get("zeros"):
+        tensor = torch.zeros(entry.shape, dtype=torch_dtype(entry.dtype))  # tensorizer's meta
     elif not entry.parts and entry.kind == "dense":  # a meta tensor: no bytes in the file
         tensor = torch.empty_strided(entry.shape, entry.stride, dtype=torch_dtype(entry.dtype),
                                      device="meta")

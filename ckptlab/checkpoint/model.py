@@ -24,7 +24,7 @@ __all__ = ["Checkpoint", "FileEntry", "Part", "Scratch", "TensorEntry", "plain_v
 
 KINDS = ("dense", "sparse", "quantized", "nested", "subclass")
 FORMATS = ("torch-zip", "torch-legacy", "torchscript", "pt2", "safetensors", "hf", "dcp", "dir",
-           "deepspeed")
+           "deepspeed", "tensorizer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +160,8 @@ class FileEntry:
     """One file of a checkpoint with its byte layout."""
 
     path: str  # relative to the opened checkpoint (its own name for a single file)
-    format: str  # torch-zip, torch-legacy, torchscript, pt2, safetensors, distcp, dcp-metadata,
+    format: str  # torch-zip, torch-legacy, torchscript, pt2, safetensors, tensorizer, distcp,
+    #              dcp-metadata,
     #              json, other
     nbytes: int
     segments: tuple[Segment, ...]  # tile [0, nbytes)
@@ -309,7 +310,7 @@ class Checkpoint:
     ----------
     format
         ``"torch-zip"``, ``"torch-legacy"``, ``"torchscript"``, ``"pt2"``, ``"safetensors"``,
-        ``"hf"``, ``"dcp"``, ``"dir"`` or ``"deepspeed"``.
+        ``"hf"``, ``"dcp"``, ``"dir"``, ``"deepspeed"`` or ``"tensorizer"``.
     path
         What was opened.
     files

@@ -118,12 +118,31 @@ def _safetensors(src: ByteSource, rel: str) -> FileModel:
     return FileModel(entry, tensors, objects, "safetensors")
 
 
+def _tensorizer(src: ByteSource, rel: str) -> FileModel:
+    from ckptlab.format.tensorizer import scan_tensorizer_entries
+
+    layout, extras = scan_tensorizer_entries(src)
+    by_key = {s.key: s for s in layout.storages}
+    tensors = []
+    for t in layout.tensors:
+        s, info = by_key[t.storage_key], extras[t.storage_key]
+        parts = () if info.get("zeros") else (
+            Part("data", rel, s.data_offset, s.nbytes, t.dtype, t.shape, t.stride, 0, s.key),)
+        extra = tuple((k, info[k]) for k in ("type", "hashes", "header", "zeros") if k in info)
+        tensors.append(TensorEntry(t.storage_key, t.path, t.dtype, t.shape, t.stride, "dense",
+                                   parts, is_parameter=info["type"] == "parameter",
+                                   extra=extra))
+    entry = FileEntry(rel, "tensorizer", layout.file_nbytes, layout.segments, layout)
+    return FileModel(entry, tensors, [], "tensorizer")
+
+
 # detect_format kind -> adapter(source, relative name) -> FileModel
 FILE_ADAPTERS: dict[str, Callable[[ByteSource, str], FileModel]] = {
     # torch.save zips; TorchScript and torch.export (.pt2) zips are told apart by their records
     # (the adapters import this module: theirs are imported on first use)
     "torch-zip": lazy_callable("ckptlab.checkpoint._torchscript:model_zip"),
     "safetensors": _safetensors,
+    "tensorizer": _tensorizer,
     "legacy-pickle": lazy_callable("ckptlab.checkpoint._legacy:model_legacy"),
     "pickle": lazy_callable("ckptlab.checkpoint._legacy:model_pickle"),  # legacy, protocol 3-5
 }
@@ -182,6 +201,13 @@ def _reader(tree: Tree | None) -> Reader:
                                             record=entry.name, offset=p.offset,
                                             expected=f"{p.nbytes} bytes",
                                             actual=f"{len(data)} bytes")
+            extra = dict(entry.extra)
+            if "hashes" in extra:  # a tensorizer tensor: its header and data as it hashed them
+                from ckptlab.format.tensorizer import check_hashes
+
+                at, n, block = extra["header"]
+                check_hashes(extra["hashes"], tree.fetch(full, at, at + n), block, data,
+                             path=full, record=entry.name, offset=p.offset)
             return data
 
         return build_tensor(entry, part_bytes, name_of, source=ck.path)

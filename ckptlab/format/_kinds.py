@@ -99,12 +99,15 @@ def describe(head: bytes, nbytes: int, name: str, more: Callable[[int], bytes],
         ``more(n)``: the file's first ``n`` bytes (one read, only for a protocol 0/1 pickle
         candidate whose first 512 bytes are well-formed opcodes without the end of a pickle).
     kind
-        ``"unknown"``, ``"pickle"`` or ``"legacy-tar"``; other kinds give None.
+        ``"unknown"``, ``"pickle"``, ``"legacy-tar"`` or ``"tensorizer"``; other kinds give
+        None.
     """
     if kind == "pickle":
         return _pickle_kind(head, nbytes, more)
     if kind == "legacy-tar":
         return _tar_kind(head)
+    if kind == "tensorizer":  # refused where only torch.save files are read
+        return _tensorizer_kind(head)
     if kind != "unknown":
         return None
     if head[:3] == b"\x1f\x8b\x08":
@@ -191,17 +194,17 @@ def _gguf_version(head: bytes) -> str | None:
 
 
 def _tensorizer_kind(head: bytes) -> Kind:
-    what, action = "a tensorizer file", "load it with tensorizer's TensorDeserializer"
+    what, action = "a tensorizer file", "ckptlab.open reads it (ckptlab inspect)"
     if len(head) >= 9:
         version = int.from_bytes(head[5:9], "little")
         flags = int.from_bytes(head[9:41], "little") if len(head) >= 41 else 0
         if version == 3 or (version >= 4 and flags & 1):  # tensorizer's _has_crypt_info
             what = f"an encrypted tensorizer file (data version {version})"
-            action += " and the key it was encrypted with"
+            action = ("ckptlab does not decrypt: load it with tensorizer's TensorDeserializer "
+                      "and the key it was encrypted with")
         else:
             what = f"a tensorizer file (data version {version})"
-    return Kind("tensorizer", f"{what}, not a torch.save checkpoint",
-                f"ckptlab does not read tensorizer files yet; {action}")
+    return Kind("tensorizer", f"{what}, not a torch.save checkpoint", action)
 
 
 def _tar_kind(head: bytes) -> Kind:

@@ -25,8 +25,8 @@ LEGACY_MAGIC = bytes.fromhex("80028a0a6cfc9c46f9206aa850192e")
 def detect_format(head: bytes, file_nbytes: int) -> str:
     """Name the kind of file from its first bytes (up to 512).
 
-    One of ``"torch-zip"`` (any zip), ``"safetensors"``, ``"legacy-pickle"``, ``"legacy-tar"``,
-    ``"pickle"``, ``"empty"`` or ``"unknown"``.
+    One of ``"torch-zip"`` (any zip), ``"safetensors"``, ``"tensorizer"``, ``"legacy-pickle"``,
+    ``"legacy-tar"``, ``"pickle"``, ``"empty"`` or ``"unknown"``.
     """
     if file_nbytes == 0:
         return "empty"
@@ -38,6 +38,8 @@ def detect_format(head: bytes, file_nbytes: int) -> str:
         return "legacy-tar"
     if looks_like_safetensors(head, file_nbytes):
         return "safetensors"
+    if head[:5] == b"|TZR|":  # (ckptlab.format.tensorizer.MAGIC)
+        return "tensorizer"
     if head[:1] == b"\x80" and 2 <= head[1:2][0] <= 5 if len(head) > 1 else False:
         return "pickle"
     return "unknown"
@@ -56,7 +58,8 @@ _UNSUPPORTED = {
 
 
 def inspect(source: str | os.PathLike[str] | BinaryIO | bytes) -> ArchiveLayout:
-    """Full layout of a checkpoint: a torch.save zip archive or a .safetensors file.
+    """Full layout of a checkpoint: a torch.save zip archive, a .safetensors file or a
+    tensorizer ``.tensors`` file.
 
     Parameters
     ----------
@@ -94,6 +97,10 @@ def inspect(source: str | os.PathLike[str] | BinaryIO | bytes) -> ArchiveLayout:
             return scan_torch_zip(src)
         if kind == "safetensors":
             return scan_safetensors(src)
+        if kind == "tensorizer":
+            from ckptlab.format.tensorizer import scan_tensorizer
+
+            return scan_tensorizer(src)
         raise not_a_checkpoint(src, kind)
 
 

@@ -38,8 +38,11 @@ class SegmentKind(enum.StrEnum):
     ZIP64_LOCATOR = "zip64_locator"  # zip64 end of central directory locator
     EOCD = "eocd"  # end of central directory record (+ comment)
     HEADER_LENGTH = "header_length"  # safetensors: u64 length of the JSON header
-    HEADER = "header"  # safetensors: the JSON header
-    HEADER_PADDING = "header_padding"  # safetensors: spaces that align the data to 8 bytes
+    HEADER = "header"  # safetensors: the JSON header; tensorizer: the metadata block
+    HEADER_PADDING = "header_padding"  # safetensors: spaces that align the data to 8 bytes;
+    #                                    tensorizer: the room it reserves after its metadata
+    FILE_HEADER = "file_header"  # tensorizer: magic, data version, feature flags, counts
+    TENSOR_HEADER = "tensor_header"  # tensorizer: a tensor's name, dtype, shape and hashes
     UNKNOWN = "unknown"  # bytes no structure of the format accounts for
 
 

@@ -73,7 +73,11 @@ _TRAILER_NAMES = {
     SegmentKind.HEADER: "<JSON header>",
     SegmentKind.HEADER_PADDING: "<header padding>",
     SegmentKind.UNKNOWN: "<unknown bytes>",
+    SegmentKind.FILE_HEADER: "<file header>",
 }
+_TENSORIZER_NAMES = {**_TRAILER_NAMES, SegmentKind.HEADER: "<metadata>",
+                     SegmentKind.HEADER_PADDING: "<reserved>",
+                     SegmentKind.TENSOR_HEADER: "<end marker>"}
 _ITEM_WORDS = {  # items that are not a record or a tensor, in words
     "<central directory>": "the zip central directory (one entry per record)",
     "<zip64 EOCD>": "the zip64 end of central directory record",
@@ -83,6 +87,10 @@ _ITEM_WORDS = {  # items that are not a record or a tensor, in words
     "<JSON header>": "the JSON header (every tensor's name, dtype, shape and offsets)",
     "<header padding>": "the header padding (spaces that align the data)",
     "<unknown bytes>": "bytes no structure of the format accounts for",
+    "<file header>": "tensorizer's file header (magic, data version, feature flags, count)",
+    "<metadata>": "tensorizer's metadata (every tensor's name, dtype, shape and offsets)",
+    "<reserved>": "the room tensorizer reserves after its metadata (zeros)",
+    "<end marker>": "tensorizer's end marker (a tensor header length of 0)",
     ".metadata": "DCP's .metadata (the pickled plan: every item's file, offset and size)",
 }
 
@@ -237,8 +245,9 @@ class ByteMap:
         names: list[str] = []
         items = np.empty(n, dtype=np.int32)
         last: str | None = None
+        trailer = _TENSORIZER_NAMES if layout.format == "tensorizer" else _TRAILER_NAMES
         for i, s in enumerate(segs):
-            name = s.record if s.record is not None else _TRAILER_NAMES.get(s.kind, s.kind.value)
+            name = s.record if s.record is not None else trailer.get(s.kind, s.kind.value)
             if name != last:
                 names.append(name)
                 last = name
