@@ -209,7 +209,7 @@ def outcomes(where: dict[str, str]) -> dict[int, Outcome]:
 
 
 def test_the_table_covers_every_verb() -> None:
-    verbs = set(cli._parser().verbs)
+    verbs = set(cli._args._parser().verbs)
     assert verbs == set(VERBS)
     assert {verb for verb, _, _ in CASES} == verbs | {""}
 
@@ -414,7 +414,7 @@ def test_a_server_that_cannot_bind_is_one_line(monkeypatch, small_file, capsys) 
 
 def test_the_servers_own_bind_failing_is_one_line(monkeypatch, small_file, capsys) -> None:
     """The real bind (ckptlab.widgets.quick.serve), on a port taken after the check."""
-    monkeypatch.setattr(cli, "_check_listen", lambda address, port: None)
+    monkeypatch.setattr(cli._checks, "_check_listen", lambda address, port: None)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

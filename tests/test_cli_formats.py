@@ -459,7 +459,7 @@ def test_serve_serves_every_format(monkeypatch, made, kind) -> None:
 
     calls = []
     monkeypatch.setattr(quick, "serve", lambda *a, **k: calls.append(a))
-    monkeypatch.setattr(cli, "_check_listen", lambda address, port: None)
+    monkeypatch.setattr(cli._checks, "_check_listen", lambda address, port: None)
     assert main(["serve", str(made[kind])]) == 0
     assert calls == [(str(made[kind]),)]
 

@@ -114,7 +114,7 @@ def test_serve_verb_passes_its_options(monkeypatch, sample_file):
     calls = []
     monkeypatch.setattr(quick, "serve", lambda *a, **k: calls.append((a, k)))
     # the ports may be taken on this machine: the free-port check has tests of its own
-    monkeypatch.setattr(cli, "_check_listen", lambda address, port: None)
+    monkeypatch.setattr(cli._checks, "_check_listen", lambda address, port: None)
     assert main(["serve", str(sample_file), "--port", "6001", "--address", "0.0.0.0",
                  "--show"]) == 0
     assert calls == [((str(sample_file),), {"port": 6001, "address": "0.0.0.0", "show": True})]

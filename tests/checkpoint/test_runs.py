@@ -175,7 +175,7 @@ def test_cli_shows_the_steps(trainer_run: Path, capsys: Any) -> None:
 def test_serve_accepts_a_run_of_directories(trainer_run: Path) -> None:
     """A Trainer run holds only its checkpoint-N directories: serve's up-front check lets it
     through (the server then opens the save the Trainer resumes from)."""
-    from ckptlab.cli import _check_servable
+    from ckptlab.cli._checks import _check_servable
 
     _check_servable(str(trainer_run))  # no error
 
