@@ -8,6 +8,7 @@ the library's own loader gives.
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -119,3 +120,32 @@ def test_inspect_names_the_components(pipelines: dict[str, Path], capsys: Any) -
     doc = json.loads(capsys.readouterr().out)
     assert doc["format"] == "hf" and any(t["name"] == "unet.conv_in.weight"
                                          for t in doc["tensors"])
+
+
+@pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "bin"])
+def test_peft_adapter(tmp_path: Path, safe: bool) -> None:
+    """A LoRA adapter saved by PEFT's own ``save_pretrained`` (``adapter_model.safetensors``
+    or ``.bin`` beside ``adapter_config.json``) opens under PEFT's names, each tensor what
+    PEFT's ``load_peft_weights`` gives, the config a value."""
+    if not os.environ.get("CI"):
+        pytest.importorskip("peft")
+    import peft
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40,
+                                     n_positions=16)
+    model = peft.get_peft_model(transformers.GPT2LMHeadModel(config),
+                                peft.LoraConfig(r=2, target_modules=["c_attn"]))
+    for p in model.parameters():  # LoRA's B starts at zero: give it values to compare
+        if p.requires_grad:
+            p.data.normal_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(tmp_path / "adapter", safe_serialization=safe)
+    truth = peft.utils.load_peft_weights(str(tmp_path / "adapter"), device="cpu")
+    ck = cl.open(tmp_path / "adapter")
+    assert set(ck.tensors) == set(truth) and len(truth) == 2
+    for name, tensor in truth.items():
+        assert _same(ck.read(name), tensor), name
+    assert ck.objects["adapter_config.json"]["r"] == 2

@@ -1,11 +1,12 @@
 """Training runs: a directory of saves opens as the save the framework resumes from, lists
 every save (complete or not), and ``step=N`` / ``--step N`` opens another.
 
-The transformers ``Trainer`` run and the ``step-N`` DCP run are written by the real
-libraries (a tiny GPT-2 trained two steps with a save each; ``dcp.save``). The DeepSpeed,
-Megatron-Core and Lightning layouts are built here with torch's own writers in the shape those
-frameworks leave (their libraries are not installed in this environment): the pointer files
-(``latest``, ``latest_checkpointed_iteration.txt``) and names are theirs.
+The transformers ``Trainer`` run, the Lightning run and the ``step-N`` DCP run are written by
+the real libraries (a tiny GPT-2 trained two steps with a save each; a LightningModule with
+``ModelCheckpoint(save_last=True)``; ``dcp.save``). DeepSpeed and Megatron-Core runs written
+by their libraries are in tests/checkpoint/test_deepspeed.py and tests/dcp/test_megatron.py;
+here their pointer files (``latest``, ``latest_checkpointed_iteration.txt``) and names are
+also built with torch's own writers, to test the rules on their own.
 """
 
 from __future__ import annotations
@@ -143,6 +144,49 @@ def test_lightning_runs_take_last_ckpt(tmp_path: Path) -> None:
     ck = cl.open(run)
     assert ck.run.framework == "lightning" and ck.run.opened == "last.ckpt"
     assert cl.open(run, step=10).run.opened == "epoch=0-step=10.ckpt"
+
+
+def test_a_real_lightning_run(tmp_path: Path) -> None:
+    """Three training steps of a LightningModule on CPU, a checkpoint each and ``last.ckpt``
+    (Lightning's ``ModelCheckpoint``): the run opens ``last.ckpt`` (what
+    ``Trainer.fit(ckpt_path="last")`` resumes from), its tensors bit for bit torch.load's."""
+    if not os.environ.get("CI"):
+        pytest.importorskip("lightning")
+    import lightning as L
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 2)
+
+        def training_step(self, batch: Any, _: int) -> torch.Tensor:
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.Adam(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(6, 3)),
+                                       batch_size=2)
+    run = tmp_path / "checkpoints"
+    saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=run, every_n_train_steps=1,
+                                                save_top_k=-1, save_last=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = L.Trainer(max_epochs=1, accelerator="cpu", callbacks=[saver], logger=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(Tiny(), data)
+    ck = cl.open(run)
+    assert ck.run.framework == "lightning" and ck.run.opened == "last.ckpt"
+    assert [s.number for s in ck.steps if s.name != "last.ckpt"] == [1, 2, 3]
+    saved = torch.load(run / "last.ckpt", weights_only=False)
+    for name, tensor in saved["state_dict"].items():
+        assert torch.equal(ck.read(f"state_dict.{name}"), tensor), name
+    exp_avg = saved["optimizer_states"][0]["state"][0]["exp_avg"]
+    assert torch.equal(ck.read("optimizer_states.0.state.0.exp_avg"), exp_avg)
+    assert ck.objects["global_step"] == 3
+    first = cl.open(run, step=1)
+    assert first.run.opened.endswith("step=1.ckpt")
 
 
 def test_step_on_something_else_is_refused(tmp_path: Path) -> None:
