@@ -19,13 +19,14 @@ from typing import Any
 
 
 def write_run(stage: int, out: str | os.PathLike[str], *, port: int = 29617,
-              universal: str | os.PathLike[str] | None = None) -> Path:
+              universal: str | os.PathLike[str] | None = None, width: int = 0) -> Path:
     """Train and save a ZeRO ``stage`` run into ``out`` (``global_step1/``,
     ``global_step2/``, ``latest``) with DeepSpeed on two CPU ranks; with ``universal``, also
-    convert ``global_step2`` there with DeepSpeed's ``ds_to_universal``."""
+    convert ``global_step2`` there with DeepSpeed's ``ds_to_universal``. ``width``: instead
+    of the small model, four ``width`` x ``width`` linear layers (for benchmarks)."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     runs = [[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-             "--master_port", str(port), "-m", __name__, str(stage), str(out)]]
+             "--master_port", str(port), "-m", __name__, str(stage), str(out), str(width)]]
     if universal is not None:
         runs.append([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
                      "--input_folder", str(Path(out) / "global_step2"), "--output_folder",
@@ -65,9 +66,11 @@ def main() -> None:
     import torch
 
     stage, out = int(sys.argv[1]), sys.argv[2]
+    width = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    model = _net()
+    model = _net() if not width else torch.nn.Sequential(
+        torch.nn.Embedding(11, width), *(torch.nn.Linear(width, width) for _ in range(4)))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in trainable if n.endswith("weight")], "weight_decay": 0.1},
               {"params": [p for n, p in trainable if not n.endswith("weight")],
@@ -79,7 +82,7 @@ def main() -> None:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     for _ in range(2):
         x = torch.randint(0, 11, (2, 3))
-        loss = engine(x).float().pow(2).mean()
+        loss = engine(x).float().pow(2).mean()  # (the wide model: embedding, then linears)
         engine.backward(loss)
         engine.step()
         # universal_checkpoint_info: what ds_to_universal needs (Megatron-DeepSpeed adds it)

@@ -10,6 +10,8 @@ from ckptlab.errors import InvalidArgumentError
 from ckptlab.format.layout import ArchiveLayout, Segment
 from ckptlab.viz._style import KIND_COLORS, KIND_LABELS, tint
 
+INK = "#1a1a1a"  # the text colour of bytes drawn on their segment's tint, in any theme
+
 __all__ = ["MAX_HEX_NBYTES", "hex_html"]
 
 MAX_HEX_NBYTES = 64 * 1024  # a hex view is for reading, not for dumping a storage
@@ -69,8 +71,9 @@ def hex_html(data: bytes, offset: int, layout: ArchiveLayout | None = None, *,
         runs = groupby(range(len(chunk)), key=lambda j: style_at(offset + line_start + j))
         for (bg, title), js in runs:
             run = " ".join(f"{chunk[j]:02x}" for j in js)
-            cells.append(f'<span style="background:{bg}" title="{html.escape(title)}">{run}</span>'
-                         if bg else run)
+            # the digits keep dark ink on their pastel: a dark theme's light text would vanish
+            cells.append(f'<span style="background:{bg};color:{INK}" '
+                         f'title="{html.escape(title)}">{run}</span>' if bg else run)
         pad = "   " * (width - len(chunk))
         text = "".join(chr(b) if 32 <= b < 127 else "." for b in chunk)
         lines.append(f'<span class="off">{offset + line_start:>12,}</span>  '

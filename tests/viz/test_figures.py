@@ -192,7 +192,8 @@ def test_storage_figure_needs_a_layout(small_file):
 # hex view
 
 _OFF = re.compile(r'<span class="off">([^<]*)</span>  ')
-_SPAN = re.compile(r'<span style="background:([^"]*)" title="([^"]*)">([0-9a-f ]+)</span>')
+_SPAN = re.compile(r'<span style="background:([^;"]*);color:#1a1a1a" title="([^"]*)">'
+                   r'([0-9a-f ]+)</span>')
 _BYTE = re.compile(r"[0-9a-f]{2}")
 
 
