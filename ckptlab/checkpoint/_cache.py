@@ -234,22 +234,45 @@ class CheckpointIndex:
         """Bytes of every file of the checkpoint."""
         return sum(f[2] for f in self.files)
 
+    def tied_rows(self) -> frozenset[int]:
+        """Rows whose parts are exactly an earlier row's (tied weights: one tensor's bytes
+        under two names; :meth:`ckptlab.checkpoint.Checkpoint.tied`)."""
+        first: dict[tuple[Any, ...], int] = {}
+        tied = set()
+        starts = self.part_start
+        for row in range(len(self.names)):
+            lo, hi = starts[row], starts[row + 1]
+            if lo == hi:
+                continue
+            key = (self.part_role[lo:hi], self.part_file[lo:hi], self.part_offset[lo:hi],
+                   self.part_nbytes[lo:hi])
+            if first.setdefault(key, row) != row:
+                tied.add(row)
+        return frozenset(tied)
+
     @property
     def total_parameters(self) -> int:
-        return sum(self.parameters)
+        """Parameters, a tied tensor's once."""
+        tied = self.tied_rows()
+        return sum(p for i, p in enumerate(self.parameters) if i not in tied)
 
     @property
     def tensor_nbytes(self) -> int:
-        return sum(self.nbytes)
+        """Bytes of the tensors, a tied tensor's once."""
+        tied = self.tied_rows()
+        return sum(n for i, n in enumerate(self.nbytes) if i not in tied)
 
     def totals_by_dtype(self) -> dict[str, tuple[int, int, int]]:
-        """dtype -> (tensors, parameters, bytes), largest bytes first."""
+        """dtype -> (tensors, parameters, bytes), largest bytes first; a tied tensor counts
+        as a tensor, its parameters and bytes once."""
         out: dict[str, list[int]] = {}
-        for dtype, params, nb in zip(self.dtypes, self.parameters, self.nbytes):
+        tied = self.tied_rows()
+        for i, (dtype, params, nb) in enumerate(zip(self.dtypes, self.parameters, self.nbytes)):
             row = out.setdefault(dtype, [0, 0, 0])
             row[0] += 1
-            row[1] += params
-            row[2] += nb
+            if i not in tied:
+                row[1] += params
+                row[2] += nb
         return {k: (v[0], v[1], v[2]) for k, v in
                 sorted(out.items(), key=lambda kv: (-kv[1][2], kv[0]))}
 

@@ -367,7 +367,34 @@ class Checkpoint:
 
     @property
     def parameters(self) -> int:
-        return sum(t.parameters for t in self.tensors.values())
+        """Parameters of the tensors, each stored value once: a tensor tied to another
+        (:meth:`tied`) is not counted again (as ``model.num_parameters()`` counts)."""
+        tied = self.tied()
+        return sum(t.parameters for t in self.tensors.values() if t.name not in tied)
+
+    @property
+    def tensor_nbytes(self) -> int:
+        """Bytes of the tensors in their files, each byte range once (:meth:`tied`)."""
+        tied = self.tied()
+        return sum(t.nbytes for t in self.tensors.values() if t.name not in tied)
+
+    def tied(self) -> dict[str, str]:
+        """{name: the first tensor whose bytes it is}: tensors made of exactly the byte
+        ranges of a tensor before them (tied weights, ``lm_head.weight`` saved as
+        ``transformer.wte.weight``'s storage; a DeepSpeed parameter's shared names)."""
+        found = self.__dict__.get("_tied")
+        if found is None:
+            first: dict[tuple[Any, ...], str] = {}
+            found = {}
+            for t in self.tensors.values():
+                if not t.parts:
+                    continue
+                key = tuple((p.file, p.offset, p.nbytes, p.role) for p in t.parts)
+                owner = first.setdefault(key, t.name)
+                if owner != t.name:
+                    found[t.name] = owner
+            self.__dict__["_tied"] = found
+        return found
 
     def __repr__(self) -> str:
         return (f"<Checkpoint {self.format} {self.path!r}: "

@@ -130,16 +130,23 @@ def render_checkpoint(ck: Any, tensors: list[Any], pattern: str | None = None,
            f"  {ck.format} checkpoint: {plural(len(ck.tensors), 'tensor')}, {_count(total)} parameters, "
            f"{_human(ck.nbytes)} in {len(ck.files)} file{'s' * (len(ck.files) != 1)}"]
     by_dtype: dict[str, list[int]] = {}
+    tied = ck.tied()
     for t in ck.tensors.values():
         acc = by_dtype.setdefault(t.dtype, [0, 0, 0])
         acc[0] += 1
-        acc[1] += t.parameters
-        acc[2] += t.nbytes
+        if t.name not in tied:  # a tied tensor's bytes and parameters are counted once
+            acc[1] += t.parameters
+            acc[2] += t.nbytes
     if safety is not None:
         out.append(f"  safe to load? {_text(safety.headline())}")
     out.append("  " + "; ".join(f"{d}: {plural(n, 'tensor')}, {_count(p)} params, {_human(b)}"
                                 for d, (n, p, b) in sorted(by_dtype.items(),
                                                            key=lambda kv: -kv[1][2])))
+    if tied:
+        first = ", ".join(f"{_text(a)} = {_text(b)}" for a, b in list(tied.items())[:3])
+        more = f", {len(tied) - 3:,} more" if len(tied) > 3 else ""
+        out.append(f"  tied: {plural(len(tied), 'tensor')} stored as another's bytes "
+                   f"({first}{more}): counted once")
     for note in ck.notes:
         out.append(f"  note: {note}")
     if ck.run is not None:

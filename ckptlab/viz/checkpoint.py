@@ -73,6 +73,7 @@ class TensorTable:
     files: tuple[str, ...]  # the file of the first part
     offsets: np.ndarray  # int64: file offset of the first part (-1: no bytes)
     parts: tuple[int, ...]  # number of parts
+    tied: np.ndarray | None = None  # bool: the tensor is another's bytes (Checkpoint.tied)
 
     def __len__(self) -> int:
         return len(self.names)
@@ -89,12 +90,19 @@ class TensorTable:
         return catalog
 
     @property
+    def own(self) -> np.ndarray:
+        """bool: the tensors that are not another's bytes (the ones totals count)."""
+        return np.ones(len(self.names), dtype=bool) if self.tied is None else ~self.tied
+
+    @property
     def total_nbytes(self) -> int:
-        return int(self.nbytes.sum())
+        """Bytes of the tensors, a tied tensor's once."""
+        return int(self.nbytes[self.own].sum())
 
     @property
     def total_parameters(self) -> int:
-        return int(self.parameters.sum())
+        """Parameters of the tensors, a tied tensor's once."""
+        return int(self.parameters[self.own].sum())
 
     def row(self, i: int) -> dict[str, Any]:
         """Row ``i`` as a dict: name, dtype, shape, kind, nbytes, parameters, file, offset."""
@@ -138,13 +146,16 @@ def tensor_table(source: Any) -> TensorTable:
         ts = list(source.tensors.values())
         names = tuple(t.name for t in ts)
         offsets = [t.parts[0].offset if t.parts else -1 for t in ts]
+        tied = source.tied() if hasattr(source, "tied") else {}
         return TensorTable(
             names, tuple(t.dtype for t in ts), tuple(_shape_text(t.shape) for t in ts),
             tuple(t.kind for t in ts),
             np.fromiter((t.nbytes for t in ts), dtype=np.int64, count=len(ts)),
             np.fromiter((t.parameters for t in ts), dtype=np.int64, count=len(ts)),
             tuple(t.parts[0].file if t.parts else "" for t in ts),
-            np.array(offsets, dtype=np.int64), tuple(len(t.parts) for t in ts))
+            np.array(offsets, dtype=np.int64), tuple(len(t.parts) for t in ts),
+            np.fromiter((n in tied for n in names), dtype=bool, count=len(ts))
+            if tied else None)
     if isinstance(source, ArchiveLayout):
         storages = {s.key: s for s in source.storages}
         names_l, nbytes, offsets = [], [], []
@@ -205,15 +216,16 @@ class DtypeTotal:
 
 
 def dtype_totals(source: Any) -> list[DtypeTotal]:
-    """Totals per dtype, the most bytes first (sums of the table's columns)."""
+    """Totals per dtype, the most bytes first (sums of the table's columns; a tied tensor
+    counts as a tensor, its bytes and parameters once)."""
     table = tensor_table(source)
     acc: dict[str, list[int]] = {}
-    for dt, n, p in zip(table.dtypes, table.nbytes.tolist(), table.parameters.tolist(),
-                        strict=True):
+    for dt, n, p, own in zip(table.dtypes, table.nbytes.tolist(), table.parameters.tolist(),
+                             table.own.tolist(), strict=True):
         row = acc.setdefault(dt, [0, 0, 0])
         row[0] += 1
-        row[1] += p
-        row[2] += n
+        row[1] += p * own
+        row[2] += n * own
     return sorted((DtypeTotal(d, *v) for d, v in acc.items()), key=lambda t: (-t.nbytes, t.dtype))
 
 

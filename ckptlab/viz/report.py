@@ -594,6 +594,8 @@ def _checkpoint_report(ck: Any, hex_bytes: bytes | None, hex_file: str | None,
         ["format", ck.format], ["path", ck.path], ["size", ck.nbytes],
         ["files", len(ck.files)], ["tensors", len(ck.tensors)],
         ["parameters", ck.parameters], ["bytes of tensors", table.total_nbytes],
+        *([["tied tensors (another's bytes, counted once)", len(ck.tied())]]
+          if ck.tied() else []),
         ["data alignment (largest power of two ≤ 4096 dividing every tensor's offset)",
          largest_alignment(data_offsets) if data_offsets else "—"]]
     if any(p.compression for _, p in parts):

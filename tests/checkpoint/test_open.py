@@ -399,3 +399,40 @@ def test_torch_functions_called_wrongly_and_int_grads_are_ckptlab_errors(tmp_pat
     assert ck.tensors["p"].requires_grad and ck.tensors["p"].dtype == "int64"
     with pytest.raises(CorruptArchiveError, match="requires grad"):
         ck.read("p")
+
+
+def test_tied_weights_are_counted_once(tmp_path) -> None:
+    """A weight saved under two names (one storage: ``lm_head.weight`` is ``wte.weight``) is
+    one tensor's bytes: ``tied`` names it, and the parameter and byte totals of the
+    checkpoint, the table, the dtype lines and the CLI count it once (as
+    ``model.num_parameters()`` does), while a view of another part of the storage is not
+    tied."""
+    import torch
+
+    from ckptlab.cli import main
+    from ckptlab.viz.checkpoint import dtype_totals, tensor_table
+
+    w = torch.randn(10, 4)
+    path = tmp_path / "tied.pt"
+    torch.save({"wte.weight": w, "lm_head.weight": w, "half": w[5:], "b": torch.zeros(3)},
+               path)
+    ck = cl.open(path)
+    assert ck.tied() == {"lm_head.weight": "wte.weight"}
+    assert ck.parameters == 40 + 20 + 3 and ck.tensor_nbytes == 4 * (40 + 20 + 3)
+    table = tensor_table(ck)
+    assert table.total_parameters == ck.parameters and table.total_nbytes == ck.tensor_nbytes
+    (total,) = dtype_totals(ck)
+    assert (total.tensors, total.parameters) == (4, 63)
+    assert main(["inspect", str(path)]) == 0
+
+
+def test_tied_line_in_the_cli(tmp_path, capsys) -> None:
+    import torch
+
+    from ckptlab.cli import main
+
+    w = torch.randn(3)
+    torch.save({"a": w, "b": w}, tmp_path / "t.pt")
+    assert main(["inspect", str(tmp_path / "t.pt")]) == 0
+    out = capsys.readouterr().out
+    assert "3 parameters" in out and "tied: 1 tensor stored as another's bytes (b = a)" in out
