@@ -57,7 +57,7 @@ from ckptlab.viz.tensors import storage_figure
 __all__ = ["MAX_FILE_MAPS", "MAX_TENSOR_ROWS", "report_html"]
 
 MAX_TABLE_ROWS = 500
-MAX_FILE_MAPS = 8  # byte maps of a multi-file checkpoint: its largest files, at most this many
+MAX_FILE_MAPS = 8  # byte maps of a multi-file checkpoint: the files with the most tensors
 MAX_PLACEMENT_ROWS = 60
 MAX_FILTER_ROWS = 200_000  # tensors the report's search box can search (all, up to this)
 MAX_TENSOR_ROWS = 200  # tensor rows shown at once: a redraw of more takes over 200 ms
@@ -109,8 +109,8 @@ def report_html(source: Any, *, hex_bytes: bytes | None = None, hex_file: str | 
         For a checkpoint: the file (relative path, as in ``ck.files``) ``hex_bytes`` come from;
         its first file by default.
     max_file_maps
-        For a checkpoint of several files: draw the byte maps of the largest this many (the
-        report says when it leaves some out).
+        For a checkpoint of several files: draw the byte maps of this many, the files with
+        the most tensors first, then the largest (the report says when it leaves some out).
     diff
         A :class:`~ckptlab.compare.CheckpointDiff` of this checkpoint (A) against another:
         the report opens with what changed (``ckptlab report A --compare B``).
@@ -553,8 +553,11 @@ def _checkpoint_report(ck: Any, hex_bytes: bytes | None, hex_file: str | None,
     if multi:
         figures.append(("Bytes per file", files_figure(ck, max_files=MAX_PLACEMENT_ROWS)))
     # the files that hold tensor bytes (an index or .metadata is one run of bytes: the table
-    # says all there is), the largest first; any file when none holds tensors
-    drawable = [f for f in sorted(ck.files, key=lambda f: (-f.nbytes, f.path))
+    # says all there is), the ones with the most tensors first (a one-tensor shard's map is
+    # one bar, eight of them say less than one shard with structure), then the largest; any
+    # file when none holds tensors
+    drawable = [f for f in sorted(ck.files, key=lambda f: (-tensors_in.get(f.path, 0),
+                                                           -f.nbytes, f.path))
                 if f.nbytes and f.segments]
     drawable = [f for f in drawable if f.path in by_file] or drawable
     mapped = drawable[:max(max_file_maps, 0)]
@@ -584,7 +587,7 @@ def _checkpoint_report(ck: Any, hex_bytes: bytes | None, hex_file: str | None,
         n = len(drawable)
         which = (f"file{'s' * (n != 1)}" + (f" that hold{'s' * (n == 1)} tensor bytes"
                                             if n < len(ck.files) else ""))
-        shown = (f"Byte maps of the largest {len(mapped)} of the {n} {which}"
+        shown = (f"Byte maps of the {len(mapped)} with the most tensors of the {n} {which}"
                  if len(mapped) < n else
                  f"Byte map{'s' * (n != 1)} of the {'one' if n == 1 else n} {which}")
         maps_note = f'<p class="note">{shown}; the table above lists every file.</p>'

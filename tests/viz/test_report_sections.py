@@ -72,3 +72,25 @@ def test_single_file_report_has_its_key_under_the_byte_map(tmp_path):
         section = _section_after(doc, "Byte map")
         assert section.lstrip().startswith('<div class="legend">'), section[:200]
         assert doc.count('class="legend"') == 1
+
+
+def test_byte_maps_go_to_the_shards_with_structure(tmp_path: Path) -> None:
+    """Nine large one-tensor shards and one small shard of five tensors: the report's eight
+    byte maps include the small shard (the most tensors first), not eight solid bars only,
+    and say how they were chosen."""
+    from safetensors.torch import save_file
+
+    weight_map = {}
+    for i in range(9):
+        name = f"model-{i:05d}-of-00010.safetensors"
+        save_file({f"big.{i}": torch.ones(64, 64)}, str(tmp_path / name))
+        weight_map[f"big.{i}"] = name
+    small = "model-00009-of-00010.safetensors"
+    save_file({f"small.{j}": torch.ones(2) for j in range(5)}, str(tmp_path / small))
+    weight_map.update({f"small.{j}": small for j in range(5)})
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+    doc = report_html(cl.open(tmp_path))
+    maps = [h for h in _headings(doc) if h.startswith("Byte map · ")]
+    assert len(maps) == 8 and maps[0] == f"Byte map · {small}"
+    assert "Byte maps of the 8 with the most tensors of the 10 files" in doc
