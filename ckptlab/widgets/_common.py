@@ -46,10 +46,19 @@ def progress(total: int, desc: str) -> Iterator[Any]:
 
 
 def summary_html(layout: ArchiveLayout) -> str:
-    """One line: file, size, records, storages, tensors, alignment, overhead."""
-    name = html.escape(layout.path.rsplit("/", 1)[-1])
+    """One line: file, size, records, storages, tensors, alignment, overhead. A layout
+    :func:`~ckptlab.format.realign` or :func:`~ckptlab.format.predict_layout` made says it is
+    a what-if, not a file."""
+    path, what_if = layout.path, ""
+    if path.startswith("<realigned from ") and path.endswith(">"):
+        path = path[len("<realigned from "):-1]
+        what_if = (f"what-if, not a file: as torch.save would lay it out at storage_alignment "
+                   f"{layout.storage_alignment or layout.alignment} · ")
+    elif path == "<predicted>":
+        what_if = "what-if, not a file: the layout torch.save would write · "
+    name = html.escape(path.rsplit("/", 1)[-1])
     pct = 100 * layout.overhead_nbytes / max(layout.file_nbytes, 1)
-    return (f'<div class="ckptlab-summary"><b>{name}</b> · {layout.format} · '
+    return (f'<div class="ckptlab-summary">{what_if}<b>{name}</b> · {layout.format} · '
             f"{human_nbytes(layout.file_nbytes)} · {len(layout.records)} records · "
             f"{plural(len(layout.storages), 'storage')} · "
             f"{plural(len(layout.tensors), 'tensor')} · "

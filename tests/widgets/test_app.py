@@ -158,6 +158,9 @@ def test_alignment_control_shows_the_what_if_layout(app, sample_layout):
     app.tabs.active = 1
     assert app.overhead_pane.object.layout.meta["columns"] == len(app.bytemap.item_names)
     assert f"{len(want.records)} records" in app.summary.object
+    name = sample_layout.path.rsplit("/", 1)[-1]  # the file's own name, said to be a what-if
+    assert "what-if, not a file: as torch.save would lay it out at storage_alignment 4096" \
+        in app.summary.object and f"<b>{name}</b>" in app.summary.object
     assert app.details.object.startswith(f"<b>#5 {app.bytemap.item_names[5]}</b> · bytes [{lo:,}")
     assert "has no bytes" in app.hex.object  # a what-if layout has no file behind it
     # item labels carry the new sizes
