@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import plotly.graph_objects as go
@@ -56,16 +57,27 @@ def alignment_figure(costs: Sequence[AlignmentCost], *, current: int | None = No
         yaxis="y2", mode="lines+markers", line={"color": ACCENT},
         hovertemplate="alignment %{x}<br>overhead %{y:.2f}% of the file<extra></extra>"))
     base = rows[0]
+    top = max(100 * r.overhead_fraction for r in rows) * 1.1 or 1.0
+    step = _nice_step(top / 5)
     fig.update_layout(
         title=(f"Alignment cost · {base.storages} storages, "
                f"{human_nbytes(base.data_nbytes)} of payload"),
         xaxis={"title": "storage alignment (bytes)", "type": "category"},
         yaxis={"title": "FB padding (bytes)", "type": "log"},
+        # ticks at round percentages from 0 (plotly's own over a log primary axis read
+        # 7, 24.9, 42.9)
         yaxis2={"title": "overhead (% of file)", "overlaying": "y", "side": "right",
-                "rangemode": "tozero", "showgrid": False},
+                "range": [0, top], "tick0": 0, "dtick": step, "ticksuffix": "%",
+                "showgrid": False},
         legend={"orientation": "h", "y": -0.25}, height=380, bargap=0.25,
         margin={"l": 70, "r": 70, "t": 76, "b": 90},
         meta={"kind": "alignment", "alignments": [r.alignment for r in rows],
               "ready_4k": ready, "current": current},
     )
     return style_figure(fig)
+
+
+def _nice_step(raw: float) -> float:
+    """The round step (1, 2 or 5 times a power of ten) at or above ``raw``."""
+    power = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1.0
+    return next(m * power for m in (1, 2, 5, 10) if m * power >= raw)

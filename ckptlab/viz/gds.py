@@ -88,8 +88,13 @@ def blockmap_figure(layout: ArchiveLayout, *, block: int = 4096, columns: int = 
         hovertemplate=("%{text} block at file offset %{customdata:,}"
                        + (f" ({per_cell} blocks per cell)" if per_cell > 1 else "")
                        + "<extra></extra>")))
+    for i, kind in enumerate(BLOCK_KINDS):  # the legend: what each colour is
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", hoverinfo="skip",
+                                 name=f"{kind} ({counts[kind]:,})",
+                                 marker={"symbol": "square", "size": 12,
+                                         "color": _BLOCK_COLORS[i]}))
     pct = {k: 100 * v / max(n, 1) for k, v in counts.items()}
-    fig.update_layout(
+    fig.update_layout(showlegend=True, legend={"orientation": "h", "y": -0.12},
         title=(f"{n:,} blocks of {block} B: {counts['payload']:,} payload "
                f"({pct['payload']:.1f}%), {counts['shared']:,} shared, "
                f"{counts['metadata']:,} metadata"),
@@ -124,6 +129,7 @@ def transfer_figure(rates: Mapping[str, float] | Sequence[tuple[str, float]], *,
     fig = go.Figure(go.Bar(x=[plain_text(k) for k in labels], y=values,
                            text=[f"{v:.2f}" for v in values],
                            textposition="outside", marker={"color": ACCENT}, cliponaxis=False,
+                           name="throughput", showlegend=False,  # the axis says what bars are
                            hovertemplate="%{x}: %{y:.3f} GB/s<extra></extra>"))
     if limit is not None:
         # the limit's words go in the legend, not on the plot, where they covered a bar

@@ -73,6 +73,11 @@ def test_alignment_figure_data(sample_layout):
     assert fig.layout.meta == {"kind": "alignment", "alignments": list(DEFAULT_ALIGNMENTS),
                                "ready_4k": ready, "current": 4096}
     assert f"{costs[0].storages} storages" in fig.layout.title.text
+    # the percentage axis ticks at round steps from 0 (1, 2 or 5 times a power of ten)
+    step = fig.layout.yaxis2.dtick
+    assert fig.layout.yaxis2.tick0 == 0 and fig.layout.yaxis2.range[0] == 0
+    assert f"{step:g}".lstrip("0.").rstrip("0") in ("1", "2", "5")
+    assert fig.layout.yaxis2.range[1] >= max(line.y)
     # no highlight without a current alignment, or with one that is not a row
     for current in (None, 3):
         fig = alignment_figure(costs, current=current)

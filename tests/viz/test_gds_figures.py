@@ -50,6 +50,11 @@ def test_at_4096_only_tails_are_shared(layouts) -> None:
     z = np.array(fig.data[0].z, dtype=float).ravel()
     assert np.array_equal(z[: len(classes)], classes)
     assert np.isnan(z[len(classes):]).all()
+    # a legend names each colour with its count
+    assert fig.layout.showlegend and [t.name for t in fig.data[1:]] == [
+        f"{k} ({counts[k]:,})" for k in ("metadata", "payload", "shared")]
+    assert [t.marker.color for t in fig.data[1:]] == list(fig.data[0].colorscale[i][1]
+                                                          for i in (0, 2, 4))
 
 
 def test_many_blocks_are_aggregated_worst_first(layouts) -> None:
@@ -70,6 +75,8 @@ def test_transfer_figure_data() -> None:
     assert list(fig.data[0].x) == ["torch.save", "odirect"]
     assert list(fig.data[0].y) == [0.5, 1.5]
     assert fig.layout.shapes[0].y0 == 2.0
+    # the legend holds the limit's words only: no unnamed "trace 0" for the bars
+    assert [t.name for t in fig.data if t.showlegend is not False] == ["raw 2.00 GB/s"]
     with pytest.raises(InvalidArgumentError):
         transfer_figure({})
     with pytest.raises(InvalidArgumentError):
