@@ -296,11 +296,15 @@ def bucket_figure(assignment: BucketAssignment) -> go.Figure:
     # 700 px or more); with more buckets the labels would run together ("5.0 GiB5.0 GiB"),
     # so the totals stay in the hover text only
     labelled = len(assignment.buckets) <= MAX_BUCKET_LABELS
+    # a label never on its group's dashed ideal line: above a bar that reaches the line,
+    # just inside the top of one below it
+    below = [b.nbytes < ideal_of[b.group] for b in assignment.buckets]
     fig.add_trace(go.Scatter(
         name="bucket total", x=[b.index for b in assignment.buckets],
         y=[b.nbytes for b in assignment.buckets], mode="text" if labelled else "markers",
         text=[human_nbytes(b.nbytes) for b in assignment.buckets] if labelled else None,
-        textposition="top center", cliponaxis=False,
+        textposition=["bottom center" if low else "top center" for low in below],
+        cliponaxis=False,
         marker={"size": 1, "opacity": 0}, textfont={"size": 10}, hovertext=totals_hover,
         hovertemplate="%{hovertext}<extra></extra>", showlegend=False))
 
@@ -311,10 +315,12 @@ def bucket_figure(assignment: BucketAssignment) -> go.Figure:
         shapes.append({"type": "line", "name": f"ideal {g['group']}", "xref": "x", "yref": "y",
                        "x0": lo, "x1": hi, "y0": g["ideal_nbytes"], "y1": g["ideal_nbytes"],
                        "line": {"color": "#000000", "dash": "dash", "width": 2}})
-        annotations.append({"x": hi, "y": g["ideal_nbytes"], "xref": "x", "yref": "y",
-                            "text": f"ideal {human_nbytes(g['ideal_nbytes'])}",
-                            "showarrow": False, "xanchor": "right", "yanchor": "top",
-                            "bgcolor": "rgba(255,255,255,0.85)", "font": {"size": 10}})
+        # the line's words go in the legend: on the plot they ran into the bars' labels
+        words = f"ideal {human_nbytes(g['ideal_nbytes'])}" + (
+            f" (buckets {min(g['buckets'])}..{max(g['buckets'])})" if len(groups) > 1 else "")
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", hoverinfo="skip",
+                                 name=words, showlegend=True,
+                                 line={"color": "#000000", "dash": "dash", "width": 2}))
     n = len(assignment.buckets)
     imbalance = assignment.imbalance
     even = assignment.nbytes / n
@@ -328,11 +334,10 @@ def bucket_figure(assignment: BucketAssignment) -> go.Figure:
         shapes.append({"type": "line", "name": "even", "xref": "x", "yref": "y",
                        "x0": -0.45, "x1": n - 0.55, "y0": even, "y1": even,
                        "line": {"color": "#79706e", "dash": "dot", "width": 1.5}})
-        annotations.append({"x": -0.45, "y": even, "xref": "x", "yref": "y",
-                            "text": f"all bytes / {n}: {human_nbytes(even)}",
-                            "showarrow": False, "xanchor": "left", "yanchor": "top",
-                            "bgcolor": "rgba(255,255,255,0.85)",
-                            "font": {"size": 10, "color": "#79706e"}})
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", hoverinfo="skip",
+                                 name=f"all bytes / {n}: {human_nbytes(even)}",
+                                 showlegend=True,
+                                 line={"color": "#79706e", "dash": "dot", "width": 1.5}))
         title += (f" · {plain_text(repr(hint))} items in buckets "
                   f"{min(groups[1]['buckets'])}..{n - 1} (hatched) · fullest {overall:.2f}× "
                   f"all bytes / {n}")

@@ -85,6 +85,18 @@ def test_bucket_totals_are_written_only_while_they_fit():
     few = bucket_figure(assign_buckets(items[:4], 4))
     totals = next(t for t in few.data if t.name == "bucket total")
     assert totals.mode == "text" and list(totals.text) == ["5.0 GiB"] * 4
+    # never on the dashed ideal line: above a bar that reaches it, inside one below it
+    uneven = bucket_figure(assign_buckets([SizedItem("a", 9 << 30), SizedItem("b", 1 << 30)],
+                                          2))
+    totals = next(t for t in uneven.data if t.name == "bucket total")
+    ideal = next(s for s in uneven.layout.shapes if s.name == "ideal 0").y0
+    assert [p for p in totals.textposition] == [
+        "bottom center" if y < ideal else "top center" for y in totals.y]
+    assert set(totals.textposition) == {"bottom center", "top center"}
+    # the ideal's words are a legend entry, not text on the plot
+    assert not uneven.layout.annotations
+    assert [t.name for t in uneven.data if t.name and t.name.startswith("ideal")] == [
+        "ideal 5.0 GiB"]
     many = bucket_figure(assign_buckets(items, MAX_BUCKET_LABELS + 8))
     totals = next(t for t in many.data if t.name == "bucket total")
     # "5.0 GiB5.0 GiB5.0 GiB": 20 labels run together, so the totals are in the hover only
