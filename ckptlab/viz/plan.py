@@ -226,8 +226,11 @@ def _chunk_traces(size: Sequence[int], chunks: Sequence[Chunk], ranks: Sequence[
     text = np.array([*labels, "no chunk"], dtype=object)[owner]
     scale, zmin, zmax = _colorscale(n_colors)
     colorbar: dict[str, Any] = {"title": {"text": "rank"}, "thickness": 12}
-    if n_colors <= 16:
-        colorbar.update(tickvals=list(range(n_colors)), ticktext=[str(r) for r in range(n_colors)])
+    # rank ticks on the bar: each rank up to 16, then every 2nd, 4th, 8th..., so a stepped
+    # bar of many ranks still reads as ranks, not as a continuous scale
+    every = 1 << max(0, math.ceil(math.log2(n_colors / 16))) if n_colors > 16 else 1
+    ticks = list(range(0, n_colors, every))
+    colorbar.update(tickvals=ticks, ticktext=[str(r) for r in ticks])
     heat = go.Heatmap(
         z=np.where(np.isnan(z), None, z), x=xs, y=ys, zmin=zmin, zmax=zmax, colorscale=scale,
         showscale=showscale, colorbar=colorbar, text=text, hoverongaps=False,

@@ -13,6 +13,7 @@ from ckptlab.viz._style import PALETTE, plain_text, style_figure
 __all__ = ["storage_figure", "tensor_span"]
 
 _STORAGE_COLORS = PALETTE
+SINGLE_VIEW = "#8c8c8c"  # a storage that one tensor views
 
 
 def tensor_span(tensor: TensorInfo) -> tuple[int, int]:
@@ -69,7 +70,13 @@ def storage_figure(layout: ArchiveLayout, *, max_rows: int = 60,
     rows = rows[:max_rows]
     labels = [plain_text(f"{'.'.join(map(str, t.path))} [storage {k}]") for t, k in rows]
     spans = [tensor_span(t) for t, _ in rows]
-    color_of = {k: _STORAGE_COLORS[i % len(_STORAGE_COLORS)] for i, k in enumerate(order)}
+    # colour says "these views share a storage": each shared storage its own palette colour
+    # (in order), every storage viewed by one tensor the same plain one, so two unrelated
+    # storages never look shared by a colour the palette happened to repeat
+    shared_order = [k for k in order if len(by_storage[k]) > 1]
+    color_of = {k: SINGLE_VIEW for k in order}
+    color_of.update({k: _STORAGE_COLORS[i % len(_STORAGE_COLORS)]
+                     for i, k in enumerate(shared_order)})
     fig = go.Figure()
     fig.add_trace(go.Bar(
         y=labels, x=[storages[k].nbytes for _, k in rows], base=[0] * len(rows),

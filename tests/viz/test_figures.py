@@ -38,6 +38,7 @@ from ckptlab.viz import (
 from ckptlab.viz._style import plain_text, tint
 from ckptlab.viz.hexview import MAX_HEX_NBYTES
 from ckptlab.viz.report import MAX_TENSOR_ROWS
+from ckptlab.viz.tensors import SINGLE_VIEW
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:ComplexHalf support is experimental:UserWarning")
@@ -161,9 +162,11 @@ def test_storage_figure_data(small_file):
     assert (view.base[i], view.x[i]) == (96, 64)
     unshared = [n for k, n in dict(sizes).items() if k != wte_key]
     assert unshared == sorted(unshared, reverse=True)
-    # same colour for tensors over one storage
+    # same colour for tensors over one storage; every storage one tensor views a plain grey,
+    # so no palette colour repeats on unrelated storages
     colors = list(view.marker.color)
-    assert colors[0] == colors[1] == colors[2]
+    assert colors[0] == colors[1] == colors[2] != SINGLE_VIEW
+    assert set(colors[3:]) == {SINGLE_VIEW}
     # fewer rows
     fig = storage_figure(layout, max_rows=2)
     assert len(fig.layout.meta["rows"]) == 2

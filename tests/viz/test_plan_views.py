@@ -120,6 +120,9 @@ def test_shard_map_on_a_2d_mesh_is_a_grid_of_rank_boxes(tiny64_tp) -> None:
     # more ranks than the palette: a sampled scale, still one colour per rank
     assert len(set(rank_colors(64))) == 64
     assert fig.data[0].zmin == -0.5 and fig.data[0].zmax == 63.5
+    # the stepped bar is labelled in ranks (every 4th of 64), not left as a bare gradient
+    bar = fig.data[0].colorbar
+    assert list(bar.tickvals) == list(range(0, 64, 4)) and bar.ticktext[1] == "4"
 
 
 def test_shard_map_of_a_vector_is_a_strip(tiny8) -> None:
