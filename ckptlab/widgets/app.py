@@ -983,6 +983,8 @@ class CheckpointApp:
         if self.layout_app is not None:
             app = self.layout_app
             if app.current is app.original:
+                # the records list follows the tensor: the record holding its first bytes
+                app.select(app.bytemap.item_at(offset))
                 fig = app.map_pane.object
                 fig.layout.shapes = _marks(_part_ranges(index, row, file),
                                            fig.layout.meta["x_range"])

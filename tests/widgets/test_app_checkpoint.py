@@ -99,6 +99,12 @@ def test_torch_zip_app(sample_file):
     name = names[0]
     app.tensors.table.selection = [app.index.row_of(name)]  # what a click on the row sets
     _check_selected(app, name)
+    # the records list follows to the record that holds the tensor's bytes (not data.pkl)
+    offset = ck.tensors[name].parts[0].offset
+    item = app.layout_app.items.value
+    assert item == app.layout_app.bytemap.item_at(offset) and item != 0
+    lo, hi = app.layout_app.bytemap.item_span(item)
+    assert lo <= offset < hi
     # the outline follows a what-if alignment out and comes back with the file's own map
     app.layout_app.alignment.value = 4096
     app.layout_app.alignment.value = 64
