@@ -197,6 +197,16 @@ class TensorTable:
         self.on_select = None
 
 
+def _tied_words(index: CheckpointIndex) -> str:
+    """" · N tied tensors (another's bytes) counted once" when some are, else ""."""
+    tied = index.tied_rows()
+    if not tied:
+        return ""
+    first = min(tied)
+    return (f" · {len(tied):,} tied tensor{'s' * (len(tied) != 1)} (another's bytes, e.g. "
+            f"{html.escape(index.names[first])}) counted once")
+
+
 def index_summary_html(index: CheckpointIndex) -> str:
     """The header: name, format, files, tensors, parameters and bytes, then totals by dtype."""
     name = html.escape(index.path.rstrip("/").rsplit("/", 1)[-1] or index.path)
@@ -205,7 +215,7 @@ def index_summary_html(index: CheckpointIndex) -> str:
             f"{nfiles:,} file{'s' * (nfiles != 1)} · {len(index):,} tensors · "
             f"{index.total_parameters:,} parameters · {human_nbytes(index.file_nbytes)} "
             f"({index.file_nbytes:,} B) on disk, {human_nbytes(index.tensor_nbytes)} of "
-            f"tensor bytes</div>")
+            f"tensor bytes{_tied_words(index)}</div>")
     rows = [[dtype, n, params, human_nbytes(nb)]
             for dtype, (n, params, nb) in index.totals_by_dtype().items()]
     table = html_table(["dtype", "tensors", "parameters", "bytes"], rows,

@@ -424,6 +424,15 @@ def test_tied_weights_are_counted_once(tmp_path) -> None:
     (total,) = dtype_totals(ck)
     assert (total.tensors, total.parameters) == (4, 63)
     assert main(["inspect", str(path)]) == 0
+    # the served workbench's index (also read back from its disk cache) says the same
+    from ckptlab.checkpoint._cache import CheckpointIndex
+    from ckptlab.widgets._tensor_table import index_summary_html
+
+    index = CheckpointIndex.from_checkpoint(ck)
+    assert (index.total_parameters, index.tensor_nbytes) == (ck.parameters, ck.tensor_nbytes)
+    assert index.totals_by_dtype() == {"float32": (4, 63, 4 * 63)}
+    assert "1 tied tensor (another's bytes, e.g. lm_head.weight) counted once" in \
+        index_summary_html(index)
 
 
 def test_tied_line_in_the_cli(tmp_path, capsys) -> None:
