@@ -137,7 +137,7 @@ def deepspeed_checkpoint(ck: Checkpoint) -> Checkpoint:
     for path, t in tensors.items():
         if path in used:
             continue
-        universal = _universal_name(path, t)
+        universal = _universal_name(path)
         if universal is not None:  # zero/<param>/<state>.pt: {"param": tensor} or the tensor
             out.append(dataclasses.replace(t, name=tensor_name(universal), path=universal))
             continue
@@ -158,7 +158,7 @@ def deepspeed_checkpoint(ck: Checkpoint) -> Checkpoint:
                       values, ck._reader, tuple(notes))
 
 
-def _universal_name(path: tuple[Any, ...], t: TensorEntry) -> tuple[str, str] | None:
+def _universal_name(path: tuple[Any, ...]) -> tuple[str, str] | None:
     """``(state, param)`` of a universal checkpoint's tensor, else None."""
     parts = str(path[0]).split("/")
     if len(parts) != 3 or parts[0] != UNIVERSAL or not parts[2].endswith(".pt") or \
