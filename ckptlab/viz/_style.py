@@ -179,7 +179,10 @@ def html_table(header: Sequence[str], rows: Sequence[Sequence[Any]], *,
 TABLE_CSS = ("<style>.ckptlab-table th,.ckptlab-table td,.ckptlab-tensors th,"
              ".ckptlab-tensors td{padding:2px 10px;border-bottom:1px solid "
              "var(--jp-border-color2,#e6e6e6);white-space:nowrap}"
-             ".ckptlab-table th,.ckptlab-tensors th{text-align:left}</style>")
+             ".ckptlab-table th,.ckptlab-tensors th{text-align:left}"
+             # a value (a config's JSON) wraps inside the page instead of widening it
+             ".ckptlab-values td:last-child{white-space:normal;overflow-wrap:anywhere;"
+             "word-break:break-word;min-width:20em}</style>")
 
 
 # -- theme ----------------------------------------------------------------------------------------

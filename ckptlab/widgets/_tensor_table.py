@@ -237,7 +237,8 @@ def objects_html(objects: dict[str, Any]) -> str:
         if len(text) > MAX_VALUE_TEXT:
             text = text[:MAX_VALUE_TEXT] + "…"
         rows.append([name, text])
-    return html_table(["value", "as stored"], rows, css_class="ckptlab-table ckptlab-values")
+    return html_table(["name", "value (inert JSON)"], rows,
+                      css_class="ckptlab-table ckptlab-values")
 
 
 def tensor_details_html(index: CheckpointIndex, row: int) -> str:

@@ -72,6 +72,10 @@ def _write_hf(root: Path) -> tuple[Path, str]:
         weight_map.update(dict.fromkeys(tensors, name))
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": 0}, "weight_map": weight_map}))
+    # a config whose values are long one-line JSON (a value besides the tensors)
+    (out / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "suppress_tokens": list(range(400)),
+         "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position": 8192}}))
     return out, "model.layers.22.mlp.weight"
 
 
@@ -221,4 +225,20 @@ def test_the_verdict_of_scan_is_shown_up_front(page, page_log, served, screensho
     table.wait_for()
     assert badge.bounding_box()["y"] < table.bounding_box()["y"]
     screenshot("verdict")
+    page_log.assert_no_errors()
+
+
+def test_the_page_is_no_wider_than_the_window(page, page_log, served) -> None:
+    """A long value besides the tensors (a config's JSON) wraps in its cell: the page never
+    scrolls sideways (a Hugging Face page was 2,638 px wide in a 1,440 px window)."""
+    proc, _, _ = served
+    page.goto(proc.url + "/")
+    page.locator(ROW).first.wait_for()
+    page.locator(".ckptlab-values").first.wait_for()
+    page.wait_for_timeout(500)
+    wide, window = page.evaluate(
+        "[document.documentElement.scrollWidth, window.innerWidth]")
+    assert wide <= window, f"the page is {wide} px wide in a {window} px window"
+    headers = page.locator(".ckptlab-values th").all_text_contents()
+    assert headers in ([], ["name", "value (inert JSON)"])
     page_log.assert_no_errors()
