@@ -218,17 +218,11 @@ class _Flat:
             if lo < hi:
                 yield _piece(t, lo - self.starts[rank], hi - lo, at + lo - start)
 
-    def rank_pieces(self, rank: int, start: int, count: int, at: int) -> Iterator[Part]:
-        t = self.per_rank[rank]
-        if count > 0:
-            yield _piece(t, start, count, at)
-
 
 def _piece(t: TensorEntry, first: int, count: int, at: int) -> Part:
-    p = t.parts[0]
-    size = t.itemsize
-    return Part("piece", p.file, p.offset + first * size, count * size, p.dtype, (count,), (1,),
-                p.storage_offset + first, p.storage_key, (at,))
+    """Elements ``[first, first + count)`` of flat tensor ``t``, placed at flat position
+    ``at`` of the tensor they make."""
+    return dataclasses.replace(t.parts[0].run(first, count), role="piece", chunk_offsets=(at,))
 
 
 def _entry(prefix: str, name: str, shape: tuple[int, ...], dtype: str, parts: list[Part]
@@ -389,7 +383,7 @@ def _across(flats: list[_Flat | None], bounds: list[int], rank: int, start: int,
             continue
         if flat is None:
             raise _Unassembled(f"{prefix} of {name}: group {g} has no such state")
-        parts += flat.rank_pieces(rank, lo - bounds[g], hi - lo, at + lo - start)
+        parts.append(_piece(flat.per_rank[rank], lo - bounds[g], hi - lo, at + lo - start))
     if sum(p.numel for p in parts) != count:
         raise _Unassembled(f"{name} runs past the partitions")
     return parts

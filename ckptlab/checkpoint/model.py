@@ -8,6 +8,7 @@ own segments (they tile the file).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -60,6 +61,15 @@ class Part:
     @property
     def contiguous(self) -> bool:
         return self.stride == contiguous_strides(self.shape) or self.numel <= 1
+
+    def run(self, first: int, count: int) -> Part:
+        """Elements ``[first, first + count)`` of this contiguous part, as a flat part of
+        the same file (a piece :meth:`Checkpoint.read_pieces` reads; a run of a DeepSpeed
+        partition)."""
+        size = DTYPE_ITEMSIZE[self.dtype]
+        return dataclasses.replace(self, offset=self.offset + first * size, nbytes=count * size,
+                                   shape=(count,), stride=(1,),
+                                   storage_offset=self.storage_offset + first)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"role": self.role, "file": self.file, "offset": self.offset,
@@ -441,8 +451,6 @@ class Checkpoint:
         (sparse, quantized, a DCP tensor of several chunks, a view) comes whole, as
         :meth:`read` gives it. With ``scratch`` each piece is read into its memory and is
         valid until the next read with it."""
-        import dataclasses
-
         entry = self.tensors[name]
         part = entry.parts[0] if len(entry.parts) == 1 else None
         size = DTYPE_ITEMSIZE.get(entry.dtype, 0)
@@ -454,12 +462,9 @@ class Checkpoint:
             return
         for start in range(0, part.numel, most):
             n = min(most, part.numel - start)
-            piece = dataclasses.replace(part, offset=part.offset + start * size,
-                                        nbytes=n * size, shape=(n,), stride=(1,),
-                                        storage_offset=part.storage_offset + start)
             yield self._read_entry(TensorEntry(f"{name}[{start}:{start + n}]", entry.path,
-                                               entry.dtype, (n,), (1,), "dense", (piece,)),
-                                   scratch)
+                                               entry.dtype, (n,), (1,), "dense",
+                                               (part.run(start, n),)), scratch)
 
     def read_part(self, name: str, role: str) -> Any:
         """One part of tensor ``name`` (``"indices"``, ``"scales"``, an inner tensor of a
