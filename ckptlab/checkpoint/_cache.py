@@ -236,19 +236,17 @@ class CheckpointIndex:
 
     def tied_rows(self) -> frozenset[int]:
         """Rows whose parts are exactly an earlier row's (tied weights: one tensor's bytes
-        under two names; :meth:`ckptlab.checkpoint.Checkpoint.tied`)."""
-        first: dict[tuple[Any, ...], int] = {}
-        tied = set()
-        starts = self.part_start
-        for row in range(len(self.names)):
-            lo, hi = starts[row], starts[row + 1]
-            if lo == hi:
-                continue
-            key = (self.part_role[lo:hi], self.part_file[lo:hi], self.part_offset[lo:hi],
-                   self.part_nbytes[lo:hi])
-            if first.setdefault(key, row) != row:
-                tied.add(row)
-        return frozenset(tied)
+        under two names), by :func:`ckptlab.checkpoint.model.tied_rows`; worked out once."""
+        found = self.__dict__.get("_tied_rows")
+        if found is None:
+            from ckptlab.checkpoint.model import tied_rows
+
+            starts = self.part_start
+            found = frozenset(tied_rows([tuple(zip(
+                self.part_role[lo:hi], self.part_file[lo:hi], self.part_offset[lo:hi],
+                self.part_nbytes[lo:hi])) for lo, hi in itertools.pairwise(starts)]))
+            object.__setattr__(self, "_tied_rows", found)  # a memo of frozen data
+        return found
 
     @property
     def total_parameters(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,6 +180,18 @@ class FileEntry:
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "format": self.format, "nbytes": self.nbytes}
+
+
+def tied_rows(byte_ranges: Sequence[Sequence[Any]]) -> dict[int, int]:
+    """{row: the first row with the same byte ranges} for rows whose (non-empty) ranges
+    repeat an earlier row's: the one rule for tied tensors (:meth:`Checkpoint.tied`, and the
+    served index's totals)."""
+    first: dict[Any, int] = {}
+    out = {}
+    for row, key in enumerate(byte_ranges):
+        if len(key) and first.setdefault(key, row) != row:
+            out[row] = first[key]
+    return out
 
 
 def tensor_name(path: tuple[Any, ...]) -> str:
@@ -394,15 +406,10 @@ class Checkpoint:
         ``transformer.wte.weight``'s storage; a DeepSpeed parameter's shared names)."""
         found = self.__dict__.get("_tied")
         if found is None:
-            first: dict[tuple[Any, ...], str] = {}
-            found = {}
-            for t in self.tensors.values():
-                if not t.parts:
-                    continue
-                key = tuple((p.file, p.offset, p.nbytes, p.role) for p in t.parts)
-                owner = first.setdefault(key, t.name)
-                if owner != t.name:
-                    found[t.name] = owner
+            ts = list(self.tensors.values())
+            found = {ts[i].name: ts[j].name for i, j in tied_rows(
+                [tuple((p.role, p.file, p.offset, p.nbytes) for p in t.parts) for t in ts])
+                .items()}
             self.__dict__["_tied"] = found
         return found
 
