@@ -102,38 +102,46 @@ def _from_layout(layout: ArchiveLayout, rel: str, format: str) -> FileModel:
     return FileModel(entry, tensors, layout.objects, format)  # type: ignore[arg-type]
 
 
-def _safetensors(src: ByteSource, rel: str) -> FileModel:
-    from ckptlab.format.safetensors import scan_safetensors
-
-    layout = scan_safetensors(src)
+def _whole_tensors(layout: ArchiveLayout, rel: str,
+                   more: Callable[[str], dict[str, Any]] = lambda key: {}
+                   ) -> list[TensorEntry]:
+    """The tensors of a format that stores each tensor whole in its own byte range
+    (safetensors, tensorizer): one dense entry with one ``data`` part each, named by its
+    key (none for a non-empty tensor stored without bytes: tensorizer's meta tensors);
+    ``more(key)``: the entry's other fields."""
     by_key = {s.key: s for s in layout.storages}
     tensors = []
     for t in layout.tensors:
         s = by_key[t.storage_key]
-        part = Part("data", rel, s.data_offset, s.nbytes, t.dtype, t.shape, t.stride, 0, s.key)
-        tensors.append(TensorEntry(t.storage_key, (t.storage_key,), t.dtype, t.shape, t.stride,
-                                   "dense", (part,)))
+        parts = (Part("data", rel, s.data_offset, s.nbytes, t.dtype, t.shape, t.stride, 0,
+                      s.key),) if s.nbytes or not t.numel else ()
+        tensors.append(TensorEntry(t.storage_key, t.path, t.dtype, t.shape, t.stride, "dense",
+                                   parts, **more(t.storage_key)))
+    return tensors
+
+
+def _safetensors(src: ByteSource, rel: str) -> FileModel:
+    from ckptlab.format.safetensors import scan_safetensors
+
+    layout = scan_safetensors(src)
     objects = [(("__metadata__",), dict(layout.metadata))] if layout.metadata else []
     entry = FileEntry(rel, "safetensors", layout.file_nbytes, layout.segments, layout)
-    return FileModel(entry, tensors, objects, "safetensors")
+    return FileModel(entry, _whole_tensors(layout, rel), objects, "safetensors")
 
 
 def _tensorizer(src: ByteSource, rel: str) -> FileModel:
     from ckptlab.format.tensorizer import scan_tensorizer_entries
 
     layout, extras = scan_tensorizer_entries(src)
-    by_key = {s.key: s for s in layout.storages}
-    tensors = []
-    for t in layout.tensors:
-        s, info = by_key[t.storage_key], extras[t.storage_key]
-        parts = () if info.get("zeros") else (
-            Part("data", rel, s.data_offset, s.nbytes, t.dtype, t.shape, t.stride, 0, s.key),)
-        extra = tuple((k, info[k]) for k in ("type", "hashes", "header", "zeros") if k in info)
-        tensors.append(TensorEntry(t.storage_key, t.path, t.dtype, t.shape, t.stride, "dense",
-                                   parts, is_parameter=info["type"] == "parameter",
-                                   extra=extra))
+
+    def more(key: str) -> dict[str, Any]:
+        info = extras[key]
+        return {"is_parameter": info["type"] == "parameter",
+                "extra": tuple((k, info[k]) for k in ("type", "hashes", "header", "zeros")
+                               if k in info)}
+
     entry = FileEntry(rel, "tensorizer", layout.file_nbytes, layout.segments, layout)
-    return FileModel(entry, tensors, [], "tensorizer")
+    return FileModel(entry, _whole_tensors(layout, rel, more), [], "tensorizer")
 
 
 # detect_format kind -> adapter(source, relative name) -> FileModel
