@@ -209,7 +209,7 @@ def _reader(tree: Tree | None) -> Reader:
                                             record=entry.name, offset=p.offset,
                                             expected=f"{p.nbytes} bytes",
                                             actual=f"{len(data)} bytes")
-            extra = dict(entry.extra)
+            extra = dict(entry.extra) if entry.extra else {}  # (most tensors have none)
             if "hashes" in extra:  # a tensorizer tensor: its header and data as it hashed them
                 from ckptlab.format.tensorizer import check_hashes
 

@@ -227,8 +227,8 @@ def scan_tensorizer_entries(src: ByteSource) -> tuple[ArchiveLayout, dict[str, d
                                       expected=f">= {cursor}", actual=header_at)
         if header_at > cursor:
             segments.append(Segment(SegmentKind.UNKNOWN, cursor, header_at - cursor))
-        hashes, block_at = _tensor_header(src, header_at, data_at, key, kind, raw_dtype, shape,
-                                data_nbytes, long, record)
+        hashes, block_at = _tensor_header(src, header_at, data_at, key, kind, raw_dtype,
+                                          shape, data_nbytes, long, record)
         if data_at + data_nbytes > src.nbytes:
             raise TruncatedArchiveError("tensor data runs past the end of the file", path=path,
                                         record=record, offset=data_at,
