@@ -309,7 +309,6 @@ def bucket_figure(assignment: BucketAssignment) -> go.Figure:
         hovertemplate="%{hovertext}<extra></extra>", showlegend=False))
 
     shapes: list[dict[str, Any]] = []
-    annotations: list[dict[str, Any]] = []
     for g in groups:
         lo, hi = min(g["buckets"]) - 0.45, max(g["buckets"]) + 0.45
         shapes.append({"type": "line", "name": f"ideal {g['group']}", "xref": "x", "yref": "y",
@@ -349,7 +348,7 @@ def bucket_figure(assignment: BucketAssignment) -> go.Figure:
                "ticktext": ticktext, "range": [-0.6, max(n, 1) - 0.4]},
         yaxis={"title": "bytes", "rangemode": "tozero", "gridcolor": "#eeeeee",
                "exponentformat": "SI"},  # k, M, G (plotly's default "B" reads as bytes)
-        shapes=shapes, annotations=annotations, height=380,
+        shapes=shapes, height=380,
         legend={"orientation": "h", "y": -0.25}, margin={"l": 70, "r": 20, "t": 80, "b": 80},
         meta={"kind": "buckets", "n_buckets": n, "separation_hint": hint,
               "bucket_nbytes": list(assignment.bucket_nbytes),
