@@ -107,12 +107,12 @@ USES: dict[str, PrivateUse] = dict([
          "the workbench's requests fail, or a second port stays open on 127.0.0.1"),
     _use("panel.models.plotly.PlotlyPlot.__javascript__", "panel",
          "the plotly.js panel serves (its first entry, a URL relative to the page, "
-         "static/extensions/panel/bundled/plotlyplot/plotly-<v>.min.js): widgets/app.py's "
-         "PlotlyLoader adds it to a page sent without it",
+         "static/extensions/panel/bundled/plotlyplot/plotly-<v>.min.js): the PlotlyLoader "
+         "of widgets/_plotly_page.py adds it to a page sent without it",
          "byte maps of a served page stay empty (the loader says plotly.js failed)"),
     _use("panel.io.state.state._extensions_", "panel",
          "panel's per-document list of extensions whose JavaScript a page carries (a "
-         "WeakKeyDictionary, document -> names): widgets/app.py sends a page without "
+         "WeakKeyDictionary, document -> names): widgets/_plotly_page.py sends a page without "
          "plotly.js and records when it has loaded it",
          "nothing breaks: every page carries plotly.js again (4.8 MB more before first paint)"),
     _use("panel.widgets.Tabulator._update_index_mapping", "panel",

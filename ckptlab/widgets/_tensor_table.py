@@ -9,7 +9,8 @@ finds what the CLI, the quick page and the report find.
 
 At 1280 px every header shows whole (:data:`COLUMN_WIDTHS`; ``name`` takes what is left, the
 ``file`` column is sized to its longest name); a value wider than its column ends in an
-ellipsis and shows whole in its tooltip. Panel's remote pagination maps rows lazily
+ellipsis and shows whole in its tooltip. In a narrower window the name keeps
+:data:`NAME_MIN_WIDTH` and the least needed columns are hidden (:func:`responsive_columns`). Panel's remote pagination maps rows lazily
 (:class:`LazyRowsTabulator`): a session's table costs no pass over the 100,000 rows.
 """
 
@@ -32,8 +33,8 @@ from ckptlab.widgets._compat import TabulatorHooks
 from ckptlab.widgets._table_rows import COLUMNS, SORT_KEY_OF_COLUMN, tensor_frame
 
 __all__ = ["COLUMNS", "COLUMN_WIDTHS", "TABLE_CSS", "TensorTable", "column_widths",
-           "frame_catalog", "index_summary_html", "objects_html", "tensor_details_html",
-           "tensor_frame"]
+           "frame_catalog", "index_summary_html", "objects_html", "responsive_columns",
+           "tensor_details_html", "tensor_frame"]
 
 PAGE_SIZE = 20
 # the HTML panes draw in their own shadow roots: tables get their spacing from this sheet
@@ -53,6 +54,12 @@ COLUMN_WIDTHS = {"dtype": 110, "shape": 110, "kind": 90, "bytes": 100, "paramete
 TENSOR_TABLE_CSS = (".tabulator-cell > div, .tabulator-col-title{overflow:hidden;"
                     "text-overflow:ellipsis;white-space:nowrap}")
 FILE_WIDTH = (70, 260)
+# the name column never gets narrower than this (about 36 characters: ``...h.0.attn.c_attn.weight``
+# and ``...c_proj.weight`` stay apart at 1024 px); where the window is too narrow for it and
+# every other column, Tabulator hides whole columns in this order (``responsive``: the higher,
+# the sooner), and the selected tensor's details still show every field
+NAME_MIN_WIDTH = 300
+HIDE_FIRST = ("offset", "parameters", "kind", "file", "bytes")
 CHAR_PX = 8  # about one character of the table's font (14 px sans), to size the file column
 
 
@@ -64,6 +71,15 @@ def column_widths(frame: pd.DataFrame) -> dict[str, int]:
     longest = max((len(str(n)) for n in names), default=0)
     lo, hi = FILE_WIDTH
     return {**COLUMN_WIDTHS, "file": min(max(CHAR_PX * longest + 24, lo), hi)}
+
+
+def responsive_columns() -> list[dict[str, Any]]:
+    """Tabulator's per-column settings for a narrow window: ``name`` keeps
+    :data:`NAME_MIN_WIDTH` and is never hidden, nor are ``dtype`` and ``shape``; the columns
+    of :data:`HIDE_FIRST` go first to last."""
+    ranks = {field: len(HIDE_FIRST) - i for i, field in enumerate(HIDE_FIRST)}
+    return [{"field": "name", "minWidth": NAME_MIN_WIDTH, "responsive": 0}] + [
+        {"field": field, "responsive": ranks.get(field, 0)} for field in COLUMNS[1:]]
 
 
 class _RowLabels(Mapping):
@@ -151,7 +167,8 @@ class TensorTable:
             widths=column_widths(frame), layout="fit_columns", stylesheets=[TENSOR_TABLE_CSS],
             sortable={c: c in SORT_KEY_OF_COLUMN for c in frame.columns},
             # a value cut to its column's width (an ellipsis) shows whole on hover
-            configuration={"columnDefaults": {"tooltip": True}})
+            configuration={"columnDefaults": {"tooltip": True}, "responsiveLayout": "hide",
+                           "columns": responsive_columns()})
         self.table.catalog = self.catalog
         self.count = pn.pane.HTML(self._count_text(len(frame)), css_classes=["ckptlab-count"],
                                   sizing_mode="stretch_width")

@@ -242,3 +242,62 @@ def test_the_page_is_no_wider_than_the_window(page, page_log, served) -> None:
     headers = page.locator(".ckptlab-values th").all_text_contents()
     assert headers in ([], ["name", "value (inert JSON)"])
     page_log.assert_no_errors()
+
+
+@pytest.mark.parametrize("width", [1024, 1440, 1920])
+def test_the_name_column_keeps_its_width(page, page_log, served, screenshot, width) -> None:
+    """Measured at three window widths: the page never scrolls sideways, the tensor name
+    column is never narrower than NAME_MIN_WIDTH (at 1024 px it was a 60 px stub), and the
+    columns a narrow window hides are the least needed ones, in HIDE_FIRST's order."""
+    from ckptlab.widgets._tensor_table import COLUMNS, HIDE_FIRST, NAME_MIN_WIDTH
+
+    proc, _, _ = served
+    page.set_viewport_size({"width": width, "height": 900})
+    page.goto(proc.url + "/")
+    page.locator(ROW).first.wait_for()
+    page.wait_for_timeout(300)  # Tabulator hides columns once it has measured the table
+    shown = dict(page.locator(".ckptlab-tensors .tabulator-col[tabulator-field]").evaluate_all(
+        "els => els.filter(e => getComputedStyle(e).display !== 'none')"
+        "          .map(e => [e.getAttribute('tabulator-field'), e.getBoundingClientRect().width])"))
+    assert shown["name"] >= NAME_MIN_WIDTH - 1, shown
+    hidden = [c for c in COLUMNS if c not in shown]
+    assert set(hidden) == set(HIDE_FIRST[:len(hidden)]), hidden
+    if width >= 1440:
+        assert not hidden
+    wide, window = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
+    assert wide <= window, f"the page is {wide} px wide in a {window} px window"
+    screenshot(f"app-{width}", full_page=False)
+    page_log.assert_no_errors()
+
+
+def test_a_picked_row_brings_its_parts_into_view(page, page_log, served, screenshot) -> None:
+    """Click a row low on the table's first page (1280x900): its outline on the byte map
+    and its first bytes in hex are then in the window (the map sat ~1,900 px below)."""
+    proc, path, _ = served
+    ck = cl.open(path)
+    page.goto(proc.url + "/")
+    page.locator(ROW).first.wait_for()
+    page.locator(MAP).first.wait_for()  # the map arrives once the server opened the file
+    rows = page.locator(ROW)
+    row = rows.nth(min(rows.count(), 20) - 1)
+    name = row.locator('.tabulator-cell[tabulator-field="name"]').text_content()
+    part = next(p for p in ck.tensors[name].parts if p.file)
+    row.click()
+    page.locator(".ckptlab-tensor-title", has_text=name).first.wait_for()
+    plot = page.locator(MAP).first
+    page.wait_for_function(
+        "([gd, x0]) => (gd.layout.shapes || []).some(s => s.type === 'rect' && s.x0 === x0)",
+        arg=[plot.element_handle(), part.offset])
+    page.wait_for_timeout(500)
+    height = page.evaluate("window.innerHeight")
+    outline = plot.locator(".shapelayer path").first.bounding_box()
+    hexview = page.locator(".ckptlab-tensor-hex pre.ckptlab-hex").first.bounding_box()
+    assert 0 <= outline["y"] and outline["y"] + outline["height"] <= height, outline
+    assert 0 <= hexview["y"] < height, hexview  # its first lines at least
+    # the map shows the tensor among its neighbours, not a sliver of the whole file
+    x0, x1 = plot.evaluate("gd => gd.layout.xaxis.range")
+    assert x0 <= part.offset and part.offset + part.nbytes <= x1 + 1
+    assert (x1 - x0) <= max(20 * part.nbytes, 4096) + 1 or (x1 - x0) >= ck.file(
+        part.file).nbytes * 0.75 - 1
+    screenshot(f"app-picked-{ck.format}", full_page=False)
+    page_log.assert_no_errors()

@@ -18,8 +18,10 @@ from ckptlab.format.predict import DEFAULT_ALIGNMENTS
 from ckptlab.testing.hexview import hex_bytes
 from ckptlab.viz import bytemap_figure, bytemap_trace, hex_html
 from ckptlab.viz._style import human_nbytes
+from ckptlab.widgets import _plotly_page
 from ckptlab.widgets import app as app_module
-from ckptlab.widgets.app import HEX_NBYTES, LayoutApp
+from ckptlab.widgets._common import HEX_NBYTES
+from ckptlab.widgets.app import LayoutApp
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -293,7 +295,7 @@ def test_a_served_page_comes_without_plotly_until_it_asks():
     from panel.io.state import set_curdoc
 
     doc = Document()
-    assert app_module._page_without_plotly(doc)
+    assert _plotly_page.page_without_plotly(doc)
     assert pn.state._extensions_[doc] == ["tabulator"]
     with set_curdoc(doc):
         page = Resources(mode="server").js_files
@@ -302,7 +304,7 @@ def test_a_served_page_comes_without_plotly_until_it_asks():
     other = Document()  # a document panel has no list for gets every imported model's JS
     with set_curdoc(other):
         assert any("plotly" in url for url in Resources(mode="server").js_files)
-    app_module._plotly_now_loaded(doc)
+    _plotly_page.plotly_now_loaded(doc)
     assert pn.state._extensions_[doc] == ["tabulator", "plotly"]
-    assert app_module._plotly_src().endswith(".js")
-    assert app_module._plotly_src() in panel.models.plotly.PlotlyPlot.__javascript__
+    assert _plotly_page.plotly_src().endswith(".js")
+    assert _plotly_page.plotly_src() in panel.models.plotly.PlotlyPlot.__javascript__

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import ckptlab as cl
+from ckptlab.checkpoint._cache import InspectionCache
 from ckptlab.errors import InvalidArgumentError
+from ckptlab.widgets import _layout_app, _served
 from ckptlab.widgets import app as app_module
 from ckptlab.widgets.app import LayoutApp, LayoutCache, LayoutView
 
@@ -29,13 +31,13 @@ def counted(monkeypatch) -> dict[str, int]:
     """Counts of the app's calls to realign and alignment_costs."""
     calls = {"realign": 0, "alignment_costs": 0}
     for name in calls:
-        real = getattr(app_module, name)
+        real = getattr(_layout_app, name)
 
         def wrapper(*args, _real=real, _name=name, **kwargs):
             calls[_name] += 1
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(app_module, name, wrapper)
+        monkeypatch.setattr(_layout_app, name, wrapper)
     return calls
 
 
@@ -142,7 +144,7 @@ def test_serve_shares_one_cache_and_ends_sessions(monkeypatch, sample_file, tmp_
     cache = LayoutCache()
     served = app_module.ServedCheckpoint(
         sample_file, layout_cache=cache,
-        inspection_cache=app_module.InspectionCache(tmp_path / "cache"))
+        inspection_cache=InspectionCache(tmp_path / "cache"))
     app_module.serve(served, port=5124)
     assert calls["warm"] is True  # panel builds one session before it serves
     assert calls["check_unused_sessions_milliseconds"] == app_module.SESSION_CHECK_MS
@@ -162,15 +164,16 @@ def test_a_large_checkpoint_paints_its_table_before_it_is_opened(monkeypatch, sa
     calls = {}
     monkeypatch.setattr(pn, "extension", lambda *args, **kwargs: None)
     monkeypatch.setattr(pn, "serve", lambda routes, **kwargs: calls.update(routes=routes))
-    monkeypatch.setattr(app_module, "EAGER_TENSORS", 10)
-    monkeypatch.setattr(app_module, "LOAD_FALLBACK_S", 0.2)
-    cache = app_module.InspectionCache(tmp_path / "cache")
+    monkeypatch.setattr(_served, "EAGER_TENSORS", 10)
+    monkeypatch.setattr(_served, "LOAD_FALLBACK_S", 0.2)
+    cache = InspectionCache(tmp_path / "cache")
     app_module.ServedCheckpoint(sample_file, inspection_cache=cache)  # stores the index
     served = app_module.ServedCheckpoint(sample_file, inspection_cache=cache)
     assert served.from_cache and served.checkpoint is None
     app_module.serve(served, port=5125)
     view = calls["routes"]["/"]()  # a session before the open: table and summary only
-    assert "Reading the byte layout" in view.objects[-1].objects[0].object
+    section = next(o for o in view.objects if "ckptlab-map-section" in o.css_classes)
+    assert "Reading the byte layout" in section.objects[0].object
     assert served.ready.wait(60) and served.error is None
     assert served.checkpoint is not None and len(served.layout_cache) == 1
 

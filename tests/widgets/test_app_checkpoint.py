@@ -18,6 +18,7 @@ import torch
 import ckptlab as cl
 from ckptlab.checkpoint._cache import CheckpointIndex, InspectionCache
 from ckptlab.testing.hexview import hex_bytes
+from ckptlab.widgets._checkpoint_app import TENSOR_HEX_NBYTES, neighbourhood
 from ckptlab.widgets._tensor_table import tensor_frame
 from ckptlab.widgets.app import CheckpointApp, LayoutApp, ServedCheckpoint
 
@@ -72,9 +73,13 @@ def _check_selected(app: CheckpointApp, name: str) -> None:
     assert app.selected == row
     assert f"<b>{html.escape(name)}</b>" in app.details.object
     raw = _file_bytes(app.served, part.file)
-    n = min(part.nbytes, 512)
+    n = min(part.nbytes, TENSOR_HEX_NBYTES)
     assert hex_bytes(app.hex.object) == raw[part.offset:part.offset + n]
     pane = app.layout_app.map_pane if app.layout_app is not None else app.map_pane
+    # the map shows the tensor among its neighbours, and is scrolled into view
+    assert tuple(pane.object.layout.meta["x_range"]) == neighbourhood(
+        part.offset, part.nbytes, len(raw))
+    assert app.follow.ticket > 0
     rects = [s for s in pane.object.layout.shapes if s.type == "rect"]
     assert [(r.x0, r.x1) for r in rects] == [
         (p.offset, p.offset + max(p.nbytes, 1)) for p in ck.tensors[name].parts
@@ -303,3 +308,14 @@ def test_statistics_of_the_selected_tensor_on_demand(safetensors_file):
     assert format(want.max, ".4g") in shown
     app.select(names[-1])
     assert app.statistics.object == ""
+
+
+def test_the_neighbourhood_of_a_selected_tensor():
+    """A small tensor is shown in a window 20x its size (4 KiB at least) centred on it and
+    inside the file; a large one, or a one-tensor shard, with the whole file."""
+    assert neighbourhood(50_000, 1_000, 1_000_000) == (40_500, 60_500)
+    assert neighbourhood(10, 64, 1_000_000) == (0, 4096)  # at the start: shifted, not cut
+    assert neighbourhood(999_900, 100, 1_000_000) == (1_000_000 - 4096, 1_000_000)
+    assert neighbourhood(100, 400_000, 1_000_000) == (0, 1_000_000)
+    assert neighbourhood(80, 65_000, 65_200) == (0, 65_200)
+    assert neighbourhood(0, 0, 10) == (0, 10)
