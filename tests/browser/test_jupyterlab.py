@@ -263,6 +263,18 @@ def test_start_here_shows_layout_explorer(lab: Lab, page, page_log, screenshot):
     page_log.assert_no_errors()
 
 
+def test_async_writing_notebook_runs_clean(lab: Lab, page, page_log, screenshot):
+    """notebooks/06_async_writing.ipynb runs in JupyterLab with no error output and no
+    JavaScript error (its page had one: issue 31), its figures drawn."""
+    name = "06_async_writing.ipynb"
+    _run_notebook(page, lab, name)
+    page.wait_for_selector(".js-plotly-plot", state="attached", timeout=RENDER_TIMEOUT_MS)
+    page.wait_for_timeout(1000)
+    screenshot(name.split("_", 1)[0], full_page=False)
+    _assert_no_error_outputs(page, name)
+    page_log.assert_offline()
+    page_log.assert_no_errors()
+
 
 def test_comparing_checkpoints_draws_its_explorers(lab: Lab, page, page_log, screenshot):
     """notebooks/07_comparing_checkpoints.ipynb runs clean in the browser: its DiffExplorer
