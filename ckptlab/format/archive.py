@@ -15,7 +15,16 @@ from ckptlab.format import _zip
 from ckptlab.format._bulk import LazyTuple, build, fields
 from ckptlab.format._bulk import columns as _columns
 from ckptlab.format._pickle import PickleScan, scan_pickle
-from ckptlab.format.layout import ArchiveLayout, Record, Segment, SegmentKind, StorageInfo
+from ckptlab.format.layout import (
+    SEGMENT_KINDS,
+    ArchiveLayout,
+    Record,
+    Segment,
+    SegmentColumns,
+    SegmentKind,
+    SegmentTuple,
+    StorageInfo,
+)
 from ckptlab.source._bytes import ByteSource
 
 __all__ = ["largest_alignment", "scan_torch_zip"]
@@ -318,6 +327,7 @@ def _tile(segs: list[Segment], file_nbytes: int, path: str) -> tuple[Segment, ..
 
 _RECORD_KINDS = (SegmentKind.LOCAL_HEADER, SegmentKind.NAME, SegmentKind.ZIP64_EXTRA,
                  SegmentKind.PADDING, SegmentKind.DATA, SegmentKind.DESCRIPTOR)
+_RECORD_KIND_CODES = tuple(SEGMENT_KINDS.index(k) for k in _RECORD_KINDS)
 
 
 def _fast_segments(records: Sequence[Record], cdir: _zip.CentralDirectory, cols: Any,
@@ -352,6 +362,12 @@ def _fast_segments(records: Sequence[Record], cdir: _zip.CentralDirectory, cols:
     owner = owner.ravel()[keep]
     names = cdir.names  # the records' names, in directory order
     count = len(offsets) + len(tail)
+    tail_kinds = [SEGMENT_KINDS.index(t[0]) for t in tail]
+    segment_columns = SegmentColumns(
+        np.append(np.asarray(_RECORD_KIND_CODES)[kinds], tail_kinds),
+        np.append(offsets, [t[1] for t in tail]).astype(np.int64),
+        np.append(sizes, [t[2] for t in tail]).astype(np.int64),
+        np.append(owner, np.full(len(tail), -1)).astype(np.int64), names)
 
     def make() -> list[Segment]:
         return build(Segment, count,
@@ -367,7 +383,7 @@ def _fast_segments(records: Sequence[Record], cdir: _zip.CentralDirectory, cols:
     tail_ok = all(t[1] == e for t, e in zip(tail, joined + ends[:-1]))
     if starts_ok and tail_ok and (ends[-1] if ends else joined[0]) == file_nbytes:
         # they tile the file (no gap, no overlap): the objects are made when first looked at
-        return LazyTuple(count, make)  # type: ignore[return-value]
+        return SegmentTuple(segment_columns, make)  # type: ignore[return-value]
     return _tile(make(), file_nbytes, path)
 
 

@@ -6,17 +6,21 @@ All offsets are absolute byte offsets in the file; all sizes are in bytes (``*_n
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ckptlab.format._bulk import LazyTuple
 from ckptlab.format._records import record_type
 
 __all__ = [
+    "SEGMENT_KINDS",
     "ArchiveLayout",
     "Record",
     "Segment",
+    "SegmentColumns",
     "SegmentKind",
+    "SegmentTuple",
     "StorageInfo",
     "TensorInfo",
     "contiguous_strides",
@@ -58,6 +62,33 @@ class Segment:
     @property
     def end_offset(self) -> int:
         return self.offset + self.nbytes
+
+
+SEGMENT_KINDS = tuple(SegmentKind)  # what a :class:`SegmentColumns` kind code indexes
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SegmentColumns:
+    """A file's segments as arrays, in file order: the fields :class:`Segment` objects are
+    made from, for readers of half a million segments that need numbers, not objects (the
+    byte map)."""
+
+    kinds: Any  # numpy int (S,): index into SEGMENT_KINDS
+    offsets: Any  # numpy int64 (S,)
+    nbytes: Any  # numpy int64 (S,)
+    records: Any  # numpy int64 (S,): index into ``names``; -1: the segment has no record
+    names: Sequence[str]
+
+
+class SegmentTuple(LazyTuple[Segment]):
+    """``ArchiveLayout.segments`` made from columns: the :class:`Segment` objects when first
+    used, and :attr:`columns` (a :class:`SegmentColumns`) before that."""
+
+    __slots__ = ("columns",)
+
+    def __init__(self, columns: SegmentColumns, make: Callable[[], Iterable[Segment]]) -> None:
+        super().__init__(len(columns.offsets), make)
+        self.columns = columns
 
 
 @dataclass(frozen=True, slots=True)

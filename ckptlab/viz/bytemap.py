@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ import plotly.graph_objects as go
 
 from ckptlab.errors import InvalidArgumentError
 from ckptlab.format.archive import largest_alignment
-from ckptlab.format.layout import ArchiveLayout, Segment, SegmentKind
+from ckptlab.format.layout import SEGMENT_KINDS, ArchiveLayout, Segment, SegmentKind
 from ckptlab.viz._style import (
     KIND_COLORS,
     KIND_ORDER,
@@ -58,6 +59,8 @@ EXACT_THRESHOLD = 1000  # at most this many visible segments are drawn one colum
 TINY_FRACTION = 0.1  # a lane covering less than this share of a bin also gets a tick
 _KIND_CODE = {k: i for i, k in enumerate(KIND_ORDER)}
 _LANE_CODE = {k: i for i, k in enumerate(LANE_ORDER)}
+# a SegmentColumns kind code (index into SEGMENT_KINDS) -> its index into KIND_ORDER
+_SEGMENT_KIND_CODE = np.array([_KIND_CODE[k] for k in SEGMENT_KINDS], dtype=np.int16)
 _DATA_LANE = _LANE_CODE[SegmentKind.DATA]
 _META_LANE = _LANE_CODE[METADATA_LANE]
 # segment kind code -> lane code (a JSON header is metadata; DATA is split per segment)
@@ -142,26 +145,40 @@ class ByteMap:
             raise InvalidArgumentError(
                 f"expected an ArchiveLayout (from ckptlab.inspect), got {type(layout).__name__}")
         def owners(names: tuple[str, ...], items: np.ndarray) -> _Owners:
-            def index() -> dict[int, list[Any]]:  # item -> tensors, one pass, no formatting
-                by_key = {s.key: s.record for s in layout.storages}
-                item_of = {n: i for i, n in enumerate(names)}
-                out: dict[int, list[Any]] = {}
-                for t in layout.tensors:
-                    i = item_of.get(by_key.get(t.storage_key))  # type: ignore[arg-type]
-                    if i is not None:
-                        out.setdefault(i, []).append(t)
-                return out
+            tensors = layout.tensors
+            # a scan of dense tensors keeps their fields as columns: read those, no objects
+            cols = getattr(layout.logical, "columns", None)
+            if cols is not None and len(cols.keys) != len(tensors):
+                cols = None
 
-            def label(t: Any) -> tuple[str, str]:
-                name = ".".join(map(str, t.path))
-                return name, f"{name} {t.dtype}{list(t.shape)}"
+            def index() -> _Grouped:  # item -> tensors, one pass, no formatting
+                item_of = {n: i for i, n in enumerate(names)}
+                item_of_key = {s.key: item_of.get(s.record, -1) for s in layout.storages}
+                keys = cols.keys if cols is not None else [t.storage_key for t in tensors]
+                return _Grouped(np.fromiter(map(item_of_key.get, keys, repeat(-1)),
+                                            dtype=np.int64, count=len(keys)))
+
+            def label(j: int) -> tuple[str, str]:
+                if cols is not None:
+                    path, dtype, shape = cols.paths[j], cols.dtypes[j], cols.shapes[j]
+                else:
+                    t = tensors[j]
+                    path, dtype, shape = t.path, t.dtype, t.shape
+                name = ".".join(map(str, path))
+                return name, f"{name} {dtype}{list(shape)}"
 
             return _Owners(index, label)
 
         tensor_records = {s.record for s in layout.storages}
         segs = layout.segments
+        cols = getattr(segs, "columns", None)
 
         def tensor_data(data_idx: np.ndarray) -> np.ndarray:
+            if cols is not None:  # per record name once, not per segment object
+                held = np.fromiter((name in tensor_records for name in cols.names), dtype=bool,
+                                   count=len(cols.names))
+                records = np.asarray(cols.records)[data_idx]
+                return (records >= 0) & held[np.maximum(records, 0)]
             return np.fromiter((segs[i].record in tensor_records for i in data_idx.tolist()),
                                dtype=bool, count=len(data_idx))
 
@@ -189,7 +206,9 @@ class ByteMap:
         parts = [(t, p) for t in tensors for p in t.parts if p.file == path]
         layout = entry.layout if isinstance(entry.layout, ArchiveLayout) else _segment_layout(
             entry, [p.offset for _, p in parts if p.nbytes and p.compression is None])
-        starts = np.fromiter((s.offset for s in segments), dtype=np.int64, count=len(segments))
+        cols = getattr(segments, "columns", None)
+        starts = np.asarray(cols.offsets, dtype=np.int64) if cols is not None else np.fromiter(
+            (s.offset for s in segments), dtype=np.int64, count=len(segments))
         covered = np.zeros(len(segments) + 1, dtype=np.int64)
         first = np.zeros(0, dtype=np.int64)
         if parts and len(segments):
@@ -220,8 +239,7 @@ class ByteMap:
 
             return _Owners(index, label, len(parts))
 
-        return cls._build(layout, tensor_data, item_labels, segments=tuple(segments),
-                          file=path)
+        return cls._build(layout, tensor_data, item_labels, segments=segments, file=path)
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Any, file: str | None = None) -> ByteMap:
@@ -234,24 +252,13 @@ class ByteMap:
     def _build(cls, layout: ArchiveLayout, tensor_data: Any, item_labels: Any, *,
                segments: tuple[Segment, ...] | None = None, file: str = "") -> ByteMap:
         segs = layout.segments if segments is None else segments
-        n = len(segs)
-        starts = np.fromiter((s.offset for s in segs), dtype=np.int64, count=n)
-        nbytes = np.fromiter((s.nbytes for s in segs), dtype=np.int64, count=n)
-        kinds = np.fromiter((_KIND_CODE[s.kind] for s in segs), dtype=np.int16, count=n)
+        trailer = _TENSORIZER_NAMES if layout.format == "tensorizer" else _TRAILER_NAMES
+        starts, nbytes, kinds, items, names = _segment_arrays(segs, trailer)
+        n = len(starts)
         lane_codes = _KIND_TO_LANE[kinds]  # data and JSON headers decided below
         data_idx = np.flatnonzero(kinds == _KIND_CODE[SegmentKind.DATA])
         if len(data_idx):
             lane_codes[data_idx] = np.where(tensor_data(data_idx), _DATA_LANE, _META_LANE)
-        names: list[str] = []
-        items = np.empty(n, dtype=np.int32)
-        last: str | None = None
-        trailer = _TENSORIZER_NAMES if layout.format == "tensorizer" else _TRAILER_NAMES
-        for i, s in enumerate(segs):
-            name = s.record if s.record is not None else trailer.get(s.kind, s.kind.value)
-            if name != last:
-                names.append(name)
-                last = name
-            items[i] = len(names) - 1
         present = np.unique(lane_codes)
         lanes = tuple(LANE_ORDER[c] for c in present)
         prefix = np.zeros((len(lanes), n + 1), dtype=np.int64)
@@ -342,13 +349,69 @@ class ByteMap:
         return {n: list(t) for n, t in zip(self.item_names, self.item_tensors, strict=False) if t}
 
 
+def _segment_arrays(segs: Sequence[Segment], trailer: dict[SegmentKind, str]
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[str]]:
+    """Each segment's start, size, kind (index into KIND_ORDER) and item, and the items' names.
+
+    An item is a run of segments of one name: the record's, else the trailer structure's
+    (``trailer``, by kind). From the segments' columns when they have them (a large zip's
+    :class:`~ckptlab.format.layout.SegmentTuple`: no object per segment), else from the objects.
+    """
+    cols = getattr(segs, "columns", None)
+    if cols is None:
+        n = len(segs)
+        starts = np.fromiter((s.offset for s in segs), dtype=np.int64, count=n)
+        nbytes = np.fromiter((s.nbytes for s in segs), dtype=np.int64, count=n)
+        kinds = np.fromiter((_KIND_CODE[s.kind] for s in segs), dtype=np.int16, count=n)
+        names: list[str] = []
+        items = np.empty(n, dtype=np.int32)
+        last: str | None = None
+        for i, s in enumerate(segs):
+            name = s.record if s.record is not None else trailer.get(s.kind, s.kind.value)
+            if name != last:
+                names.append(name)
+                last = name
+            items[i] = len(names) - 1
+        return starts, nbytes, kinds, items, names
+    starts = np.asarray(cols.offsets, dtype=np.int64)
+    nbytes = np.asarray(cols.nbytes, dtype=np.int64)
+    kinds = _SEGMENT_KIND_CODE[np.asarray(cols.kinds)]
+    records = np.asarray(cols.records, dtype=np.int64)
+    # runs of one record, or of one trailer kind; then runs whose names are equal are merged
+    keys = np.where(records >= 0, records, -2 - kinds.astype(np.int64))
+    run_start = np.ones(len(keys), dtype=bool)
+    run_start[1:] = keys[1:] != keys[:-1]
+    firsts = np.flatnonzero(run_start)
+    run_names = [cols.names[r] if r >= 0 else trailer.get(KIND_ORDER[k], KIND_ORDER[k].value)
+                 for r, k in zip(records[firsts].tolist(), kinds[firsts].tolist(), strict=True)]
+    new_name = np.fromiter((i == 0 or run_names[i] != run_names[i - 1]
+                            for i in range(len(run_names))), dtype=bool, count=len(run_names))
+    item_of_run = np.cumsum(new_name) - 1
+    items = item_of_run[np.cumsum(run_start) - 1].astype(np.int32)
+    return starts, nbytes, kinds, items, [n for n, new in zip(run_names, new_name.tolist(),
+                                                              strict=True) if new]
+
+
+class _Grouped:
+    """Positions grouped by a key: ``get(k)`` is the positions ``j`` (ascending) where
+    ``keys[j] == k``, from one sort (no dict of 100,000 lists)."""
+
+    def __init__(self, keys: np.ndarray) -> None:
+        self._order = np.argsort(keys, kind="stable")
+        self._sorted = keys[self._order]
+
+    def get(self, key: int, default: Any = ()) -> Any:
+        lo, hi = np.searchsorted(self._sorted, [key, key + 1])
+        return self._order[lo:hi].tolist() if hi > lo else default
+
+
 class _Owners:
     """Item -> the tensors whose bytes it holds: indexed on first use (one pass, integers
     only) and named per item on demand."""
 
     def __init__(self, index: Any, label: Any, parts: int = 0) -> None:
         self._index_fn, self._label, self.parts = index, label, parts
-        self._index: dict[int, list[Any]] | None = None
+        self._index: Any = None  # item -> its tensors: a dict, or a _Grouped
         self._named: dict[int, list[tuple[str, str]]] = {}
 
     def get(self, item: int) -> list[tuple[str, str]]:

@@ -232,3 +232,19 @@ def test_large_checkpoint_round_trip(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+
+
+def test_segment_columns_are_the_segments(archive, monkeypatch) -> None:
+    """The columns a vectorised scan keeps beside its lazy segments give every segment's
+    kind, offset, size and record, in file order."""
+    from ckptlab.format.layout import SEGMENT_KINDS, SegmentTuple
+
+    monkeypatch.setattr(_zip, "VECTOR_MIN_ENTRIES", 0)
+    monkeypatch.setattr(_zip, "VECTOR_ALWAYS_ENTRIES", 0)
+    segments = ckptlab.inspect(archive).segments
+    assert isinstance(segments, SegmentTuple)
+    cols = segments.columns
+    assert [Segment(SEGMENT_KINDS[k], o, n, cols.names[r] if r >= 0 else None) for k, o, n, r
+            in zip(cols.kinds.tolist(), cols.offsets.tolist(), cols.nbytes.tolist(),
+                   cols.records.tolist(), strict=True)] == list(segments)
+    assert {SegmentKind.CENTRAL_DIRECTORY, SegmentKind.EOCD} <= {s.kind for s in segments}

@@ -624,3 +624,38 @@ def test_bad_arguments_raise_invalid_argument(layouts, maps, call):
 def test_bad_windows_raise_invalid_argument(maps, kwargs):
     with pytest.raises(InvalidArgumentError):
         bytemap_trace(maps["small"], **kwargs)
+
+
+def _same_map(a: ByteMap, b: ByteMap) -> None:
+    for field in ("starts", "nbytes", "kinds", "items", "prefix", "item_starts", "lane_codes"):
+        assert np.array_equal(getattr(a, field), getattr(b, field)), field
+    assert (a.item_names, a.lanes, a.file) == (b.item_names, b.lanes, b.file)
+    assert [x.tolist() for x in a.lane_segments] == [x.tolist() for x in b.lane_segments]
+    assert a.item_tensors == b.item_tensors and a.item_tensor_names == b.item_tensor_names
+
+
+def test_a_map_from_segment_columns_is_the_map_from_segment_objects(tmp_path: Path) -> None:
+    """A large zip's segments come as columns (no object per segment) and its tensors' fields
+    as columns too: the byte map read from them equals the one read from the objects, for a
+    layout and for a checkpoint's file, with shared storages, a non-tensor record and the
+    trailer (zip64 included)."""
+    import dataclasses
+
+    from ckptlab.format.layout import SegmentTuple
+
+    shared = torch.arange(600.0)
+    sd = {f"layer.{i}.weight": torch.full((i % 7 + 1,), float(i)) for i in range(400)}
+    sd |= {"view.a": shared[:100], "view.b": shared[50:], "step": 3, "note": "x" * 300}
+    path = tmp_path / "big.pt"
+    torch.save(sd, path)
+    layout = cl.inspect(path)
+    assert isinstance(layout.segments, SegmentTuple) and hasattr(layout.logical, "columns")
+    objects = dataclasses.replace(layout, segments=tuple(layout.segments),
+                                  logical=tuple(layout.logical))
+    assert not hasattr(objects.segments, "columns")
+    _same_map(ByteMap.from_layout(layout), ByteMap.from_layout(objects))
+    ck = cl.open(path)
+    entry = ck.files[0]
+    plain = dataclasses.replace(entry, segments=tuple(entry.segments))
+    _same_map(ByteMap.from_file(entry, ck.tensors.values()),
+              ByteMap.from_file(plain, ck.tensors.values()))
