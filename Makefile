@@ -1,4 +1,4 @@
-# ckptlab: two commands from a fresh clone (see README "Quick start").
+# ckptlab: two commands from a fresh clone (see README "Full set-up and tests").
 #   make lab    set up .venv and open JupyterLab on notebooks/ (the embedded sample)
 #   make test   set up .venv and run every test (what CI runs)
 PYTHON ?= python3
