@@ -48,15 +48,16 @@ from ckptlab.viz._style import (
     theme_colors,
 )
 
-__all__ = ["TINY_FRACTION", "ByteMap", "bytemap_figure", "bytemap_marks", "bytemap_title",
-           "bytemap_trace",
-           "files_figure", "highlight_shapes", "overhead_figure", "update_bytemap"]
+__all__ = ["MAX_BOUNDARIES", "TINY_FRACTION", "ByteMap", "bytemap_boundaries", "bytemap_figure",
+           "bytemap_marks", "bytemap_title", "bytemap_trace", "files_figure", "highlight_shapes",
+           "overhead_figure", "update_bytemap"]
 
 # Plotly samples a heatmap that has more columns than pixels, which drops the slivers (a
 # header in a bin of megabytes) this map exists to show: keep columns at about one per pixel.
 DEFAULT_BINS = 1000
 EXACT_THRESHOLD = 1000  # at most this many visible segments are drawn one column each
 TINY_FRACTION = 0.1  # a lane covering less than this share of a bin also gets a tick
+MAX_BOUNDARIES = 300  # tensor boundaries marked in a view (more: the data lane is drawn plain)
 _KIND_CODE = {k: i for i, k in enumerate(KIND_ORDER)}
 _LANE_CODE = {k: i for i, k in enumerate(LANE_ORDER)}
 # a SegmentColumns kind code (index into SEGMENT_KINDS) -> its index into KIND_ORDER
@@ -651,6 +652,37 @@ def bytemap_marks(trace: dict[str, Any]) -> dict[str, Any]:
             "marker": _tick_marker(labels, rr)}
 
 
+def bytemap_boundaries(source: Any, trace: dict[str, Any]) -> dict[str, Any]:
+    """Where one item's tensor bytes end and the next one's begin, in a :func:`bytemap_trace`'s
+    view: scatter properties.
+
+    Adjacent tensors of one colour would read as one solid bar (a shard of a few tensors, a
+    zoom among neighbours); a thin break in the tensor-data lane marks each boundary, at most
+    :data:`MAX_BOUNDARIES` of them (past that the lane is drawn plain). Returns ``x`` (the
+    offsets), ``y`` (the lane's label), ``text`` (which tensor starts there) and ``marker``.
+    """
+    bm = _as_bytemap(source)
+    lo, hi = trace["meta"]["x_range"]
+    found = np.zeros(0, dtype=np.int64)
+    segs = found
+    if SegmentKind.DATA in bm.lanes:
+        segs = bm.lane_segments[bm.lanes.index(SegmentKind.DATA)]
+        starts = bm.starts[segs]
+        ends = starts + bm.nbytes[segs]
+        items = bm.items[segs]
+        joined = np.flatnonzero((starts[1:] == ends[:-1]) & (items[1:] != items[:-1])) + 1
+        found = joined[(starts[joined] > lo) & (starts[joined] < hi)]
+    if not 0 < len(found) <= MAX_BOUNDARIES:
+        found = found[:0]
+    at = bm.starts[segs[found]]
+    text = [f"byte {a:,}: {bm.item_description(i)} starts"
+            for a, i in zip(at.tolist(), bm.items[segs[found]].tolist(), strict=True)]
+    label = LANE_LABELS[SegmentKind.DATA]
+    color = trace["colorscale"][0][1]  # the map's empty colour: a gap in the bar
+    return {"x": at, "y": [label] * len(at), "text": text,
+            "marker": {"symbol": "line-ns", "size": 18, "line": {"width": 1.5, "color": color}}}
+
+
 def _tick_marker(labels: Sequence[str], rows: np.ndarray) -> dict[str, Any]:
     """Tick colours as lane numbers on a stepped scale of the lanes' colours: one numeric
     array (plotly validates a list of colour names one by one, slowly)."""
@@ -742,13 +774,16 @@ def bytemap_figure(source: Any, *, x_range: tuple[float, float] | None = None,
     data = bytemap_trace(bm, x_range=x_range, bins=bins, exact_threshold=exact_threshold,
                          theme=theme)
     marks = bytemap_marks(data)
+    breaks = bytemap_boundaries(bm, data)
     meta = data.pop("meta")
     labels = data["y"]
     fig = go.Figure([
         go.Heatmap(showscale=False, hoverongaps=False, xgap=0, ygap=2, name="bytes", **data),
         go.Scatter(mode="markers", name="present but tiny", showlegend=False,
                    hovertemplate="<b>%{y}</b> · %{text}<extra></extra>",
-                   x=marks["x"], y=marks["y"], text=marks["text"], marker=marks["marker"])])
+                   x=marks["x"], y=marks["y"], text=marks["text"], marker=marks["marker"]),
+        go.Scatter(mode="markers", name="tensor boundaries", showlegend=False,
+                   hovertemplate="%{text}<extra></extra>", **breaks)])
     fig.update_layout(
         title=title if title is not None else _default_title(bm),
         height=110 + 28 * len(labels), margin={"l": 130, "r": 20, "t": 76, "b": 45},
@@ -760,7 +795,7 @@ def bytemap_figure(source: Any, *, x_range: tuple[float, float] | None = None,
         shapes=highlight_shapes(highlight),
         meta={"kind": "bytemap", **meta, "lanes": [str(k) for k in bm.lanes],
               "file_nbytes": bm.file_nbytes, **({"file": bm.file} if bm.file else {}),
-              "tiny": len(marks["x"])},
+              "tiny": len(marks["x"]), "boundaries": len(breaks["x"])},
     )
     return style_figure(fig, theme=theme)
 
@@ -777,6 +812,7 @@ def update_bytemap(figure: Any, source: Any, *, x_range: tuple[float, float] | N
     data = bytemap_trace(bm, x_range=x_range, bins=bins, exact_threshold=exact_threshold,
                          theme=theme)
     marks = bytemap_marks(data)
+    breaks = bytemap_boundaries(bm, data)
     meta = data.pop("meta")
     batch = getattr(figure, "batch_update", None)
     ctx = batch() if batch is not None else _null()
@@ -785,10 +821,12 @@ def update_bytemap(figure: Any, source: Any, *, x_range: tuple[float, float] | N
         if len(figure.data) > 1:
             figure.data[1].update(x=marks["x"], y=marks["y"], text=marks["text"],
                                   marker=marks["marker"])
+        if len(figure.data) > 2:
+            figure.data[2].update(**breaks)
         figure.layout.meta = {**(figure.layout.meta or {}), **meta,
                               "lanes": [str(k) for k in bm.lanes],
                               "file_nbytes": bm.file_nbytes, **({"file": bm.file} if bm.file else {}),
-                              "tiny": len(marks["x"])}
+                              "tiny": len(marks["x"]), "boundaries": len(breaks["x"])}
         figure.layout.height = 110 + 28 * len(data["y"])
         figure.layout.yaxis.categoryarray = data["y"]
         figure.layout.xaxis.range = meta["x_range"]

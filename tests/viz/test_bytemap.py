@@ -29,7 +29,7 @@ from ckptlab.viz._style import (
     human_nbytes,
     plain_text,
 )
-from ckptlab.viz.bytemap import bytemap_marks
+from ckptlab.viz.bytemap import bytemap_boundaries, bytemap_marks
 
 U32 = 0xFFFFFFFF
 TRAILER_ITEM_NAMES = {
@@ -452,9 +452,11 @@ def test_figure_is_the_trace(layouts, maps, name):
     for x_range in (None, (0, min(5000, layout.file_nbytes))):
         fig = bytemap_figure(bm, x_range=x_range, bins=300)
         trace = bytemap_trace(bm, x_range=x_range, bins=300)
-        assert len(fig.data) == 2
-        heat, ticks = fig.data
+        assert len(fig.data) == 3
+        heat, ticks, breaks = fig.data
         marks = bytemap_marks(trace)
+        parted = bytemap_boundaries(bm, trace)
+        np.testing.assert_array_equal(np.asarray(breaks.x, dtype=float), parted["x"])
         np.testing.assert_array_equal(np.asarray(ticks.x, dtype=float), marks["x"])
         assert list(ticks.y or ()) == list(marks["y"])
         assert heat.type == "heatmap" and heat.name == "bytes"
@@ -467,7 +469,8 @@ def test_figure_is_the_trace(layouts, maps, name):
         meta = fig.layout.meta
         assert meta == {"kind": "bytemap", **trace["meta"],
                         "lanes": [str(k) for k in bm.lanes],
-                        "file_nbytes": layout.file_nbytes, "tiny": len(marks["x"])}
+                        "file_nbytes": layout.file_nbytes, "tiny": len(marks["x"]),
+                        "boundaries": len(parted["x"])}
         assert list(fig.layout.xaxis.range) == trace["meta"]["x_range"]
     fig = bytemap_figure(layout)  # from a layout
     assert fig.layout.meta == bytemap_figure(bm).layout.meta
@@ -659,3 +662,32 @@ def test_a_map_from_segment_columns_is_the_map_from_segment_objects(tmp_path: Pa
     plain = dataclasses.replace(entry, segments=tuple(entry.segments))
     _same_map(ByteMap.from_file(entry, ck.tensors.values()),
               ByteMap.from_file(plain, ck.tensors.values()))
+
+
+def test_adjacent_tensors_are_parted_in_the_data_lane(tmp_path: Path) -> None:
+    """A safetensors shard's tensors lie back to back in one colour: each boundary is marked
+    (the offset where the next tensor's bytes start, by safetensors' own header), also after
+    update_bytemap; a zip's data records are apart already (no marks); past MAX_BOUNDARIES
+    the lane is drawn plain."""
+    from safetensors.torch import save_file
+
+    from ckptlab.viz.bytemap import MAX_BOUNDARIES, update_bytemap
+
+    tensors = {f"t{i}": torch.full((i + 3,), float(i)) for i in range(7)}
+    path = tmp_path / "m.safetensors"
+    save_file(tensors, str(path))
+    ck = cl.open(path)
+    starts = sorted(ck.tensors[n].parts[0].offset for n in tensors)
+    fig = bytemap_figure(ck)
+    assert fig.data[2].name == "tensor boundaries" and fig.layout.meta["boundaries"] == 6
+    assert list(fig.data[2].x) == starts[1:]
+    assert all(t.endswith("starts") and "tensor t" in t for t in fig.data[2].text)
+    lo, hi = starts[2] - 1, starts[4] + 1
+    meta = update_bytemap(fig, ByteMap.from_checkpoint(ck), x_range=(lo, hi))
+    assert list(fig.data[2].x) == starts[2:5] and meta["boundaries"] == 3
+    torch.save(tensors, tmp_path / "m.pt")
+    assert bytemap_figure(cl.inspect(tmp_path / "m.pt")).layout.meta["boundaries"] == 0
+    many = {f"t{i}": torch.zeros(2) for i in range(MAX_BOUNDARIES + 2)}
+    save_file(many, str(tmp_path / "many.safetensors"))
+    fig = bytemap_figure(cl.open(tmp_path / "many.safetensors"))
+    assert fig.layout.meta["boundaries"] == 0 and len(fig.data[2].x) == 0
