@@ -155,6 +155,13 @@ class CheckpointApp:
         self.measure = pn.widgets.Button(name="statistics of this tensor", disabled=True,
                                          css_classes=["ckptlab-measure"], width=200)
         self.measure.on_click(lambda _: self.measure_selected())
+        # every tensor's statistics as table columns, and the health line, on demand
+        self.measure_all = pn.widgets.Button(name="statistics of every tensor", width=220,
+                                             css_classes=["ckptlab-measure-all"])
+        self.measure_all.on_click(lambda _: self.measure_every_tensor())
+        self.health = pn.pane.HTML("", sizing_mode="stretch_width",
+                                   css_classes=["ckptlab-health-pane"])
+        self._stats_callback: Any = None
         self.statistics = pn.pane.HTML("", sizing_mode="stretch_width",
                                        stylesheets=[TABLE_CSS],
                                        css_classes=["ckptlab-tensor-stats"])
@@ -170,10 +177,12 @@ class CheckpointApp:
         self.follow = ScrollIntoView(height=0, margin=0)
         self.view = pn.Column(
             self.title, self.summary, self.safety,
+            pn.Row(self.measure_all, self.health, sizing_mode="stretch_width"),
             self.tensors.view,
-            pn.Row(self.details, self.hex, sizing_mode="stretch_width"),
+            pn.Row(pn.Column(self.details, self.measure, self.statistics,
+                             sizing_mode="stretch_width"),
+                   self.hex, sizing_mode="stretch_width"),
             self.map_section,
-            pn.Row(self.measure, self.statistics, sizing_mode="stretch_width"),
             pn.pane.HTML("<h3 style='margin:8px 0 2px'>Values besides tensors</h3>"),
             self.values, sizing_mode="stretch_width", css_classes=["ckptlab-app"])
         doc = pn.state.curdoc
@@ -190,6 +199,8 @@ class CheckpointApp:
                 # session, built before the port opens, runs its onload callbacks)
                 self._plotly_loader.param.watch(lambda _: served.start_loading(), "rendered")]
             self.map_section.append(self._plotly_loader)
+        if served.stats is not None:  # measured for an earlier page: shown at once
+            self._show_stats()
         if not self.refresh():
             if doc is not None and doc.session_context is not None:
                 self._callback = pn.state.add_periodic_callback(self._poll, period=POLL_MS)
@@ -402,11 +413,64 @@ class CheckpointApp:
         lines = health({name: found[name]})
         self.statistics.object = stats_table_html(found) + (health_html(lines) if lines else "")
 
+    def measure_every_tensor(self) -> None:
+        """Measure every tensor (:func:`ckptlab.stats`, once for all sessions, on the served
+        checkpoint's thread) and show the statistics as table columns with the health line
+        above the table (``health``): at once when they are there, else when the session's
+        poll finds them."""
+        served = self.served
+        if served.stats is not None:
+            self._show_stats()
+            return
+        if not served.ready.is_set() or served.checkpoint is None:
+            self.health.object = "<i>Still opening the checkpoint: try again shortly.</i>"
+            return
+        served.measure_all()
+        self.measure_all.disabled = True
+        self._poll_stats()
+        doc = pn.state.curdoc
+        if self._stats_callback is None and doc is not None and doc.session_context is not None:
+            self._stats_callback = pn.state.add_periodic_callback(self._poll_stats,
+                                                                  period=POLL_MS)
+
+    def _poll_stats(self) -> bool:
+        """Show the statistics if they are measured (True), else the progress."""
+        served = self.served
+        if self.view is None:
+            return True
+        if served.stats is None and served.stats_error is None:
+            self.health.object = (f"<i>Measuring every tensor: {served.stats_measured:,} of "
+                                  f"{len(self.index):,}…</i>")
+            return False
+        if self._stats_callback is not None:
+            self._stats_callback.stop()
+            self._stats_callback = None
+        if served.stats_error is not None:
+            self.health.object = ("<b>The statistics could not be measured:</b> "
+                                  f"{html.escape(served.stats_error)}")
+            self.measure_all.disabled = False
+        else:
+            self._show_stats()
+        return True
+
+    def _show_stats(self) -> None:
+        from ckptlab.compare import health
+        from ckptlab.viz.compare import health_html
+
+        found = self.served.stats
+        self.tensors.show_stats(found)
+        unreadable = sum(1 for s in found.values() if s.error)
+        self.health.object = health_html(health(found)) + (
+            f'<p class="ckptlab-health">{unreadable:,} tensor{"s" * (unreadable != 1)} could '
+            "not be read (see its statistics).</p>" if unreadable else "")
+        self.measure_all.disabled = True
+
     def close(self) -> None:
         """Stop reacting to events and drop this session's figures and widgets."""
-        if self._callback is not None:
-            self._callback.stop()
-            self._callback = None
+        for callback in (self._callback, self._stats_callback):
+            if callback is not None:
+                callback.stop()
+        self._callback = self._stats_callback = None
         for watcher in self._watchers:
             watcher.inst.param.unwatch(watcher)
         self._watchers = []

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 
@@ -91,7 +92,12 @@ class ServedCheckpoint:
         self.error: str | None = None
         # is it safe to load? (ckptlab.scan, run by load(): it imports torch for its rules)
         self.safety_html = "<i>Checking whether it is safe to load…</i>"
+        # every tensor's statistics (ckptlab.stats), measured once on demand for all sessions
+        self.stats: dict[str, Any] | None = None
+        self.stats_measured = 0  # tensors measured so far (the progress the pages show)
+        self.stats_error: str | None = None
         self._lock = threading.Lock()
+        self._measuring = False
         self._started = False
         self._bytemaps: OrderedDict[str, ByteMap] = OrderedDict()
         self._file_parts: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -161,6 +167,27 @@ class ServedCheckpoint:
             if self.checkpoint is None and self.error is None:
                 self.error = "the checkpoint could not be opened"
             self.ready.set()
+
+    def measure_all(self) -> None:
+        """Measure every tensor (:func:`ckptlab.stats`, one tensor at a time) on a thread,
+        once for all sessions; ``stats`` is set when done (``stats_error`` says why not).
+        Call it once the checkpoint is ``ready``; later calls do nothing."""
+        with self._lock:
+            if self._measuring or self.checkpoint is None:
+                return
+            self._measuring = True
+        threading.Thread(target=self._measure, name="ckptlab-stats", daemon=True).start()
+
+    def _measure(self) -> None:
+        from ckptlab.compare import stats
+
+        def measured(_: str) -> None:
+            self.stats_measured += 1
+
+        try:
+            self.stats = stats(self.checkpoint, measured=measured)
+        except Exception as exc:  # any failure (a bug too): the pages say it
+            self.stats_error = f"{type(exc).__name__}: {exc}"
 
     def default_file(self) -> str:
         """The file the map shows first: the largest one holding tensor bytes."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import html
 import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,7 @@ from ckptlab.widgets._table_rows import COLUMNS, SORT_KEY_OF_COLUMN, tensor_fram
 
 __all__ = ["COLUMNS", "COLUMN_WIDTHS", "TABLE_CSS", "TensorTable", "column_widths",
            "frame_catalog", "index_summary_html", "objects_html", "responsive_columns",
-           "tensor_details_html", "tensor_frame"]
+           "stats_columns", "tensor_details_html", "tensor_frame"]
 
 PAGE_SIZE = 20
 # the HTML panes draw in their own shadow roots: tables get their spacing from this sheet
@@ -59,7 +59,12 @@ FILE_WIDTH = (70, 260)
 # every other column, Tabulator hides whole columns in this order (``responsive``: the higher,
 # the sooner), and the selected tensor's details still show every field
 NAME_MIN_WIDTH = 300
-HIDE_FIRST = ("offset", "parameters", "kind", "file", "bytes")
+HIDE_FIRST = ("offset", "parameters", "kind", "file", "zeros", "abs_max", "mean", "std", "bytes",
+              "inf", "nan", "max", "min")
+# the statistics columns a table gains on demand (TensorTable.show_stats), with their widths
+STATS_COLUMNS = {"min": 100, "max": 100, "mean": 100, "std": 100, "abs_max": 100, "nan": 70,
+                 "inf": 70, "zeros": 80}
+STATS_TITLES = {"abs_max": "abs max", "nan": "NaN", "inf": "Inf"}
 CHAR_PX = 8  # about one character of the table's font (14 px sans), to size the file column
 
 
@@ -79,7 +84,18 @@ def responsive_columns() -> list[dict[str, Any]]:
     of :data:`HIDE_FIRST` go first to last."""
     ranks = {field: len(HIDE_FIRST) - i for i, field in enumerate(HIDE_FIRST)}
     return [{"field": "name", "minWidth": NAME_MIN_WIDTH, "responsive": 0}] + [
-        {"field": field, "responsive": ranks.get(field, 0)} for field in COLUMNS[1:]]
+        {"field": field, "responsive": ranks.get(field, 0)}
+        for field in (*COLUMNS[1:], *STATS_COLUMNS)]
+
+
+def stats_columns(names: Sequence[str], found: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The :data:`STATS_COLUMNS` of the rows ``names`` from :func:`ckptlab.stats`'s result
+    (NaN where a tensor was not measured, could not be read, or has no such value)."""
+    out = {}
+    for column in STATS_COLUMNS:
+        values = [getattr(found.get(n), column, None) for n in names]
+        out[column] = np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+    return out
 
 
 class _RowLabels(Mapping):
@@ -124,9 +140,13 @@ class LazyRowsTabulator(TabulatorHooks, pn.widgets.Tabulator):
         """``df`` (rows of the table's frame, labelled by position) in the order of the first
         of :attr:`sorters` on a sortable column (:data:`SORT_KEY_OF_COLUMN`), as the one
         tensor query sorts; unsorted, the checkpoint's order."""
-        sorter = next((s for s in self.sorters or () if s.get("field") in SORT_KEY_OF_COLUMN),
-                      None)
-        if sorter is None or self.catalog is None:
+        sorter = next((s for s in self.sorters or () if s.get("field") in SORT_KEY_OF_COLUMN
+                       or s.get("field") in STATS_COLUMNS), None)
+        if sorter is not None and sorter["field"] in STATS_COLUMNS and sorter["field"] in df:
+            # a statistic: by its value (NaN, not measured, last), ties in checkpoint order
+            return df.sort_values(sorter["field"], ascending=sorter.get("dir") != "desc",
+                                  kind="stable", na_position="last")
+        if sorter is None or self.catalog is None or sorter["field"] not in SORT_KEY_OF_COLUMN:
             return df
         order = self.catalog.order(SORT_KEY_OF_COLUMN[sorter["field"]],
                                    sorter.get("dir") == "desc")
@@ -176,6 +196,24 @@ class TensorTable:
         self._watchers = [self.table.param.watch(self._on_selection, "selection")]
         self.view = pn.Column(self.search, self.count, self.table, sizing_mode="stretch_width",
                               css_classes=["ckptlab-tensor-table"])
+
+    def show_stats(self, found: Mapping[str, Any]) -> None:
+        """Add the :data:`STATS_COLUMNS` of :func:`ckptlab.stats`'s result ``found`` to the
+        table (sortable by value; this session's rows only: the shared frame is not
+        changed)."""
+        from bokeh.models.widgets.tables import NumberFormatter, ScientificFormatter
+
+        columns = stats_columns(self.frame["name"].tolist(), found)
+        real = ScientificFormatter(precision=4, power_limit_high=5, power_limit_low=-3,
+                                   nan_format="")
+        count = NumberFormatter(format="0,0", nan_format="")
+        self.table.param.update(
+            widths={**self.table.widths, **STATS_COLUMNS},
+            titles={**self.table.titles, **STATS_TITLES},
+            formatters={**self.table.formatters,
+                        **{c: count if c in ("nan", "inf", "zeros") else real
+                           for c in STATS_COLUMNS}},
+            value=self.frame.assign(**columns))
 
     def _count_text(self, shown: int) -> str:
         total = len(self.frame)

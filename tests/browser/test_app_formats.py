@@ -301,3 +301,27 @@ def test_a_picked_row_brings_its_parts_into_view(page, page_log, served, screens
         part.file).nbytes * 0.75 - 1
     screenshot(f"app-picked-{ck.format}", full_page=False)
     page_log.assert_no_errors()
+
+
+def test_every_tensor_statistics_in_the_table(page, page_log, served, screenshot) -> None:
+    """The "statistics of every tensor" button: the table gains min/max/NaN... columns (the
+    values ckptlab.stats gives), the health line shows above it, the page stays in the
+    window."""
+    proc, path, _ = served
+    found = cl.stats(path)
+    page.goto(proc.url + "/")
+    page.locator(ROW).first.wait_for()
+    page.locator(MAP).first.wait_for()  # the statistics need the opened checkpoint
+    button = page.locator(".ckptlab-measure-all button").first
+    if button.is_enabled():  # (an earlier page of this server may have measured them)
+        button.click()
+    page.locator(".ckptlab-health").first.wait_for(timeout=120_000)
+    page.locator('.tabulator-col[tabulator-field="max"]').first.wait_for()
+    row = page.locator(ROW).first
+    name = row.locator('.tabulator-cell[tabulator-field="name"]').text_content()
+    shown = row.locator('.tabulator-cell[tabulator-field="max"]').text_content()
+    assert float(shown) == pytest.approx(found[name].max, rel=1e-3, abs=1e-12), (name, shown)
+    wide, window = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
+    assert wide <= window
+    screenshot(f"app-stats-{path.name}", full_page=False)
+    page_log.assert_no_errors()

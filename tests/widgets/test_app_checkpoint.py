@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import json
 import re
+import time
 
 import panel as pn
 import pytest
@@ -319,3 +320,37 @@ def test_the_neighbourhood_of_a_selected_tensor():
     assert neighbourhood(100, 400_000, 1_000_000) == (0, 1_000_000)
     assert neighbourhood(80, 65_000, 65_200) == (0, 65_200)
     assert neighbourhood(0, 0, 10) == (0, 10)
+
+
+def test_every_tensor_statistics_become_table_columns_and_a_health_line(tmp_path):
+    """On demand, every tensor is measured once for the server (ckptlab.stats) and the
+    table gains the statistics as columns (equal to torch's on the loaded tensors, sortable
+    by value), the health line naming the NaN tensor; a later page shows them at once."""
+    sd = {f"layers.{i}.weight": torch.randn(8, 4, generator=torch.Generator().manual_seed(i))
+          for i in range(4)}
+    sd["layers.2.weight"][1, 1] = float("nan")
+    sd["zeros"] = torch.zeros(5)
+    path = tmp_path / "m.pt"
+    torch.save(sd, path)
+    served = ServedCheckpoint(path)
+    served.load()
+    app = CheckpointApp(served)
+    assert "min" not in app.tensors.table.value.columns and app.health.object == ""
+    app.measure_every_tensor()
+    for _ in range(600):
+        if app._poll_stats():
+            break
+        time.sleep(0.05)
+    frame = app.tensors.table.value
+    for name, t in sd.items():
+        row = frame[frame["name"] == name].iloc[0]
+        finite = t[~t.isnan()].double()
+        assert row["min"] == finite.min().item() and row["max"] == finite.max().item()
+        assert row["nan"] == int(t.isnan().sum()) and row["zeros"] == int((t == 0).sum())
+    assert "layers.2.weight" in app.health.object and "NaN" in app.health.object
+    assert "all zero" in app.health.object and app.measure_all.disabled
+    app.tensors.table.sorters = [{"field": "nan", "dir": "desc"}]
+    assert app.tensors.table.sort_rows(app.tensors.table.current_view)["name"].iloc[0] == (
+        "layers.2.weight")
+    later = CheckpointApp(served)  # another page: the columns without measuring again
+    assert "max" in later.tensors.table.value.columns and "NaN" in later.health.object
