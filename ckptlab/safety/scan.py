@@ -700,8 +700,8 @@ def scan(source: Any, *, storage_options: dict[str, Any] | None = None) -> Safet
     ----------
     source
         A file, a directory (every file in it and below; a DCP directory's ``.metadata`` and
-        items), a URL of a file, the bytes of a file, or a ``Checkpoint`` ckptlab opened
-        (its files).
+        items), a URL of a file, the bytes of a file, a binary file object (read where it
+        is, by seek and read), or a ``Checkpoint`` ckptlab opened (its files).
     storage_options
         For a URL: passed to fsspec.
 
@@ -724,10 +724,12 @@ def scan(source: Any, *, storage_options: dict[str, Any] | None = None) -> Safet
     from ckptlab.source import is_url
 
     policy = Policy.installed()
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        result = _scan_source(ByteSource(source), "<bytes>", policy)
-        return SafetyReport("<bytes>", [result] if result else [],
-                            [] if result else [("<bytes>", "no pickle")])
+    if isinstance(source, (bytes, bytearray, memoryview)) or (
+            hasattr(source, "read") and hasattr(source, "seek")):  # bytes, a file object
+        src = ByteSource(source)
+        result = _scan_source(src, src.name, policy)
+        return SafetyReport(src.name, [result] if result else [],
+                            [] if result else [(src.name, "no pickle")])
     if hasattr(source, "files") and hasattr(source, "tensors"):  # a Checkpoint
         return _scan_checkpoint(source, policy, storage_options)
     if is_url(source):
@@ -740,6 +742,10 @@ def scan(source: Any, *, storage_options: dict[str, Any] | None = None) -> Safet
             result = _scan_source(src, str(source), policy)
         return SafetyReport(str(source), [result] if result else [],
                             [] if result else [(str(source), "no pickle")])
+    if not isinstance(source, (str, os.PathLike)):
+        raise InvalidArgumentError(
+            f"scan takes a path, a URL, bytes, a binary file object or a Checkpoint, got "
+            f"{type(source).__name__}")
     return _scan_path(os.fspath(source), policy, frozenset())
 
 

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import ckptlab
 from ckptlab.cli import main
+from ckptlab.errors import InvalidArgumentError
 from ckptlab.safety import classify
 from ckptlab.safety._pickle_scan import render
 from ckptlab.testing.payloads import Reduce, raw
@@ -291,3 +292,21 @@ def test_report_level_calls_and_weights_only(tmp_path) -> None:
     assert both.verdict == "code" and not both.weights_only.accepted
     assert both.weights_only.refused == "eval"
     assert {c.global_ for c in both.calls} >= {"builtins.eval", "torch._utils._rebuild_tensor_v2"}
+
+
+def test_a_file_object_is_scanned_where_it_is(tmp_path) -> None:
+    """A binary file object (an open file, a BytesIO) is scanned like its path or bytes;
+    anything else is one clear ckptlab error, not a TypeError."""
+    path = tmp_path / "m.pt"
+    torch.save({"w": torch.ones(2), "args": argparse.Namespace(lr=0.1)}, path)
+    expected = ckptlab.scan(path)
+    with open(path, "rb") as f:
+        opened = ckptlab.scan(f)
+    in_memory = ckptlab.scan(io.BytesIO(path.read_bytes()))
+    for got in (opened, in_memory):
+        assert got.verdict == expected.verdict == "data"
+        assert [(c.global_, c.args, c.offset) for c in got.calls] == [
+            (c.global_, c.args, c.offset) for c in expected.calls]
+    assert opened.source == str(path) and in_memory.source == "<BytesIO>"
+    with pytest.raises(InvalidArgumentError, match="binary file object"):
+        ckptlab.scan(3)
