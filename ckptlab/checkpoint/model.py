@@ -20,8 +20,8 @@ from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.format._plain import plain_value
 from ckptlab.format.layout import Segment, SegmentKind, contiguous_strides
 
-__all__ = ["Checkpoint", "FileEntry", "Part", "Scratch", "TensorEntry", "plain_value",
-           "tensor_name"]
+__all__ = ["Checkpoint", "FileEntry", "Part", "Scratch", "TensorEntry", "is_checkpoint",
+           "plain_value", "tensor_name"]
 
 KINDS = ("dense", "sparse", "quantized", "nested", "subclass")
 FORMATS = ("torch-zip", "torch-legacy", "torchscript", "pt2", "safetensors", "hf", "dcp", "dir",
@@ -323,6 +323,12 @@ class Scratch:
         buf = self._buffers[self._next]
         self._next += 1
         return memoryview(buf)[:nbytes]
+
+
+def is_checkpoint(source: Any) -> bool:
+    """Whether ``source`` is a :class:`Checkpoint` (by its interface: ``files``, ``tensors``
+    and ``format``), as the views that take a checkpoint or a layout tell them apart."""
+    return hasattr(source, "files") and hasattr(source, "tensors") and hasattr(source, "format")
 
 
 class Checkpoint:

@@ -24,6 +24,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from ckptlab._words import plural
+from ckptlab.checkpoint.model import is_checkpoint
 from ckptlab.checkpoint.query import SORT_KEYS, TensorCatalog, TensorQuery
 from ckptlab.errors import InvalidArgumentError
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
@@ -127,10 +128,6 @@ class TensorTable:
             raise KeyError(f"no tensor {name!r}") from None
 
 
-def _is_checkpoint(source: Any) -> bool:
-    return hasattr(source, "files") and hasattr(source, "tensors") and hasattr(source, "format")
-
-
 def tensor_table(source: Any) -> TensorTable:
     """The tensor table of a :class:`~ckptlab.checkpoint.Checkpoint` or an
     :class:`~ckptlab.format.ArchiveLayout` (one pass over the tensors).
@@ -142,7 +139,7 @@ def tensor_table(source: Any) -> TensorTable:
     """
     if isinstance(source, TensorTable):
         return source
-    if _is_checkpoint(source):
+    if is_checkpoint(source):
         ts = list(source.tensors.values())
         names = tuple(t.name for t in ts)
         offsets = [t.parts[0].offset if t.parts else -1 for t in ts]
@@ -349,7 +346,7 @@ def object_rows(checkpoint: Any, *, limit: int = 200) -> list[tuple[str, str]]:
 def tensor_parts(source: Any, name: str, file: str | None = None) -> list[tuple[int, int]]:
     """``(offset, nbytes)`` of tensor ``name``'s parts (in ``file`` when given): what a byte
     map outlines when the tensor is selected."""
-    if _is_checkpoint(source):
+    if is_checkpoint(source):
         entry = source.tensors.get(name)
         if entry is None:
             raise KeyError(f"no tensor {name!r}")
@@ -363,7 +360,7 @@ def tensor_parts(source: Any, name: str, file: str | None = None) -> list[tuple[
 def checkpoint_summary(source: Any) -> dict[str, Any]:
     """What a view says first: format, path, files, tensors, parameters, bytes, by dtype."""
     table = tensor_table(source)
-    if _is_checkpoint(source):
+    if is_checkpoint(source):
         fmt, path, files, nbytes = (source.format, source.path, len(source.files),
                                     int(source.nbytes))
         objects = len(getattr(source, "objects", {}))

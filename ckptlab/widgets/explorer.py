@@ -10,6 +10,7 @@ from typing import Any
 import ipywidgets as w
 import numpy as np
 
+from ckptlab.checkpoint.model import is_checkpoint
 from ckptlab.errors import InvalidArgumentError
 from ckptlab.format import (
     AlignmentCost,
@@ -58,10 +59,6 @@ def _stats_text(s: Any) -> str:
     bad = (f", NaN {s.nan:,}" if s.nan else "") + (f", Inf {s.inf:,}" if s.inf else "")
     return (f" · min {s.min:.4g} max {s.max:.4g} mean {s.mean:.4g} std {s.std:.4g}"
             + bad)
-
-
-def _is_checkpoint(source: Any) -> bool:
-    return hasattr(source, "files") and hasattr(source, "tensors") and hasattr(source, "format")
 
 
 class LayoutExplorer(w.VBox):
@@ -122,7 +119,7 @@ class LayoutExplorer(w.VBox):
         self.checkpoint: Any = None
         layout: ArchiveLayout | None = None
         with progress(3, "opening") as bar:
-            if _is_checkpoint(source):
+            if is_checkpoint(source):
                 self.checkpoint = source
             elif isinstance(source, (str, os.PathLike)):
                 from ckptlab.checkpoint import open_checkpoint
@@ -145,7 +142,7 @@ class LayoutExplorer(w.VBox):
                                                                                bytearray)):
                 self._explicit_data = source
             if self.checkpoint is not None:
-                from ckptlab.viz.bytemap import checkpoint_file
+                from ckptlab.viz._bytemap_model import checkpoint_file
 
                 self._file = checkpoint_file(self.checkpoint, file).path
             else:
