@@ -31,6 +31,11 @@ from ckptlab.format._dtypes import DTYPE_ITEMSIZE
 from ckptlab.format.layout import ArchiveLayout
 from ckptlab.viz._style import PALETTE, TABLE_CSS, human_nbytes, plain_text, style_figure
 
+# the treemap's levels drawn at once (deeper ones open on a click) and its colours: light for
+# small prefixes, dark for large (text stays readable on both: plotly picks its colour)
+TREEMAP_DEPTH = 7
+TREEMAP_SCALE = [[0.0, "#c6dbef"], [0.5, "#4292c6"], [1.0, "#08306b"]]
+
 __all__ = [
     "SORT_KEYS",
     "DtypeTotal",
@@ -497,15 +502,27 @@ def treemap_figure(source: Any, *, max_nodes: int = 1500, theme: str | None = No
                for n in nodes]
     labels = [plain_text(root_label if not n.prefix else n.prefix.rsplit(".", 1)[-1])
               for n in nodes]
+    # colour by bytes (log scale: a layer norm next to an embedding still shows), so that
+    # siblings of one parent differ; every level of the tree is drawn (up to TREEMAP_DEPTH)
+    nbytes = np.array([n.nbytes for n in nodes], dtype=np.float64)
+    shade = np.log2(np.maximum(nbytes, 1.0))
+    low, top = (float(shade.min()), float(shade.max())) if len(shade) else (0.0, 1.0)
+    top = max(top, low + 1.0)
+    # ticks at whole units (1 KiB, 1 MiB...) inside the range, else the range's ends
+    ticks = [10.0 * k for k in range(7) if low <= 10.0 * k <= top] or [low, top]
     fig = go.Figure(go.Treemap(
-        ids=ids, parents=parents, labels=labels, values=[n.nbytes for n in nodes],
+        ids=ids, parents=parents, labels=labels, values=nbytes.astype(np.int64).tolist(),
         branchvalues="total",
         customdata=[[plain_text(n.prefix or root_label), n.tensors, n.parameters,
                      human_nbytes(n.nbytes)] for n in nodes],
         hovertemplate=("<b>%{customdata[0]}</b><br>%{customdata[3]} in %{customdata[1]:,} "
                        "tensors · %{customdata[2]:,} parameters<extra></extra>"),
-        maxdepth=4, tiling={"pad": 2}))
-    fig.update_layout(treemapcolorway=list(PALETTE))
+        marker={"colors": shade.tolist(), "colorscale": TREEMAP_SCALE, "cmin": low,
+                "cmax": top, "showscale": True,
+                "colorbar": {"title": {"text": "bytes"}, "tickvals": ticks, "thickness": 12,
+                             "ticktext": [human_nbytes(round(2 ** t)) for t in ticks]}},
+        maxdepth=min(max(n.depth for n in nodes) + 1, TREEMAP_DEPTH) if nodes else 2,
+        tiling={"pad": 2}))
     fig.update_layout(
         title=f"Bytes by module · {plural(len(table), 'tensor')} · "
               f"{human_nbytes(table.total_nbytes)}"

@@ -168,6 +168,13 @@ def test_treemap_values_and_folding(cks):
     parent_of = dict(zip(tm.ids, tm.parents))
     for parent in set(tm.parents) - {""}:  # branchvalues "total": a parent >= its children
         assert sum(v for i, v in values.items() if parent_of[i] == parent) <= values[parent]
+    # every level down to the tensors is drawn, and a box's colour grows with its bytes
+    depth = max(n.count(".") + 1 for n in tm.ids if n != "ckptlab:all") + 1
+    assert tm.maxdepth == min(depth, 7)
+    shade = dict(zip(tm.ids, tm.marker.colors))
+    by_bytes = sorted(values, key=values.get)
+    assert [shade[i] for i in by_bytes] == sorted(shade[i] for i in by_bytes)
+    assert tm.marker.showscale and tm.marker.colorbar.title.text == "bytes"
     small = treemap_figure(ck, max_nodes=5)
     assert len(small.data[0].ids) <= 5 and small.layout.meta["folded"] > 0
     assert dict(zip(small.data[0].ids, small.data[0].values))["ckptlab:all"] == values[
