@@ -50,6 +50,7 @@ from ckptlab.errors import (
     UnsupportedFormatError,
 )
 from ckptlab.format._dtypes import DTYPE_ITEMSIZE
+from ckptlab.format._optable import LENGTH_NBYTES, LINE, OPCODE_ARGUMENTS
 from ckptlab.format._pickle import (  # the scan's own pieces, shared rather than copied
     PickleScan,
     ScannedTensor,
@@ -58,9 +59,6 @@ from ckptlab.format._pickle import (  # the scan's own pieces, shared rather tha
 )
 from ckptlab.format._records import replace as replace_record
 from ckptlab.format._unpickle import (
-    LENGTH_NBYTES,
-    LINE,
-    OPCODE_ARGUMENTS,
     Global,
     PickleDataError,
     failure_offset,

@@ -376,7 +376,7 @@ replace_top(Machine *m, PyObject *obj)
     return 0;
 }
 
-/* _unpickle._pop_mark: the items since the last MARK are stack[*base:m->size]; the MARK is
+/* _opcodes._pop_mark: the items since the last MARK are stack[*base:m->size]; the MARK is
  * gone (the caller drops the items with truncate_to). */
 static int
 pop_mark(Machine *m, int code, Py_ssize_t *base)
@@ -390,7 +390,7 @@ pop_mark(Machine *m, int code, Py_ssize_t *base)
     return 0;
 }
 
-/* _unpickle._need */
+/* _opcodes._need */
 static int
 need(Machine *m, Py_ssize_t k, int code)
 {
@@ -403,7 +403,7 @@ need(Machine *m, Py_ssize_t k, int code)
     return 0;
 }
 
-/* _unpickle._need for the stack below a MARK just popped (its items from ``base`` up) */
+/* _opcodes._need for the stack below a MARK just popped (its items from ``base`` up) */
 static int
 need_below(Machine *m, Py_ssize_t base, Py_ssize_t k, int code)
 {
@@ -431,7 +431,7 @@ le64(const unsigned char *q)
 }
 
 /* -- the memo --------------------------------------------------------------------------- */
-/* _unpickle.memo_reads: the memo indices the pickle can read, found before it runs: the
+/* _optable.memo_reads: the memo indices the pickle can read, found before it runs: the
  * arguments of every BINGET and LONG_BINGET up to the first STOP, as bits for indices up to
  * the pickle's length and a set beyond. A memo entry no GET reads is stored as None (and
  * charged as before): what only the pickler memoized (a tensor's argument tuple, a
@@ -2994,7 +2994,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_interp",
-    .m_doc = "ckptlab's pickle interpreter (ckptlab.format._unpickle's loop), compiled.",
+    .m_doc = "ckptlab's pickle interpreter (ckptlab.format._opcodes' loop), compiled.",
     .m_size = sizeof(State),
     .m_methods = methods,
     .m_traverse = module_traverse,

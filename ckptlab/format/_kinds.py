@@ -275,7 +275,7 @@ def _onnx_ir_version(head: bytes, nbytes: int, named_onnx: bool) -> int | None:
 # -- pickles ------------------------------------------------------------------------------------
 def _proto(code: bytes) -> int | None:
     """The protocol that introduced the opcode ``code``, or None if it is none."""
-    from ckptlab.format._unpickle import OPCODE_NAMES
+    from ckptlab.format._optable import OPCODE_NAMES
 
     known = OPCODE_NAMES.get(code[0])
     return None if known is None else known[1]
@@ -293,18 +293,13 @@ class _Walk:
 
 def _walk(data: bytes, nbytes: int) -> _Walk | None:
     """The first pickle in ``data`` (the file's first bytes), without running anything: its
-    opcodes walked by their argument lengths (:func:`ckptlab.format._unpickle.opcode_spans`)
+    opcodes walked by their argument lengths (:func:`ckptlab.format._optable.opcode_spans`)
     and the pickle run by ckptlab's one interpreter, inertly (every call a record, every
     persistent id a value). None when it is not a well-formed pickle; ``complete`` False when
     it went well up to the end of ``data``, shorter than the file.
     """
-    from ckptlab.format._unpickle import (
-        OPCODE_NAMES,
-        PickleDataError,
-        failure_offset,
-        interpreter,
-        opcode_spans,
-    )
+    from ckptlab.format._optable import OPCODE_NAMES, opcode_spans
+    from ckptlab.format._unpickle import PickleDataError, failure_offset, interpreter
 
     ops: list[str] = []
     count = max_proto = 0

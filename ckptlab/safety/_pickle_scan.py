@@ -22,13 +22,13 @@ from typing import Any
 
 from ckptlab.errors import PickleDataError
 from ckptlab.format import _pickle
+from ckptlab.format._optable import opcode_spans
 from ckptlab.format._unpickle import (
     Global,
     OpaqueKey,
     Reduced,
     failure_offset,
     interpreter,
-    opcode_spans,
 )
 from ckptlab.safety._classes import classify
 from ckptlab.safety._weights_only import Policy, Refusal

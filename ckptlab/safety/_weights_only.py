@@ -94,7 +94,7 @@ class Policy:
     def opcode(self, code: int, offset: int) -> Refusal | None:
         if code in self.opcodes:
             return None
-        from ckptlab.format._unpickle import OPCODE_NAMES
+        from ckptlab.format._optable import OPCODE_NAMES
 
         name = OPCODE_NAMES.get(code, ("?", 0))[0]
         return Refusal(offset, f"opcode {name}",

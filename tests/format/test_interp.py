@@ -1285,7 +1285,7 @@ def test_memo_reads_are_the_pickles_gets() -> None:
     import pickle
     import pickletools
 
-    from ckptlab.format._unpickle import memo_reads
+    from ckptlab.format._optable import memo_reads
 
     shared = [1, 2]
     obj = {"a": shared, "b": shared, "c": [shared] * 3, "d": ("x",) * 300, "e": [[0]] * 260}

@@ -352,7 +352,7 @@ def test_opcode_spans_walk_by_argument_lengths() -> None:
     import pickle
     import pickletools
 
-    from ckptlab.format._unpickle import opcode_spans
+    from ckptlab.format._optable import opcode_spans
 
     obj = {"a": [1, 2.5, "x" * 300, b"y" * 1000], "b": (None, True, 2**70)}  # (lines < 4 KiB)
     for protocol in range(6):
