@@ -54,10 +54,10 @@ from ckptlab.format._optable import LENGTH_NBYTES, LINE, OPCODE_ARGUMENTS
 from ckptlab.format._pickle import (  # the scan's own pieces, shared rather than copied
     PickleScan,
     ScannedTensor,
-    StorageRef,
     scan_pickle_refs,
 )
 from ckptlab.format._records import replace as replace_record
+from ckptlab.format._tensor_refs import StorageRef
 from ckptlab.format._unpickle import (
     Global,
     PickleDataError,

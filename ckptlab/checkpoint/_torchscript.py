@@ -49,8 +49,9 @@ from ckptlab.checkpoint.model import FileEntry, TensorEntry
 from ckptlab.checkpoint.open import FileModel
 from ckptlab.errors import CorruptArchiveError, UnsupportedFormatError
 from ckptlab.format import _zip
-from ckptlab.format._pickle import _TENSOR_REFS, PickleScan, ScannedTensor
+from ckptlab.format._pickle import PickleScan, ScannedTensor
 from ckptlab.format._records import replace as replace_record
+from ckptlab.format._tensor_refs import _TENSOR_REFS
 from ckptlab.format._unpickle import Global, Reduced
 from ckptlab.format.archive import (
     fold_name,

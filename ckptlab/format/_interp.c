@@ -23,10 +23,10 @@
  * or allocated; nothing recurses (nesting depth is only the length of the two arrays, bounded
  * by the input's length); only CPython's public C API is used.
  *
- * The module also has TorchCore, the hot torch handlers of ckptlab.format._pickle in C (see
- * below), record_type, the immutable records they make, and walk_tensors (_walk.c), the walk
- * of ckptlab.format._pickle in C. Each is one side of a seam whose other side is Python,
- * with one test suite run against both.
+ * The module also has TorchCore, the hot torch handlers of ckptlab.format._torch_handlers in
+ * C (see below), record_type, the immutable records they make, and walk_tensors (_walk.c), the
+ * walk of ckptlab.format._pickle_walk in C. Each is one side of a seam whose other side is
+ * Python, with one test suite run against both.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -2445,7 +2445,7 @@ record_type(PyObject *module, PyObject *args)
 
 /* ---------------------------------------------------------------------------------------
  * TorchCore(fallback, storage_ref, tensor_ref, storage_dtypes): the hot torch handlers of
- * ckptlab.format._pickle._TorchHandlers compiled, as _pickle.c pairs pickle.py: the
+ * ckptlab.format._torch_handlers._TorchHandlers compiled, as _pickle.c pairs pickle.py: the
  * persistent-id reader, _rebuild_tensor_v2, _rebuild_parameter and OrderedDict(), one call
  * each per tensor (or module) saved.
  *
@@ -2954,9 +2954,10 @@ static PyMethodDef core_methods[] = {
 PyDoc_STRVAR(core_doc,
 "TorchCore(fallback, storage_ref, tensor_ref, storage_dtypes)\n"
 "--\n\n"
-"The hot handlers of ckptlab.format._pickle._TorchHandlers (persistent_load, rebuild_v2,\n"
-"rebuild_parameter, ordered_dict), compiled: the same results, sharing fallback's storage\n"
-"table; any input off their common path is fallback's method of the same name.");
+"The hot handlers of ckptlab.format._torch_handlers._TorchHandlers (persistent_load,\n"
+"rebuild_v2, rebuild_parameter, ordered_dict), compiled: the same results, sharing\n"
+"fallback's storage table; any input off their common path is fallback's method of the\n"
+"same name.");
 
 static PyType_Slot core_slots[] = {
     {Py_tp_new, core_new},
@@ -2983,7 +2984,7 @@ static PyMethodDef methods[] = {
      interpret_doc},
     {"walk_tensors", (PyCFunction)(void (*)(void))ckptlab_walk_tensors, METH_FASTCALL,
      "walk_tensors(root, kinds, walk_kind, pending_type, reduced_type, children, path_key, "
-     "max_depth, too_deep): ckptlab.format._pickle._walk_tensors compiled (_walk.c)"},
+     "max_depth, too_deep): ckptlab.format._pickle_walk._walk_tensors compiled (_walk.c)"},
     {"record_type", record_type, METH_VARARGS,
      "record_type(qualname, fields, defaults=(), namespace=None): an immutable record class "
      "(namespace: extra class attributes, e.g. properties) not tracked by the "

@@ -10,7 +10,7 @@ __all__ = ["plain_value"]
 
 def _key_text(key: Any) -> str:
     """A dict key as bounded text (keys can be deep tuples or records)."""
-    from ckptlab.format._pickle import path_key_text
+    from ckptlab.format._pickle_walk import path_key_text
 
     return path_key_text(key)
 

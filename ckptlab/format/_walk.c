@@ -1,4 +1,4 @@
-/* walk_tensors: ckptlab.format._pickle._walk_tensors compiled (the same results, the same
+/* walk_tensors: ckptlab.format._pickle_walk._walk_tensors compiled (the same results, the same
  * order, the same errors); part of the ckptlab.format._interp extension.
  *
  * walk_tensors(root, kinds, walk_kind, pending_type, children, path_key, max_depth, too_deep)

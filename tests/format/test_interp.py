@@ -30,7 +30,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptlab.format._pickle import _TensorRef, _walk, torch_handlers
+from ckptlab.format._pickle_walk import _walk
+from ckptlab.format._tensor_refs import _TensorRef
+from ckptlab.format._torch_handlers import torch_handlers
 from ckptlab.format._unpickle import (
     MEMORY_PER_BYTE,
     Global,
@@ -834,7 +836,7 @@ def core_pair() -> tuple[Any, Any]:
 def _state(value: Any) -> Any:
     """A value as comparable data: records as themselves, ckptlab's mutable tensor records
     (``_PendingTensor``, ``_CompositeRef``) as their type and fields."""
-    from ckptlab.format._pickle import _CompositeRef, _PendingTensor
+    from ckptlab.format._tensor_refs import _CompositeRef, _PendingTensor
 
     if isinstance(value, (_PendingTensor, _CompositeRef)):
         return type(value), tuple(_state(getattr(value, f)) for f in type(value).__slots__)
@@ -971,7 +973,7 @@ def test_core_persistent_load_random(calls: list[Any]) -> None:
 
 
 def _storage() -> Any:
-    from ckptlab.format._pickle import StorageRef
+    from ckptlab.format._tensor_refs import StorageRef
 
     return StorageRef("0", "FloatStorage", "float32", "cpu", 24, 96)
 
@@ -991,7 +993,7 @@ V2_ARGS = [
 
 
 def test_core_rebuild_v2(core_pair: tuple[Any, Any]) -> None:
-    from ckptlab.format._pickle import StorageRef
+    from ckptlab.format._tensor_refs import StorageRef
 
     py, c = core_pair
     storage = _storage()
@@ -1043,7 +1045,7 @@ def _tensor(**changes: Any) -> Any:
 
 
 def _pending(built: bool) -> Any:
-    from ckptlab.format._pickle import _PendingTensor
+    from ckptlab.format._tensor_refs import _PendingTensor
 
     tensor = _PendingTensor(False)
     if built:
@@ -1052,7 +1054,7 @@ def _pending(built: bool) -> Any:
 
 
 def _composite() -> Any:
-    from ckptlab.format._pickle import _CompositeRef
+    from ckptlab.format._tensor_refs import _CompositeRef
 
     return _CompositeRef("sparse", "float32", (3,), [("values", _tensor())])
 
@@ -1135,7 +1137,7 @@ class _Counting:
     """A _TorchHandlers whose four hot methods count their calls (the core's fallback)."""
 
     def __init__(self) -> None:
-        from ckptlab.format._pickle import _TorchHandlers
+        from ckptlab.format._torch_handlers import _TorchHandlers
 
         class Handlers(_TorchHandlers):
             calls: ClassVar[list[str]] = []
@@ -1153,7 +1155,8 @@ def test_core_takes_the_common_case_itself(core_pair: tuple[Any, Any]) -> None:
     """What torch.save writes never reaches the Python methods; the rest always does."""
     from ckptlab.format._interp import TorchCore
 
-    from ckptlab.format._pickle import _STORAGE_DTYPES, StorageRef
+    from ckptlab.format._tensor_refs import StorageRef
+    from ckptlab.format._torch_handlers import _STORAGE_DTYPES
 
     counting = _Counting()
     core = TorchCore(counting.handlers, StorageRef, _TensorRef, _STORAGE_DTYPES)
@@ -1222,7 +1225,8 @@ def test_core_refuses_a_bad_setup() -> None:
         from ckptlab.format._interp import TorchCore
     except ImportError:
         pytest.skip("ckptlab.format._interp is not built")
-    from ckptlab.format._pickle import _STORAGE_DTYPES, StorageRef, _TorchHandlers
+    from ckptlab.format._tensor_refs import StorageRef
+    from ckptlab.format._torch_handlers import _STORAGE_DTYPES, _TorchHandlers
 
     fallback = _TorchHandlers()
     with pytest.raises(TypeError):
@@ -1241,14 +1245,14 @@ def test_core_refuses_a_bad_setup() -> None:
 
 
 def test_handlers_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptlab.format import _pickle
+    from ckptlab.format import _torch_handlers
 
     with pytest.raises(ValueError, match="impl"):
         torch_handlers("rust")
     assert torch_handlers("python")[0].core is None
-    built = _pickle._TorchCore is not None
+    built = _torch_handlers._TorchCore is not None
     assert (torch_handlers()[0].core is not None) == built
-    monkeypatch.setattr(_pickle, "_TorchCore", None)
+    monkeypatch.setattr(_torch_handlers, "_TorchCore", None)
     with pytest.raises(ImportError):
         torch_handlers("c")
     assert torch_handlers()[0].core is None

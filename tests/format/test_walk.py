@@ -13,26 +13,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptlab.format import _pickle
-from ckptlab.format._pickle import (
-    MAX_DEPTH,
-    _CompositeRef,
-    _PendingTensor,
-    _TensorRef,
-    _walk,
-    scan_pickle,
-    walk_tensors,
-)
+from ckptlab.format import _pickle, _pickle_walk
+from ckptlab.format._pickle import scan_pickle
+from ckptlab.format._pickle_walk import MAX_DEPTH, _walk, walk_tensors
+from ckptlab.format._tensor_refs import _CompositeRef, _PendingTensor, _TensorRef
 from ckptlab.format._unpickle import Global, OpaqueKey, PickleDataError, Reduced
 
 
-def compiled(root: Any, children: Any = _pickle._children, max_depth: int = MAX_DEPTH,
+def compiled(root: Any, children: Any = _pickle_walk._children, max_depth: int = MAX_DEPTH,
              pending: type = _PendingTensor) -> Any:
     """The compiled walk with the rules passed in (the ones walk_tensors passes, or others)."""
     from ckptlab.format._interp import walk_tensors as c_walk
 
-    return c_walk(root, _pickle._WALK_KIND, _pickle._walk_kind, pending, Reduced, children,
-                  _pickle._path_key, max_depth, _pickle._too_deep)
+    return c_walk(root, _pickle_walk._WALK_KIND, _pickle_walk._walk_kind, pending, Reduced,
+                  children, _pickle_walk._path_key, max_depth, _pickle_walk._too_deep)
 
 
 @pytest.fixture
@@ -170,7 +164,7 @@ def test_children_that_are_not_pairs_are_refused(c_walk: Any) -> None:
     from ckptlab.format._interp import walk_tensors as c_walk_raw
 
     with pytest.raises(TypeError):
-        c_walk_raw([], _pickle._WALK_KIND)
+        c_walk_raw([], _pickle_walk._WALK_KIND)
     with pytest.raises(TypeError):
         compiled([], pending=None)  # type: ignore[arg-type]
 
