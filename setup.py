@@ -1,7 +1,7 @@
 """The optional compiled part of ckptlab (everything else is in pyproject.toml).
 
 ``ckptlab.format._interp`` is the pickle interpreter of ``ckptlab.format._unpickle`` compiled
-whole, with the hot torch handlers of ``ckptlab.format._pickle``, its walk (``_walk.c``) and
+whole, with the hot torch handlers of ``ckptlab.format._torch_handlers``, its walk (``_walk.c``) and
 the rows of a DCP ``.metadata`` (``ckptlab/dcp/_rows.c``: ``ckptlab.dcp.columns._Rows``). It is optional: where no C compiler is at hand the build goes on
 without it and ckptlab uses the Python implementation, which gives the same results.
 ``ckptlab.compare._ckernels`` holds the element loops of ``ckptlab.compare._kernels`` (diff and

@@ -18,7 +18,7 @@ sources and ``.pyi`` stubs (same names and the signatures ckptlab calls). PyPI's
 needs its CUDA packages to import, so 2.7.0 is checked by reading, not by running.
 
 Pickle *global names* a checkpoint file mentions (``torch._utils._rebuild_tensor_v2`` and the
-like, in :mod:`ckptlab.format._pickle`) are not listed here: ckptlab never imports them, it
+like, in :mod:`ckptlab.format._torch_handlers`) are not listed here: ckptlab never imports them, it
 only compares the strings a file holds.
 """
 

@@ -5,7 +5,7 @@ with handlers that answer every global: each call is recorded and builds an iner
 (:class:`_Made`, a :class:`~ckptlab.format._unpickle.Reduced` whose BUILD and items the scan
 sees); persistent ids and BUILDs on anything else are recorded too. Calls, BUILDs and persistent
 ids happen in the order of their opcodes, so the k-th of each is the k-th such opcode of the
-pickle (:func:`~ckptlab.format._unpickle.opcode_spans`): that is where each is reported.
+pickle (:func:`~ckptlab.format._optable.opcode_spans`): that is where each is reported.
 
 The same record then answers both questions of a scan: what each global would do under
 ``weights_only=False`` (:func:`ckptlab.safety._classes.classify`) and where torch's weights-only

@@ -1,4 +1,4 @@
-"""The object walk (``_pickle.walk_tensors``): the compiled one (``_walk.c``) against the
+"""The object walk (``_pickle_walk.walk_tensors``): the compiled one (``_walk.c``) against the
 Python one, on every shape of tree the interpreter builds and on scans of real pickles (whose
 paths tests/format/test_interp.py and test_pickle_scan.py check against torch.load)."""
 
