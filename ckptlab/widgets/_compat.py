@@ -33,6 +33,7 @@ from ckptlab.errors import LibraryInternalsError
 
 __all__ = [
     "CHECKED_ON",
+    "SLOW_OPTIONAL_IMPORTS",
     "USES",
     "PrivateUse",
     "TabulatorHooks",
@@ -46,6 +47,7 @@ __all__ = [
     "panel_plotly_js_url",
     "plotly_py2js_traits",
     "plotly_widget_bundle",
+    "skip_slow_optional_imports",
 ]
 
 #: distribution -> the versions the uses of it were checked on: the oldest the ``widgets``
@@ -157,6 +159,30 @@ USES: dict[str, PrivateUse] = dict([
          "nothing breaks at once (the loader checks it is a function and otherwise skips): "
          "messages after anywidget's 2 s deadline are dropped on a busy machine"),
 ])
+
+
+# Optional modules a served workbench would import only by chance, and which cost seconds:
+# panel's plotly pane checks ``isinstance(obj, go.FigureWidget)``, plotly's figure widget
+# imports nbformat, nbformat imports jsonschema, and jsonschema imports ``rfc3987_syntax``
+# (when installed: jupyter's jsonschema[format-nongpl] brings it) to check the "iri" string
+# format, which builds a Lark grammar at import: 2.2 s of the server's CPU before the first
+# workbench page. No page validates an IRI.
+SLOW_OPTIONAL_IMPORTS = ("rfc3987_syntax",)
+
+
+def skip_slow_optional_imports() -> list[str]:
+    """In a server process (``ckptlab serve``), make the modules of
+    :data:`SLOW_OPTIONAL_IMPORTS` unimportable (``sys.modules[name] = None``: the library that
+    wants them takes the ImportError path it has for when they are not installed), unless one
+    is imported already. Returns the names skipped."""
+    import sys
+
+    skipped = []
+    for name in SLOW_OPTIONAL_IMPORTS:
+        if name not in sys.modules:
+            sys.modules[name] = None  # type: ignore[assignment]
+            skipped.append(name)
+    return skipped
 
 
 def installed_version(library: str) -> str:

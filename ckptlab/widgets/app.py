@@ -217,6 +217,7 @@ def serve(source: LayoutSource | ServedCheckpoint, *, port: int = 5006,
     serving. A session is freed 15-17 s after its page closed
     (``SESSION_LIFETIME_MS`` unconnected, looked for every ``SESSION_CHECK_MS``).
     """
+    _compat.skip_slow_optional_imports()  # this process serves pages
     cache = cache if cache is not None else LayoutCache()
     served: ServedCheckpoint | None = None
     pending: PendingCheckpoint | None = None

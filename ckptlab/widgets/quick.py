@@ -345,6 +345,12 @@ class QuickServer(httputil.HTTPServerConnectionDelegate):
             served = app.ServedCheckpoint(rows.path, rows=rows,
                                           inspection_cache=self.inspection_cache)
             served.schedule_load()
+            if served.ready.is_set():  # opened already: the first page draws its byte map,
+                # whose plotly pane imports plotly's figure widget; import it here, on this
+                # thread, not on the IOLoop inside the workbench's warm-up session
+                from ckptlab.widgets._plotly_page import warm_plotly
+
+                warm_plotly()
         except Exception as exc:  # any failure (a bug too): the page says so, the table stays
             self.workbench_error = f"{type(exc).__name__}: {exc}"
             self._changed("workbench")()
@@ -718,6 +724,7 @@ def serve(path: str | os.PathLike[str], *, port: int = 5006, address: str = "127
         raise OSError(exc.errno, f"cannot listen on {address}:{port}: "
                       f"{exc.strerror or exc}") from None
     port = sockets[0].getsockname()[1]
+    _compat.skip_slow_optional_imports()  # this process serves pages: 2 s less before them
     loop = IOLoop.current()
     quick = QuickServer(path, inspection_cache=inspection_cache if inspection_cache is not None
                         else InspectionCache())

@@ -8,6 +8,7 @@ import ast
 import asyncio
 import importlib
 import inspect
+import json
 import pathlib
 import re
 import socket
@@ -583,3 +584,23 @@ def f(server, fig):
                       "        return self._own\n")
     theirs = _third_party_privates(pn.widgets.Tabulator)
     assert {n for n in _class_uses(probe.body[0]) if n in theirs} == {"_sort_df", "_processed"}
+
+
+def test_a_server_skips_slow_optional_imports() -> None:
+    """In a fresh process: after skip_slow_optional_imports, plotly's figure widget (which a
+    served page's plotly pane imports) comes without rfc3987_syntax, jsonschema still
+    validates, and a module imported already is left alone."""
+    code = (
+        "import sys, json\n"
+        "from ckptlab.widgets import _compat\n"
+        "skipped = _compat.skip_slow_optional_imports()\n"
+        "import plotly.graph_objs as go\n"
+        "go.FigureWidget\n"
+        "import jsonschema\n"
+        "jsonschema.validate({'a': 1}, {'type': 'object', 'properties': {'a': {'type': 'integer'}}})\n"
+        "print(json.dumps([skipped, sys.modules.get('rfc3987_syntax', 'absent') is None,"
+        " _compat.skip_slow_optional_imports()]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    skipped, blocked, again = json.loads(out.stdout.strip().splitlines()[-1])
+    assert skipped == list(_compat.SLOW_OPTIONAL_IMPORTS) and blocked and again == []
