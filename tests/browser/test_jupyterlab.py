@@ -446,6 +446,38 @@ def _write_formats_notebook(path: Path) -> None:
     nbformat.write(nb, path)
 
 
+# WCAG 2 contrast of each element's text colour on its effective background (the first
+# ancestor with an opaque one, or the page's): the lowest ratio found, and where
+CONTRAST_JS = """selectors => {
+  const rgb = c => (c.match(/[\\d.]+/g) || []).map(Number)
+  const lum = ([r, g, b]) => {
+    const f = v => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4 }
+    return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b)
+  }
+  const background = el => {
+    for (let e = el; e; e = e.parentElement) {
+      const c = rgb(getComputedStyle(e).backgroundColor)
+      if (c.length >= 3 && (c.length === 3 || c[3] > 0.5)) return c.slice(0, 3)
+    }
+    return rgb(getComputedStyle(document.body).backgroundColor).slice(0, 3)
+  }
+  let worst = {ratio: 99, checked: 0}
+  for (const sel of selectors) {
+    for (const el of document.querySelectorAll(sel)) {
+      if (!el.textContent.trim() || el.getClientRects().length === 0) continue
+      const a = lum(rgb(getComputedStyle(el).color).slice(0, 3)), b = lum(background(el))
+      const ratio = (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05)
+      worst.checked += 1
+      if (ratio < worst.ratio) worst = {ratio, checked: worst.checked, where: sel,
+                                        text: el.textContent.slice(0, 40),
+                                        color: getComputedStyle(el).color,
+                                        background: background(el)}
+    }
+  }
+  return worst
+}"""
+
+
 def _write_theme_notebook(path: Path) -> None:
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
@@ -454,6 +486,8 @@ def _write_theme_notebook(path: Path) -> None:
         "from ckptlab.widgets import LayoutExplorer, PlanExplorer",
         f"explorer = LayoutExplorer({FORMATS['torch']!r})\nexplorer",
         "plan = PlanExplorer()\nplan",
+        # a tensor picked: its details table and its bytes in hex (the contrast check reads them)
+        "explorer.select_tensor('layers.0.mlp.fc1.weight')",
     )]
     nbformat.write(nb, path)
 
@@ -825,6 +859,13 @@ def test_dark_theme_renders_dark(lab: Lab, checkpoints: Path, page, page_log, sc
         _assert_theme(page, EXPLORER, dark=True)
         for k, figure in enumerate(_figures(page, EXPLORER)):
             _check_figure(page, figure, f"dark explorer figure {k}")
+        # every glyph of the hex view and the tables reads at WCAG AA (4.5:1) on dark
+        page.locator(f"{EXPLORER} pre.ckptlab-hex").first.wait_for(timeout=RENDER_TIMEOUT_MS)
+        worst = page.evaluate(CONTRAST_JS, [f"{EXPLORER} pre.ckptlab-hex span",
+                                            f"{EXPLORER} table td", f"{EXPLORER} table th"])
+        assert worst["checked"] > 50, worst
+        assert worst["ratio"] >= 4.5, f"text at {worst['ratio']:.2f}:1 in dark theme: {worst}"
+        page.locator(f"{EXPLORER} pre.ckptlab-hex").first.scroll_into_view_if_needed()
         screenshot("dark-explorer", full_page=False)
         page_log.assert_no_errors()
     finally:
