@@ -78,5 +78,7 @@ def hex_html(data: bytes, offset: int, layout: ArchiveLayout | None = None, *,
         text = "".join(chr(b) if 32 <= b < 127 else "." for b in chunk)
         lines.append(f'<span class="off">{offset + line_start:>12,}</span>  '
                      f"{' '.join(cells)}{pad}  {html.escape(text)}")
+    # a line never wraps (a narrow pane, JupyterLab's pre-wrap outputs): the block scrolls
     return ('<pre class="ckptlab-hex" style="font-family:monospace;font-size:12px;'
-            'line-height:1.35;margin:0">' + "\n".join(lines) + "</pre>")
+            'line-height:1.35;margin:0;white-space:pre;overflow-x:auto;max-width:100%">'
+            + "\n".join(lines) + "</pre>")

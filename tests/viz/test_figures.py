@@ -208,7 +208,7 @@ _BYTE = re.compile(r"[0-9a-f]{2}")
 def parse_hex(doc: str, width: int = 16) -> list[tuple[str, list[tuple[int, str, str]], str]]:
     """Lines of a hex_html block as (offset text, [(byte, background, title)], ascii text)."""
     head = '<pre class="ckptlab-hex" style="font-family:monospace;font-size:12px;' \
-           'line-height:1.35;margin:0">'
+           'line-height:1.35;margin:0;white-space:pre;overflow-x:auto;max-width:100%">'
     assert doc.startswith(head) and doc.endswith("</pre>")
     body = doc[len(head):-len("</pre>")]
     out = []
