@@ -29,7 +29,6 @@ from ckptlab.widgets._plotly_page import (
     page_without_plotly,
     plotly_now_loaded,
     plotly_src,
-    sent_without_plotly,
 )
 from ckptlab.widgets._served import PendingCheckpoint, ServedCheckpoint
 from ckptlab.widgets._tensor_table import (
@@ -187,10 +186,10 @@ class CheckpointApp:
             self.values, sizing_mode="stretch_width", css_classes=["ckptlab-app"])
         doc = pn.state.curdoc
         if (doc is not None and doc.session_context is not None
-                and (not served.ready.is_set() or sent_without_plotly(doc))
                 and page_without_plotly(doc)):
-            # a served page whose map comes later: sent without plotly.js (4.8 MB), which the
-            # loader adds once the page is up (a map drawn now comes with its first page)
+            # every served page goes without plotly.js (4.8 MB of its 8 MB of JavaScript),
+            # which the loader adds once the table is up; the map follows (also one that is
+            # ready now: parsing plotly.js first held the table back by seconds)
             self._doc = doc
             self._plotly_loader = PlotlyLoader(src=plotly_src(), height=0, margin=0)
             self._watchers += [
@@ -201,6 +200,16 @@ class CheckpointApp:
             self.map_section.append(self._plotly_loader)
         if served.stats is not None:  # measured for an earlier page: shown at once
             self._show_stats()
+        self._safety_callback: Any = None
+        if not served.safety_done.is_set():  # the verdict comes on its own thread
+            if doc is not None and doc.session_context is not None:
+                # started once the page is drawn (the browser is busy then, not this
+                # process), shown by this session's poll
+                pn.state.onload(served.check_safety)
+                self._safety_callback = pn.state.add_periodic_callback(self._poll_safety,
+                                                                       period=POLL_MS)
+            else:
+                served.check_safety()
         if not self.refresh():
             if doc is not None and doc.session_context is not None:
                 self._callback = pn.state.add_periodic_callback(self._poll, period=POLL_MS)
@@ -226,6 +235,8 @@ class CheckpointApp:
 
     # -- the byte map section -----------------------------------------------------------------
     def _poll(self) -> None:
+        if self.served.ready.is_set():  # a large checkpoint, opened after its first page
+            self.served.check_safety()
         if self.refresh() and self._callback is not None:
             self._callback.stop()
             self._callback = None
@@ -433,6 +444,16 @@ class CheckpointApp:
             self._stats_callback = pn.state.add_periodic_callback(self._poll_stats,
                                                                   period=POLL_MS)
 
+    def _poll_safety(self) -> None:
+        """Show the served checkpoint's safety verdict once it is there."""
+        served = self.served
+        if self.view is not None and self.safety.object != served.safety_html:
+            self.safety.object = served.safety_html
+        if served.safety_done.is_set() and self._safety_callback is not None:
+            self.safety.object = served.safety_html
+            self._safety_callback.stop()
+            self._safety_callback = None
+
     def _poll_stats(self) -> bool:
         """Show the statistics if they are measured (True), else the progress."""
         served = self.served
@@ -467,10 +488,10 @@ class CheckpointApp:
 
     def close(self) -> None:
         """Stop reacting to events and drop this session's figures and widgets."""
-        for callback in (self._callback, self._stats_callback):
+        for callback in (self._callback, self._stats_callback, self._safety_callback):
             if callback is not None:
                 callback.stop()
-        self._callback = self._stats_callback = None
+        self._callback = self._stats_callback = self._safety_callback = None
         for watcher in self._watchers:
             watcher.inst.param.unwatch(watcher)
         self._watchers = []
@@ -487,7 +508,7 @@ class IndexProgress:
     :meth:`poll` finds the index there (``app``).
 
     Such a page goes out without plotly.js (the app's byte map then waits for
-    :class:`PlotlyLoader`, as on any page whose map comes later).
+    :class:`PlotlyLoader`, as on every page).
 
     Parameters
     ----------

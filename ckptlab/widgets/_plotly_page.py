@@ -88,16 +88,6 @@ def page_without_plotly(doc: Any) -> bool:
     return True
 
 
-def sent_without_plotly(doc: Any) -> bool:
-    """Whether session ``doc``'s page went out without plotly.js and has not loaded it since
-    (a page that showed the index's progress first: its byte map, even one ready now, waits
-    for :class:`PlotlyLoader`). Panel's own per-document extension list says so."""
-    table = _compat.panel_document_extensions()
-    try:
-        return table is not None and doc in table and "plotly" not in table[doc]
-    except TypeError:
-        return False
-
 
 def plotly_now_loaded(doc: Any) -> None:
     """Tell panel that ``doc``'s page has plotly.js now (so a new Plotly pane does not warn

@@ -92,12 +92,14 @@ class ServedCheckpoint:
         self.error: str | None = None
         # is it safe to load? (ckptlab.scan, run by load(): it imports torch for its rules)
         self.safety_html = "<i>Checking whether it is safe to load…</i>"
+        self.safety_done = threading.Event()  # set once safety_html holds the verdict
         # every tensor's statistics (ckptlab.stats), measured once on demand for all sessions
         self.stats: dict[str, Any] | None = None
         self.stats_measured = 0  # tensors measured so far (the progress the pages show)
         self.stats_error: str | None = None
         self._lock = threading.Lock()
         self._measuring = False
+        self._scanning = False
         self._started = False
         self._bytemaps: OrderedDict[str, ByteMap] = OrderedDict()
         self._file_parts: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -154,7 +156,6 @@ class ServedCheckpoint:
                                        f"({changed}); restart the server to see it as it is",
                                        path=self.path)
                 self.checkpoint = opened
-            self.safety_html = safety_badge(self.checkpoint)
             if self.is_zip:
                 layout = self.checkpoint.files[0].layout
                 self.layout_cache.view(layout, own_alignment(layout))
@@ -166,7 +167,30 @@ class ServedCheckpoint:
         finally:
             if self.checkpoint is None and self.error is None:
                 self.error = "the checkpoint could not be opened"
+            if self.checkpoint is None:  # nothing to scan: the pages say why
+                self.safety_html = "<i>Not checked: the checkpoint could not be opened.</i>"
+                self.safety_done.set()
             self.ready.set()
+
+    def check_safety(self) -> None:
+        """Scan the opened checkpoint (:func:`ckptlab.scan`) on a thread of its own, once;
+        ``safety_html`` holds the verdict and ``safety_done`` is set when it is there. Its
+        rules come from torch (about 1.7 s to import), which neither the table nor the byte
+        map needs: the sessions start it once their page is drawn, and show it when ready."""
+        with self._lock:
+            if self._scanning or self.checkpoint is None:
+                return
+            self._scanning = True
+        threading.Thread(target=self._check_safety, name="ckptlab-scan", daemon=True).start()
+
+    def _check_safety(self) -> None:
+        try:
+            self.safety_html = safety_badge(self.checkpoint)
+        except Exception as exc:  # any failure (a bug too): the pages say it
+            self.safety_html = (f"<b>Whether it is safe to load could not be checked:</b> "
+                                f"{type(exc).__name__}: {exc}")
+        finally:
+            self.safety_done.set()
 
     def measure_all(self) -> None:
         """Measure every tensor (:func:`ckptlab.stats`, one tensor at a time) on a thread,

@@ -21,8 +21,11 @@ small index is there, and a page that comes before the index shows the checkpoin
 how long it has been read (:class:`IndexProgress`), then the app in its place. The full
 :class:`~ckptlab.checkpoint.Checkpoint`, which the byte map needs, is then opened on a thread
 once the first page has been drawn, and every session draws its map when it is there.
-Such a page comes without plotly.js (4.8 MB of its 8 MB of JavaScript): :class:`PlotlyLoader`
-adds it after the table is drawn, and only then does the session add its plotly panes. The
+Every page comes without plotly.js (4.8 MB of its 8 MB of JavaScript): :class:`PlotlyLoader`
+adds it after the table is drawn, and only then does the session add its plotly panes (a map
+that is ready at once waits too: parsing plotly.js first held the table back by seconds).
+Whether the checkpoint is safe to load (:func:`ckptlab.scan`, whose rules import torch) is
+found on a thread once the page is drawn, and shown when it is there. The
 imports behind the served app are the app's own (``ckptlab.widgets`` imports its notebook
 explorers, and ipywidgets with them, only on first use); panel's plotly pane imports its
 figure widget module (nbformat, jsonschema: seconds) on the loading thread, not before the

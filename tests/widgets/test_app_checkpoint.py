@@ -354,3 +354,16 @@ def test_every_tensor_statistics_become_table_columns_and_a_health_line(tmp_path
         "layers.2.weight")
     later = CheckpointApp(served)  # another page: the columns without measuring again
     assert "max" in later.tensors.table.value.columns and "NaN" in later.health.object
+
+
+def test_the_safety_verdict_comes_on_its_own_thread(sample_file):
+    """The open does not wait for ckptlab.scan (torch's rules take seconds to import): the
+    verdict is set on a thread of its own, and a page made before it shows it on its poll."""
+    served = ServedCheckpoint(sample_file)
+    served.load()
+    app = CheckpointApp(served)  # maybe before the verdict
+    assert served.safety_done.wait(120)
+    app._poll_safety()
+    expected = cl.scan(sample_file).verdict.upper()
+    assert f">{expected}<" in app.safety.object and "Checking" not in app.safety.object
+    assert f">{expected}<" in CheckpointApp(served).safety.object
