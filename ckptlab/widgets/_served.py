@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -98,8 +99,7 @@ class ServedCheckpoint:
         self.stats_measured = 0  # tensors measured so far (the progress the pages show)
         self.stats_error: str | None = None
         self._lock = threading.Lock()
-        self._measuring = False
-        self._scanning = False
+        self._started_jobs: set[str] = set()  # the jobs of _once_on_thread started
         self._started = False
         self._bytemaps: OrderedDict[str, ByteMap] = OrderedDict()
         self._file_parts: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -177,11 +177,7 @@ class ServedCheckpoint:
         ``safety_html`` holds the verdict and ``safety_done`` is set when it is there. Its
         rules come from torch (about 1.7 s to import), which neither the table nor the byte
         map needs: the sessions start it once their page is drawn, and show it when ready."""
-        with self._lock:
-            if self._scanning or self.checkpoint is None:
-                return
-            self._scanning = True
-        threading.Thread(target=self._check_safety, name="ckptlab-scan", daemon=True).start()
+        self._once_on_thread("scan", self._check_safety)
 
     def _check_safety(self) -> None:
         try:
@@ -196,11 +192,16 @@ class ServedCheckpoint:
         """Measure every tensor (:func:`ckptlab.stats`, one tensor at a time) on a thread,
         once for all sessions; ``stats`` is set when done (``stats_error`` says why not).
         Call it once the checkpoint is ``ready``; later calls do nothing."""
+        self._once_on_thread("stats", self._measure)
+
+    def _once_on_thread(self, job: str, target: Callable[[], None]) -> None:
+        """Run ``target`` on a thread of its own (``ckptlab-<job>``), the first time only,
+        and only once the checkpoint is open."""
         with self._lock:
-            if self._measuring or self.checkpoint is None:
+            if job in self._started_jobs or self.checkpoint is None:
                 return
-            self._measuring = True
-        threading.Thread(target=self._measure, name="ckptlab-stats", daemon=True).start()
+            self._started_jobs.add(job)
+        threading.Thread(target=target, name=f"ckptlab-{job}", daemon=True).start()
 
     def _measure(self) -> None:
         from ckptlab.compare import stats
