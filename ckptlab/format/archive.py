@@ -362,12 +362,6 @@ def _fast_segments(records: Sequence[Record], cdir: _zip.CentralDirectory, cols:
     owner = owner.ravel()[keep]
     names = cdir.names  # the records' names, in directory order
     count = len(offsets) + len(tail)
-    tail_kinds = [SEGMENT_KINDS.index(t[0]) for t in tail]
-    segment_columns = SegmentColumns(
-        np.append(np.asarray(_RECORD_KIND_CODES)[kinds], tail_kinds),
-        np.append(offsets, [t[1] for t in tail]).astype(np.int64),
-        np.append(sizes, [t[2] for t in tail]).astype(np.int64),
-        np.append(owner, np.full(len(tail), -1)).astype(np.int64), names)
 
     def make() -> list[Segment]:
         return build(Segment, count,
@@ -382,8 +376,15 @@ def _fast_segments(records: Sequence[Record], cdir: _zip.CentralDirectory, cols:
     joined = [int(offsets[-1] + sizes[-1])] if len(offsets) else [0]
     tail_ok = all(t[1] == e for t, e in zip(tail, joined + ends[:-1]))
     if starts_ok and tail_ok and (ends[-1] if ends else joined[0]) == file_nbytes:
-        # they tile the file (no gap, no overlap): the objects are made when first looked at
-        return SegmentTuple(segment_columns, make)  # type: ignore[return-value]
+        # they tile the file (no gap, no overlap): the objects are made when first looked at,
+        # and their fields stay as columns for readers that want numbers (the byte map)
+        columns = SegmentColumns(
+            np.append(np.asarray(_RECORD_KIND_CODES)[kinds],
+                      [SEGMENT_KINDS.index(t[0]) for t in tail]),
+            np.append(offsets, [t[1] for t in tail]).astype(np.int64),
+            np.append(sizes, [t[2] for t in tail]).astype(np.int64),
+            np.append(owner, np.full(len(tail), -1)).astype(np.int64), names)
+        return SegmentTuple(columns, make)  # type: ignore[return-value]
     return _tile(make(), file_nbytes, path)
 
 

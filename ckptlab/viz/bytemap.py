@@ -233,20 +233,18 @@ def bytemap_boundaries(source: Any, trace: dict[str, Any]) -> dict[str, Any]:
     """
     bm = as_bytemap(source)
     lo, hi = trace["meta"]["x_range"]
-    found = np.zeros(0, dtype=np.int64)
-    segs = found
-    if SegmentKind.DATA in bm.lanes:
-        segs = bm.lane_segments[bm.lanes.index(SegmentKind.DATA)]
-        starts = bm.starts[segs]
-        ends = starts + bm.nbytes[segs]
-        items = bm.items[segs]
-        joined = np.flatnonzero((starts[1:] == ends[:-1]) & (items[1:] != items[:-1])) + 1
-        found = joined[(starts[joined] > lo) & (starts[joined] < hi)]
+    segs = (bm.lane_segments[bm.lanes.index(SegmentKind.DATA)] if SegmentKind.DATA in bm.lanes
+            else np.zeros(0, dtype=np.int64))
+    starts = bm.starts[segs]
+    ends = starts + bm.nbytes[segs]
+    items = bm.items[segs]
+    joined = np.flatnonzero((starts[1:] == ends[:-1]) & (items[1:] != items[:-1])) + 1
+    found = segs[joined[(starts[joined] > lo) & (starts[joined] < hi)]]  # segment indices
     if not 0 < len(found) <= MAX_BOUNDARIES:
         found = found[:0]
-    at = bm.starts[segs[found]]
+    at = bm.starts[found]
     text = [f"byte {a:,}: {bm.item_description(i)} starts"
-            for a, i in zip(at.tolist(), bm.items[segs[found]].tolist(), strict=True)]
+            for a, i in zip(at.tolist(), bm.items[found].tolist(), strict=True)]
     label = LANE_LABELS[SegmentKind.DATA]
     color = trace["colorscale"][0][1]  # the map's empty colour: a gap in the bar
     return {"x": at, "y": [label] * len(at), "text": text,
