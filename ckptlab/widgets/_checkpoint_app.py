@@ -208,8 +208,11 @@ class CheckpointApp:
                 pn.state.onload(served.check_safety)
                 self._safety_callback = pn.state.add_periodic_callback(self._poll_safety,
                                                                        period=POLL_MS)
-            else:
+            else:  # no page to poll for it (a notebook, a test): found now
                 served.check_safety()
+                if served.checkpoint is not None:
+                    served.safety_done.wait()
+                    self.safety.object = served.safety_html
         if not self.refresh():
             if doc is not None and doc.session_context is not None:
                 self._callback = pn.state.add_periodic_callback(self._poll, period=POLL_MS)
@@ -447,10 +450,10 @@ class CheckpointApp:
     def _poll_safety(self) -> None:
         """Show the served checkpoint's safety verdict once it is there."""
         served = self.served
-        if self.view is not None and self.safety.object != served.safety_html:
+        done = served.safety_done.is_set()  # read first: once set, safety_html is final
+        if self.safety.object != served.safety_html:
             self.safety.object = served.safety_html
-        if served.safety_done.is_set() and self._safety_callback is not None:
-            self.safety.object = served.safety_html
+        if done and self._safety_callback is not None:
             self._safety_callback.stop()
             self._safety_callback = None
 

@@ -117,7 +117,7 @@ class ServedCheckpoint:
 
     def schedule_load(self) -> None:
         """Start the full open: now for a small checkpoint (up to ``EAGER_TENSORS`` tensors:
-        every page gets its byte map with its first paint), else on a timer
+        every page draws its byte map as soon as its plotly.js is in), else on a timer
         (``LOAD_FALLBACK_S``; the first page's draw usually starts it sooner)."""
         _schedule_load(self)
 
@@ -277,10 +277,11 @@ class ServedCheckpoint:
 
 
 def _schedule_load(served: ServedCheckpoint) -> None:
-    """Start the full open: now for a small checkpoint (every page gets its byte map with its
-    first paint), else on a timer (the first page's draw usually starts it sooner)."""
+    """Start the full open: now for a small checkpoint, with the import its first byte map
+    would make (plotly's figure widget: done here, not in a session on the server's IOLoop),
+    else on a timer (the first page's draw usually starts it sooner)."""
     if len(served.index) <= EAGER_TENSORS:
-        served.load()
+        served._load_and_warm()
     else:
         timer = threading.Timer(LOAD_FALLBACK_S, served.start_loading)
         timer.daemon = True

@@ -344,13 +344,7 @@ class QuickServer(httputil.HTTPServerConnectionDelegate):
 
             served = app.ServedCheckpoint(rows.path, rows=rows,
                                           inspection_cache=self.inspection_cache)
-            served.schedule_load()
-            if served.ready.is_set():  # opened already: the first page draws its byte map,
-                # whose plotly pane imports plotly's figure widget; import it here, on this
-                # thread, not on the IOLoop inside the workbench's warm-up session
-                from ckptlab.widgets._plotly_page import warm_plotly
-
-                warm_plotly()
+            served.schedule_load()  # (a small one: opened, and plotly's widget imported)
         except Exception as exc:  # any failure (a bug too): the page says so, the table stays
             self.workbench_error = f"{type(exc).__name__}: {exc}"
             self._changed("workbench")()

@@ -358,12 +358,20 @@ def test_every_tensor_statistics_become_table_columns_and_a_health_line(tmp_path
 
 def test_the_safety_verdict_comes_on_its_own_thread(sample_file):
     """The open does not wait for ckptlab.scan (torch's rules take seconds to import): the
-    verdict is set on a thread of its own, and a page made before it shows it on its poll."""
+    verdict is set on a thread of its own, a page made before it shows it on its poll, and an
+    app made without a page (a notebook) waits for it."""
     served = ServedCheckpoint(sample_file)
     served.load()
-    app = CheckpointApp(served)  # maybe before the verdict
+    assert not served.safety_done.is_set()  # the open did not scan
+    served.check_safety()
     assert served.safety_done.wait(120)
-    app._poll_safety()
     expected = cl.scan(sample_file).verdict.upper()
+    assert f">{expected}<" in served.safety_html
+    # a page made before it shows the verdict on its poll; without a page, it is found at once
+    early = ServedCheckpoint(sample_file)
+    early.load()
+    app = CheckpointApp(early)
     assert f">{expected}<" in app.safety.object and "Checking" not in app.safety.object
-    assert f">{expected}<" in CheckpointApp(served).safety.object
+    app.safety.object = "<i>Checking whether it is safe to load…</i>"
+    app._poll_safety()
+    assert f">{expected}<" in app.safety.object
