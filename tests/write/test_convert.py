@@ -264,3 +264,98 @@ def test_convert_of_a_url(tmp_path: Path, to: str) -> None:
     assert result.verified
     got = _load_result(dst, to)
     assert all(_same_bits(got[n], t) for n, t in want.items())
+
+
+# -- sparse, quantized and nested tensors --------------------------------------------------
+def _odd(root: Path, *, quantized: bool) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A torch.save file of sparse (COO, CSR, BSR), nested and, with ``quantized``,
+    quantized tensors beside dense ones and a view."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's beta / prototype / deprecation notes)
+        base = torch.arange(12.0)
+        obj = {"dense": base, "view": base[2:8].reshape(2, 3),
+               "coo": torch.sparse_coo_tensor(torch.tensor([[0, 1, 1], [2, 0, 2]]),
+                                              torch.tensor([3.0, 4.0, 5.0]), (2, 3)),
+               "csr": torch.tensor([[0.0, 1.0], [2.0, 0.0]]).to_sparse_csr(),
+               "bsr": torch.eye(4).to_sparse_bsr((2, 2))}
+        if quantized:
+            obj["q"] = torch.quantize_per_tensor(torch.tensor([-1.0, 0.0, 1.5]), 0.1, 10,
+                                                 torch.quint8)
+            obj["qc"] = torch.quantize_per_channel(
+                torch.arange(6.0).reshape(2, 3) - 2, torch.tensor([0.1, 0.2]),
+                torch.tensor([0, 1]), 0, torch.qint8)
+            obj["nested"] = torch.nested.nested_tensor([torch.arange(3.0), torch.ones(5)])
+    path = root / ("odd_q.pt" if quantized else "odd.pt")
+    torch.save(obj, path)
+    return path, obj
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same tensor as torch sees it: layout, dtype, shape and every stored value (the
+    indices of a sparse one, the integers and parameters of a quantized one)."""
+    if a.layout != b.layout or a.dtype != b.dtype or a.is_nested != b.is_nested:
+        return False
+    if a.is_nested:
+        return all(_same_bits(x, y) for x, y in zip(a.unbind(), b.unbind(), strict=True))
+    if a.is_quantized:
+        same_q = (a.qscheme() == b.qscheme() and _same_bits(a.int_repr(), b.int_repr()))
+        if a.qscheme() == torch.per_tensor_affine:
+            return same_q and (a.q_scale(), a.q_zero_point()) == (b.q_scale(), b.q_zero_point())
+        return (same_q and torch.equal(a.q_per_channel_scales(), b.q_per_channel_scales())
+                and torch.equal(a.q_per_channel_zero_points(), b.q_per_channel_zero_points()))
+    if a.layout == torch.sparse_coo:
+        return (_same_bits(a._indices(), b._indices()) and _same_bits(a._values(), b._values())
+                and a.shape == b.shape)
+    if a.layout != torch.strided:
+        return a.shape == b.shape and _same_bits(a.to_dense(), b.to_dense())
+    return _same_bits(a, b)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_sparse_quantized_and_nested_tensors_stay_as_they_are_in_torch(
+        tmp_path: Path, quantized: bool) -> None:
+    src, obj = _odd(tmp_path, quantized=quantized)
+    dst = tmp_path / "out.pt"
+    result = ckptlab.convert(src, dst, to="torch", alignment=4096)
+    assert result.verified and not result.dropped
+    loaded = torch.load(dst, weights_only=True)
+    assert set(loaded) == set(obj)
+    for name, tensor in obj.items():
+        assert _same_tensor(tensor, loaded[name]), name
+    # the view still views the dense tensor's storage, as in the source
+    assert loaded["view"].untyped_storage().data_ptr() == \
+        loaded["dense"].untyped_storage().data_ptr()
+    held = [n for n in result.notes if n.startswith("every tensor held in memory")]
+    if quantized:  # torch writes quantized and nested tensors only with their bytes
+        assert len(held) == 1 and "skip_data" in held[0]
+    else:  # sparse ones stream: torch lays the file out, the bytes are put in after
+        assert not held
+        assert all(s.data_offset % 4096 == 0 for s in ckptlab.inspect(dst).storages)
+    assert ckptlab.scan(dst).verdict == "weights-only"
+
+
+@pytest.mark.parametrize("shard_size", [None, 64])
+def test_safetensors_holds_sparse_dense_and_quantized_dequantized(
+        tmp_path: Path, shard_size: int | None) -> None:
+    src, obj = _odd(tmp_path, quantized=True)
+    dst = tmp_path / ("out" if shard_size else "out.safetensors")
+    result = ckptlab.convert(src, dst, shard_size=shard_size)
+    assert result.verified
+    assert list(result.dropped) == ["nested"] and "--to torch" in result.dropped["nested"]
+    notes = "\n".join(result.notes)
+    for name in ("coo", "csr", "bsr"):
+        assert f"{name}: a sparse_" in notes and "written dense" in notes
+    assert "q: a quint8 quantized tensor, dequantized to float32" in notes
+    loaded = _load_result(dst, "safetensors")
+    assert set(loaded) == set(obj) - {"nested"}
+    for name, tensor in obj.items():
+        if name == "nested":
+            continue
+        want = (tensor.dequantize() if tensor.is_quantized else
+                tensor.to_dense() if tensor.layout != torch.strided else tensor)
+        assert _same_bits(want, loaded[name]), name
+    if shard_size:  # the index counts the bytes as written (dense, dequantized)
+        index = json.loads((dst / "model.safetensors.index.json").read_text())
+        assert index["metadata"]["total_size"] == sum(t.nbytes for t in loaded.values())
