@@ -565,6 +565,7 @@ def _verify(ck: Any, out: str, result: ConvertResult) -> None:
     """Open what was written and compare every tensor's bytes with the source's (a sparse,
     quantized or nested tensor: each part's; one written dense: its dense values')."""
     from ckptlab.checkpoint import open_checkpoint
+    from ckptlab.compare._diff import same_bytes
 
     new = open_checkpoint(out)
     written = set(new.tensors)
@@ -583,20 +584,10 @@ def _verify(ck: Any, out: str, result: ConvertResult) -> None:
                      for p in entry.parts]
             if new.tensors[name].extra != entry.extra:
                 pairs = []  # (the scale, zero point, ... differ: not the same tensor)
-        if not pairs or not all(_same_bytes(a, b) for a, b in pairs):
+        if not pairs or not all(same_bytes(a, b) for a, b in pairs):
             raise CkptlabError(f"{out}: verification failed: tensor {name!r} differs from "
                                f"the source's")
     result.verified = True
-
-
-def _same_bytes(a: Any, b: Any) -> bool:
-    import torch
-
-    if a.is_quantized and b.is_quantized:  # (the stored integers; a view of them crashes)
-        a, b = a.int_repr(), b.int_repr()
-    return (a.dtype == b.dtype and a.shape == b.shape and
-            torch.equal(a.detach().contiguous().reshape(-1).view(torch.uint8),
-                        b.detach().contiguous().reshape(-1).view(torch.uint8)))
 
 
 # -- the API ---------------------------------------------------------------------------------

@@ -291,3 +291,28 @@ def test_large_tensors_are_compared_in_pieces(tmp_path: Path, monkeypatch: pytes
     assert pieces.tensors["c"].compared.endswith("(complex as real and imaginary parts)")
     truth = _truth(a["w"], b["w"])
     assert pieces.tensors["w"].n_diff == truth["n_diff"] and dense
+
+
+def test_sparse_quantized_and_nested_copies_are_identical(tmp_path: Path) -> None:
+    """A sparse, quantized or nested tensor stored alike on both sides (each part's bytes,
+    its layout and parameters) is identical; the same values stored otherwise (a COO tensor
+    coalesced on one side only, another scale) are equal values, not identical."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's beta / prototype / deprecation notes)
+        coo = torch.sparse_coo_tensor(torch.tensor([[1, 0], [0, 2]]), torch.tensor([4.0, 3.0]),
+                                      (2, 3))
+        q = torch.quantize_per_tensor(torch.tensor([-1.0, 0.0, 1.5]), 0.5, 2, torch.qint8)
+        a = {"coo": coo, "csr": torch.eye(3).to_sparse_csr(), "q": q,
+             "nested": torch.nested.nested_tensor([torch.arange(3.0), torch.ones(5)])}
+        b = {name: t.clone() for name, t in a.items()}
+        b_other = {**b, "coo": coo.coalesce(),  # the same values, indices in another order
+                   "q": torch.quantize_per_tensor(q.dequantize(), 0.25, 4, torch.qint8)}
+    for name, side in (("a", a), ("b", b), ("other", b_other)):
+        torch.save(side, tmp_path / f"{name}.pt")
+    same = cl.diff(tmp_path / "a.pt", tmp_path / "b.pt")
+    assert all(t.identical for t in same.tensors.values()), same.summary()
+    other = cl.diff(tmp_path / "a.pt", tmp_path / "other.pt")
+    for name in ("coo", "q"):
+        t = other.tensors[name]
+        assert not t.identical and t.n_diff == 0 and t.within, name
+    assert other.tensors["csr"].identical and other.tensors["nested"].identical
