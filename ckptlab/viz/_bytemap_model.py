@@ -11,7 +11,7 @@ segment). The figures of :mod:`ckptlab.viz.bytemap` bin these arrays.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import repeat
 from typing import Any
 
@@ -218,6 +218,13 @@ class ByteMap:
         """The map of file ``file`` of ``checkpoint`` (its largest file holding tensor bytes
         by default)."""
         entry = checkpoint_file(checkpoint, file)
+        layout = entry.layout
+        if (len(checkpoint.files) == 1 and isinstance(layout, ArchiveLayout)
+                and layout.format == "torch-zip" and len(layout.tensors) == len(
+                    checkpoint.tensors) and _same_first_name(checkpoint, layout)):
+            # one torch.save file: its layout names the checkpoint's tensors, and its map
+            # comes from its columns, without making an entry object per tensor
+            return replace(cls.from_layout(layout), file=entry.path)
         return cls.from_file(entry, checkpoint.tensors.values())
 
     @classmethod
@@ -426,6 +433,15 @@ def _segment_layout(entry: Any, offsets: list[int]) -> ArchiveLayout:
                          alignment=largest_alignment(offsets) if offsets else 4096, zip64=False)
 
 
+def _same_first_name(checkpoint: Any, layout: ArchiveLayout) -> bool:
+    """Whether the checkpoint names its first tensor as the layout's path does (no prefix)."""
+    first = next(iter(checkpoint.tensors), None)
+    cols = getattr(layout.logical, "columns", None)
+    path = (cols.paths[0] if cols is not None and len(cols.keys) else
+            layout.tensors[0].path if layout.tensors else None)
+    return first is None or (path is not None and first == ".".join(map(str, path)))
+
+
 def checkpoint_file(checkpoint: Any, file: str | None = None) -> Any:
     """The :class:`~ckptlab.checkpoint.model.FileEntry` named ``file`` (relative path), or
     by default the largest file that holds tensor bytes (the largest file when none does)."""
@@ -439,6 +455,8 @@ def checkpoint_file(checkpoint: Any, file: str | None = None) -> Any:
         raise InvalidArgumentError(
             f"{checkpoint.path}: no file {file!r} (files: "
             f"{', '.join(f.path for f in files[:8])}{' …' if len(files) > 8 else ''})")
+    if len(files) == 1:
+        return files[0]
     holding = {p.file for t in checkpoint.tensors.values() for p in t.parts}
     ranked = sorted(files, key=lambda f: (f.path not in holding, -f.nbytes, f.path))
     return ranked[0]

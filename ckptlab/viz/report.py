@@ -566,7 +566,7 @@ def _checkpoint_report(ck: Any, hex_bytes: bytes | None, hex_file: str | None,
     for f in mapped:
         offsets = [p.offset for p in by_file.get(f.path, ()) if p.nbytes]
         layout = _file_layout(f, offsets)
-        bm = ByteMap.from_file(f, ck.tensors.values())
+        bm = ByteMap.from_checkpoint(ck, f.path)
         lanes.update(dict.fromkeys(bm.lanes))
         title = (f"{plain_text(f.path)} · {human_nbytes(f.nbytes)} · "
                  f"{plural(tensors_in.get(f.path, 0), 'tensor')}" +

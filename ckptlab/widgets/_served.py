@@ -229,8 +229,7 @@ class ServedCheckpoint:
                 self._bytemaps.move_to_end(rel)
                 return bm
         ck = self.checkpoint
-        entry = ck.file(rel)
-        bm = ByteMap.from_file(entry, ck.tensors.values())
+        bm = ByteMap.from_checkpoint(ck, rel)
         with self._lock:
             self._bytemaps[rel] = bm
             while len(self._bytemaps) > 8:

@@ -253,8 +253,7 @@ class LayoutExplorer(w.VBox):
         bm = self._maps.get(path)
         if bm is None:
             if self.checkpoint is not None:
-                entry = self.checkpoint.file(path)
-                bm = ByteMap.from_file(entry, self.checkpoint.tensors.values())
+                bm = ByteMap.from_checkpoint(self.checkpoint, path)
             else:
                 bm = ByteMap.from_layout(self._layout_source)
             self._maps[path] = bm

@@ -214,6 +214,16 @@ def test_every_file_maps_and_lanes_tile_it(cks, fmt):
         assert got == union_nbytes((p.offset, p.nbytes) for p in parts)
 
 
+def test_a_map_from_the_checkpoint_is_the_map_from_its_file(cks):
+    """Every file's map from the checkpoint (for one torch.save file: from its layout's
+    columns, no entry objects made) is the map from its entry and tensors, hover names too."""
+    for fmt, ck in cks.items():
+        for entry in ck.files:
+            got = bytemap_figure(ByteMap.from_checkpoint(ck, entry.path)).to_json()
+            want = bytemap_figure(ByteMap.from_file(entry, ck.tensors.values())).to_json()
+            assert got == want, (fmt, entry.path)
+
+
 def test_pickle_and_headers_have_their_own_lane(cks):
     bm = ByteMap.from_checkpoint(cks["zip"])
     pkl = [i for i, n in enumerate(bm.item_names) if n.endswith("data.pkl")]
