@@ -94,8 +94,8 @@ def notebook(request) -> tuple[str, dict]:
     return request.param.name, _load(request.param)
 
 
-def test_the_nine_notebooks_are_found():
-    assert [p.stem[:2] for p in NOTEBOOKS] == [f"{i:02}" for i in range(9)]
+def test_the_notebooks_are_found_numbered_in_order():
+    assert [p.stem[:2] for p in NOTEBOOKS] == [f"{i:02}" for i in range(10)]
 
 
 def test_prerequisites_table_and_time_to_learn_come_first(notebook):

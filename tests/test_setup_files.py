@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import json
 import re
+import sys
 import tomllib
 from pathlib import Path
 
@@ -42,6 +45,31 @@ def test_binder_matches_pyproject_for_the_workbench():
     assert _pyproject_names(("widgets",)) <= binder
     assert binder <= _pyproject_names(("widgets", "dev"))
     assert "pip install --no-deps -e ." in (ROOT / "binder" / "postBuild").read_text()
+
+
+def _notebook_imports() -> set[str]:
+    """The top-level modules the notebooks' code cells import (magics left out)."""
+    found: set[str] = set()
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for cell in json.loads(nb.read_text(encoding="utf-8"))["cells"]:
+            if cell["cell_type"] != "code":
+                continue
+            code = "\n".join(line for line in "".join(cell["source"]).splitlines()
+                             if not line.lstrip().startswith(("%", "!")))
+            for node in ast.walk(ast.parse(code)):
+                if isinstance(node, ast.Import):
+                    found |= {a.name.split(".")[0] for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    found.add(node.module.split(".")[0])
+    return found - set(sys.stdlib_module_names) - {"ckptlab"}
+
+
+def test_binder_has_what_the_notebooks_import():
+    binder = _conda_names(ROOT / "binder" / "environment.yml")
+    provided_by = {"IPython": "jupyterlab"}  # (a dependency of JupyterLab)
+    missing = {m for m in _notebook_imports()
+               if provided_by.get(m, CONDA_NAMES.get(m, m).lower()) not in binder}
+    assert not missing, f"notebooks import {sorted(missing)}: add them to binder/environment.yml"
 
 
 def test_torch_is_pinned_before_anything_else_installs():
