@@ -79,8 +79,10 @@ def render(value: Any, limit: int = MAX_RENDER) -> str:
             put(f"{v.module}.{v.name}")
         elif isinstance(v, Reduced):
             put(f"{v.func.module}.{v.func.name}(...)")
-        elif isinstance(v, _Stored):
-            put("<persistent id>")
+        elif isinstance(v, _Stored):  # what the unpickler would ask persistent_load for
+            put("persistent_load(")
+            walk(v.pid, depth + 1)
+            put(")")
         elif isinstance(v, OpaqueKey):
             walk(v.value, depth)
         elif kind in (tuple, list, set, frozenset) and depth < 4:
@@ -110,7 +112,8 @@ def render(value: Any, limit: int = MAX_RENDER) -> str:
 
 def render_args(args: tuple[Any, ...], limit: int = MAX_RENDER) -> str:
     """A call's arguments as they would be written in the call: ``'ls', 1``."""
-    return ", ".join(render(a, limit) for a in args)[:limit] if args else ""
+    text = ", ".join(render(a, limit) for a in args)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class _Made(Reduced):

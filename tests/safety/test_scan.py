@@ -80,6 +80,21 @@ def _one(path) -> ckptlab.safety.FileSafety:
     return report.files[0]
 
 
+def test_a_call_shows_the_persistent_id_it_is_given_and_long_args_are_cut(tmp_path) -> None:
+    """A rebuild call's storage argument is the persistent_load call the unpickler would make
+    (the id written down, nothing loaded); arguments past 160 characters end in '...'."""
+    path = tmp_path / "p.pt"
+    torch.save({"tail": torch.arange(10.0)[4:], "p": torch.nn.Parameter(torch.ones(2))}, path)
+    calls = {c.global_: c.args for c in _one(path).calls}
+    assert calls["torch._utils._rebuild_tensor_v2"] == (
+        "persistent_load(('storage', torch.FloatStorage, '0', 'cpu', 10)), 4, (6,), (1,), "
+        "False, collections.OrderedDict()")
+    wrapped = calls["torch._utils._rebuild_parameter"]
+    assert len(wrapped) == 160 and wrapped.endswith("...")
+    assert wrapped.startswith("torch._utils._rebuild_tensor_v2(persistent_load(('storage', "
+                              "torch.FloatStorage, '1', 'cpu', 2)), 0, (2,), (1,), False")
+
+
 def test_code_call_is_spelled_out_with_where(tmp_path) -> None:
     path = tmp_path / "evil.pt"
     torch.save({"w": torch.ones(2), "x": Reduce(os.system, ("echo hi",))}, path)
