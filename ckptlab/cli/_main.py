@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -244,6 +246,15 @@ def _fail(message: str) -> int:
     return 2
 
 
+# torch's notes on the API of the tensors ckptlab rebuilds from a file's bytes (sparse,
+# quantized, nested): about torch itself, not the file, so not shown among a command's lines
+TORCH_API_NOTES = ("Sparse CSR tensor support is in beta state",
+                   "Sparse invariant checks are implicitly disabled",
+                   "torch.quantize_per_tensor, torch.quantize_per_channel and other quantized",
+                   "The PyTorch API of nested tensors is in prototype stage",
+                   "TypedStorage is deprecated")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ckptlab`` command; returns the exit status.
 
@@ -259,6 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         when interrupted.
     """
     if argv is None:  # the real command: a name that is not UTF-8 must not crash a print
+        for note in TORCH_API_NOTES:
+            warnings.filterwarnings("ignore", message=re.escape(note), category=UserWarning)
         for stream in (sys.stdout, sys.stderr):
             reconfigure = getattr(stream, "reconfigure", None)
             if reconfigure is not None:

@@ -359,3 +359,14 @@ def test_safetensors_holds_sparse_dense_and_quantized_dequantized(
     if shard_size:  # the index counts the bytes as written (dense, dequantized)
         index = json.loads((dst / "model.safetensors.index.json").read_text())
         assert index["metadata"]["total_size"] == sum(t.nbytes for t in loaded.values())
+
+
+def test_the_command_does_not_show_torchs_notes_on_its_own_api(tmp_path: Path) -> None:
+    """Rebuilding sparse and quantized tensors calls torch's beta and deprecated constructors,
+    which warn about torch itself: the command's output is its own lines only."""
+    src, _ = _odd(tmp_path, quantized=True)
+    done = subprocess.run([sys.executable, "-m", "ckptlab", "convert", str(src),
+                           str(tmp_path / "out.safetensors")], capture_output=True, text=True,
+                          check=False, env={**os.environ, "PYTHONWARNINGS": "default"})
+    assert done.returncode == 0, done.stderr
+    assert "Warning" not in done.stderr and "verified" in done.stdout
