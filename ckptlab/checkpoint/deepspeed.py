@@ -27,6 +27,14 @@ Opened here as one checkpoint (format ``"deepspeed"``) named as DeepSpeed names 
   zero_to_fp32's state dict has them. So ``module.x`` and ``fp32.x`` are the same parameter
   as the model held it and as the optimizer holds it.
 
+A pipeline-parallel save (``deepspeed.pipe.PipelineModule``; ``pp_degree`` stages, no tensor
+parallelism) keeps each layer's weights in ``layer_<NN>-model_states.pt`` and each stage's
+states in ``mp_rank_<stage>_model_states.pt`` (with ``zero_pp_rank_<r>_mp_rank_<stage>``
+partitions under ZeRO 1): the layers' tensors are ``module.<NN>.<key>``, as
+``PipelineModule.state_dict`` names them, and each stage's partitions are assembled as above
+into ``fp32.<NN>.<key>`` and its optimizer states (the stage files' other contents keep
+their file's name in front).
+
 Each assembled tensor is a list of ``piece`` parts (byte ranges of the rank files, each with
 its flat element position), read by byte ranges: reading one holds that parameter, never a
 whole partition. Nothing is run, DeepSpeed is not needed. What ckptlab cannot assemble
@@ -49,6 +57,7 @@ from ckptlab.format.layout import contiguous_strides
 __all__ = ["MODEL_STATES_RE", "OPTIM_STATES_RE", "deepspeed_checkpoint", "is_deepspeed_save"]
 
 MODEL_STATES_RE = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
+LAYER_STATES_RE = re.compile(r"layer_(\d+)(?:-model_(\d+))?-model_states\.pt")
 OPTIM_STATES_RE = re.compile(r"(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 MASTER = "fp32"  # the prefix of the master weights (zero_to_fp32's state dict)
 
@@ -81,18 +90,38 @@ def is_deepspeed_save(names: Sequence[str]) -> bool:
     return any(MODEL_STATES_RE.fullmatch(n) for n in names)
 
 
+_MISSING = object()
+
+
 class _Unassembled(Exception):
     """Why the partitions stay as they are (said in a note)."""
 
 
-def _ranked(names: Sequence[str], pattern: re.Pattern[str]) -> dict[int, str]:
-    """{data-parallel rank: file} of the tensor-parallel rank 00 files matching ``pattern``."""
+def _ranked(names: Sequence[str], pattern: re.Pattern[str], mp: int = 0) -> dict[int, str]:
+    """{data-parallel rank: file} of the model-parallel rank ``mp`` files matching
+    ``pattern``."""
     out = {}
     for name in names:
         m = pattern.fullmatch(name)
-        if m and int(m.group(2)) == 0:
+        if m and int(m.group(2)) == mp:
             out[int(m.group(1) or 0)] = name
     return out
+
+
+def _pipeline_stages(names: Sequence[str], dims: Any) -> list[int]:
+    """The stages of a pipeline-parallel save without tensor parallelism (``[]`` for any
+    other save): ``checkpoint_parallel_dimensions`` says ``pp_degree`` N > 1 and
+    ``tp_degree`` 1, the directory holds the model states of model-parallel ranks 0 to N-1
+    and the layers' files."""
+    if not isinstance(dims, dict) or dims.get("tp_degree") != 1:
+        return []
+    pp = dims.get("pp_degree")
+    stages = sorted({int(m.group(2)) for n in names if (m := MODEL_STATES_RE.fullmatch(n))})
+    layers = [m for n in names if (m := LAYER_STATES_RE.fullmatch(n))]
+    if not isinstance(pp, int) or pp < 2 or stages != list(range(pp)) or not layers or any(
+            m.group(2) not in (None, "00") for m in layers):
+        return []
+    return stages
 
 
 def deepspeed_checkpoint(ck: Checkpoint) -> Checkpoint:
@@ -108,28 +137,51 @@ def deepspeed_checkpoint(ck: Checkpoint) -> Checkpoint:
     tensors = {t.path: t for t in ck.tensors.values()}
 
     def value(file: str, *keys: Any) -> Any:
-        return objects.get(tensor_name((file, *keys)))
+        """The value at ``keys`` of ``file``'s object: kept under its own name, or inside a
+        container kept whole (a file without tensors is one object)."""
+        path = (file, *keys)
+        for end in range(len(path), 0, -1):
+            found = objects.get(tensor_name(path[:end]), _MISSING)
+            if found is _MISSING:
+                continue
+            for key in path[end:]:
+                if not isinstance(found, dict) or key not in found:
+                    return None
+                found = found[key]
+            return found
+        return None
 
     notes = list(ck.notes)
-    if others or (value(main, "mp_world_size") or 1) > 1:
+    stages = _pipeline_stages(names, value(main, "checkpoint_parallel_dimensions"))
+    if not stages and (others or (value(main, "mp_world_size") or 1) > 1):
         notes.append("DeepSpeed save with tensor or pipeline parallel model states "
                      f"({len(others) + len(models)} model states files): shown file by file")
         return Checkpoint("deepspeed", ck.path, ck.files, ck.tensors, ck._objects, ck._reader,
                           tuple(notes))
+    if stages:
+        notes.append(f"DeepSpeed pipeline-parallel save, {len(stages)} stages: module.<layer>.* "
+                     f"from the layer_<NN>-model_states.pt files, as PipelineModule names them")
     used: set[tuple[Any, ...]] = set()  # the raw tensors the assembled ones stand for
     assembled: list[TensorEntry] = []
-    optims = _ranked(names, OPTIM_STATES_RE)
-    if optims:
+    for mp in stages or [0]:
+        stage_models = _ranked(names, MODEL_STATES_RE, mp)
+        optims = _ranked(names, OPTIM_STATES_RE, mp)
+        if not optims or not stage_models:
+            continue
+        where = f" (pipeline stage {mp})" if stages else ""
         try:
-            assembled, used = _assemble(main, models, optims, value, tensors)
+            more, more_used = _assemble(stage_models[min(stage_models)], stage_models, optims,
+                                        value, tensors)
+            assembled += more
+            used |= more_used
             stage = _stage(value(optims[min(optims)], "optimizer_state_dict", "zero_stage"))
             notes.append(
-                f"DeepSpeed ZeRO stage {stage} over {len(optims)} data-parallel ranks: "
+                f"DeepSpeed ZeRO stage {stage} over {len(optims)} data-parallel ranks{where}: "
                 f"{MASTER}.* (master weights) and the optimizer's states by parameter, assembled "
                 f"from the {len(optims)} *_optim_states.pt partitions as zero_to_fp32.py does")
         except _Unassembled as exc:
-            notes.append(f"DeepSpeed ZeRO partitions not assembled: {exc}; shown file by file")
-            assembled, used = [], set()
+            notes.append(f"DeepSpeed ZeRO partitions{where} not assembled: {exc}; shown file by "
+                         f"file")
     placeholders = {("module", n) for n in _param_names(value(main, "param_shapes"))}
     for more in ("frozen_param_shapes", "shared_params"):
         placeholders |= {("module", n) for n in (value(main, more) or {})}
@@ -143,7 +195,11 @@ def deepspeed_checkpoint(ck: Checkpoint) -> Checkpoint:
             continue
         if path[0] in models.values() and path[1:] in placeholders and t.numel == 0:
             continue  # ZeRO 3: the parameter's bytes are in the partitions
-        if path[0] == main:
+        layer = LAYER_STATES_RE.fullmatch(str(path[0])) if stages else None
+        if layer is not None:  # a pipeline layer's weights: module.<layer index>.<key>
+            named = ("module", str(int(layer.group(1))), *path[1:])
+            t = dataclasses.replace(t, name=tensor_name(named), path=named)
+        elif path[0] == main and not stages:
             t = dataclasses.replace(t, name=tensor_name(path[1:]), path=path[1:])
         out.append(t)
     if any(t.parts and t.parts[0].file.startswith(UNIVERSAL + "/") for t in out):
@@ -151,7 +207,9 @@ def deepspeed_checkpoint(ck: Checkpoint) -> Checkpoint:
                      f"{UNIVERSAL}/<param>/<state>.pt")
     from ckptlab.checkpoint._tensors import unique_names
 
-    mine = main + "."  # the model states file's values by their own keys, as its tensors
+    # the model states file's values by their own keys, as its tensors (a pipeline's stages
+    # keep their file's name)
+    mine = main + "." if not stages else "\0"
     values = {name[len(mine):] if name.startswith(mine) else name: v
               for name, v in ck._objects.items()}
     return Checkpoint("deepspeed", ck.path, ck.files, unique_names([*out, *assembled]),

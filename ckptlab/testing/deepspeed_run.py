@@ -6,7 +6,9 @@ installed); importing this module imports neither torch nor DeepSpeed.
 
 The model has what zero_to_fp32.py treats specially: two optimizer groups (decay and no
 decay), a frozen layer, a weight tied to another (``head.weight`` is ``emb.weight``), a
-buffer, and parameters whose sizes do not divide by the ranks.
+buffer, and parameters whose sizes do not divide by the ranks. With ``pipeline``, a
+``deepspeed.pipe.PipelineModule`` of five layers (one without parameters) in two stages over
+four ranks (two data-parallel ranks per stage), trained with ``engine.train_batch``.
 """
 
 from __future__ import annotations
@@ -19,14 +21,17 @@ from typing import Any
 
 
 def write_run(stage: int, out: str | os.PathLike[str], *, port: int = 29617,
-              universal: str | os.PathLike[str] | None = None, width: int = 0) -> Path:
+              universal: str | os.PathLike[str] | None = None, width: int = 0,
+              pipeline: bool = False) -> Path:
     """Train and save a ZeRO ``stage`` run into ``out`` (``global_step1/``,
     ``global_step2/``, ``latest``) with DeepSpeed on two CPU ranks; with ``universal``, also
     convert ``global_step2`` there with DeepSpeed's ``ds_to_universal``. ``width``: instead
-    of the small model, four ``width`` x ``width`` linear layers (for benchmarks)."""
+    of the small model, four ``width`` x ``width`` linear layers (for benchmarks).
+    ``pipeline``: a two-stage pipeline on four ranks instead (ZeRO 0 or 1)."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    runs = [[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-             "--master_port", str(port), "-m", __name__, str(stage), str(out), str(width)]]
+    runs = [[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+             "4" if pipeline else "2", "--master_port", str(port), "-m", __name__, str(stage),
+             str(out), str(width), "pipeline" if pipeline else ""]]
     if universal is not None:
         runs.append([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
                      "--input_folder", str(Path(out) / "global_step2"), "--output_folder",
@@ -61,6 +66,34 @@ def _net() -> Any:
     return Net()
 
 
+def _pipeline(stage: int, out: str) -> None:
+    """Two pipeline stages (layers 0-1 and 2-4: a ReLU, layer 3, holds no parameter), two
+    data-parallel ranks each; two steps of ``train_batch``, each saved."""
+    import deepspeed
+    import torch
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    layers = [LayerSpec(torch.nn.Linear, 6, 7), LayerSpec(torch.nn.Linear, 7, 5),
+              LayerSpec(torch.nn.Linear, 5, 6), LayerSpec(torch.nn.ReLU),
+              LayerSpec(torch.nn.Linear, 6, 3)]
+    model = PipelineModule(layers=layers, num_stages=2, loss_fn=torch.nn.MSELoss(),
+                           partition_method="uniform")
+    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+              "gradient_accumulation_steps": 2, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(
+        model.parameters()), config=config)
+
+    def batches() -> Any:
+        while True:
+            yield torch.randn(2, 6), torch.randn(2, 3)
+
+    data = batches()
+    for _ in range(2):
+        engine.train_batch(data)
+        engine.save_checkpoint(out, client_state={"universal_checkpoint_info": {}})
+
+
 def main() -> None:
     import deepspeed
     import torch
@@ -69,6 +102,9 @@ def main() -> None:
     width = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
+    if len(sys.argv) > 4 and sys.argv[4] == "pipeline":
+        _pipeline(stage, out)
+        return
     model = _net() if not width else torch.nn.Sequential(
         torch.nn.Embedding(11, width), *(torch.nn.Linear(width, width) for _ in range(4)))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

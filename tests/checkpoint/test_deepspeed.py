@@ -35,6 +35,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
             for stage in (0, 1, 2, 3)}
 
 
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A two-stage pipeline run under ZeRO 1 (four ranks: two data-parallel per stage), and
+    ``ds_to_universal``'s conversion of its second save beside it."""
+    base = tmp_path_factory.mktemp("ds-pipeline")
+    write_run(1, base / "run", port=29625, pipeline=True, universal=base / "universal")
+    return base
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
         a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
@@ -125,6 +134,37 @@ def test_zero0_is_the_model_states_file(runs: dict[int, Path]) -> None:
         assert _same(ck.read(f"optimizer.state.{index}.exp_avg"), values["exp_avg"])
     assert ck.objects["global_steps"] == 2 and ck.objects["ds_version"]
     assert not any(n.startswith("fp32.") for n in ck.tensors)
+
+
+def test_a_pipeline_save_opens_by_layer_and_parameter(pipeline: Path) -> None:
+    """Each layer file's tensors as ``module.<layer>.<key>`` (PipelineModule's names) and each
+    stage's ZeRO partitions assembled by parameter, against torch.load of the layer files and
+    DeepSpeed's own ds_to_universal (zero_to_fp32 does not read pipeline saves)."""
+    ck = cl.open(pipeline / "run")
+    assert ck.format == "deepspeed" and ck.run.opened == "global_step2"
+    assert any("pipeline-parallel save, 2 stages" in n for n in ck.notes)
+    assert sum("ZeRO stage 1 over 2 data-parallel ranks (pipeline stage" in n
+               for n in ck.notes) == 2
+    layers = sorted((pipeline / "run" / "global_step2").glob("layer_*-model_states.pt"))
+    expected = set()
+    for f in layers:
+        for key, tensor in torch.load(f, weights_only=True).items():
+            name = f"module.{int(f.name[6:8])}.{key}"
+            assert _same(ck.read(name), tensor), name
+            expected.add(name)
+    assert {n for n in ck.tensors if n.startswith("module.")} == expected
+    assert len(expected) == 8  # layers 0, 1, 2 and 4 (3 is a ReLU), weight and bias each
+    universal = pipeline / "universal" / "zero"
+    params = sorted(p.name for p in universal.iterdir() if p.is_dir())
+    assert params == sorted(n[len("module."):] for n in expected)  # 0.weight, 0.bias...
+    for param in params:
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            saved = torch.load(universal / param / f"{state}.pt", weights_only=False)
+            saved = saved["param"] if isinstance(saved, dict) else saved
+            assert _same(ck.read(f"{state}.{param}").reshape(saved.shape), saved), (state,
+                                                                                  param)
+    assert {n.split(".", 1)[0] for n in ck.tensors if not n.startswith("module.")} >= {
+        "fp32", "exp_avg", "exp_avg_sq"}
 
 
 @pytest.mark.parametrize("stage", [2, 3])
