@@ -29,7 +29,6 @@ from ckptlab.plan.examples import (
     SAMPLE_OBJECTS,
     load_resharded,
     sample_state,
-    save_sample_sharded,
     simulated_chunks,
 )
 
@@ -37,10 +36,9 @@ SAVE_RANKS, LOAD_RANKS = 2, 3
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
-    path = tmp_path_factory.mktemp("examples") / "ckpt"
-    plans = run_ranks(save_sample_sharded, SAVE_RANKS, str(path), timeout=180)
-    return path, plans
+def saved(sample_sharded_save: tuple[Path, list[Any]]) -> tuple[Path, list[Any]]:
+    assert len(sample_sharded_save[1]) == SAVE_RANKS  # (tests/plan/conftest.py)
+    return sample_sharded_save
 
 
 @pytest.fixture(scope="module")
