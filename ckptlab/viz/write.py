@@ -21,6 +21,7 @@ __all__ = ["ITEM_COLORS", "PHASE_COLORS", "bucket_figure", "timeline_figure"]
 
 # one colour per save phase: copies orange, disk writes blue, fsync red, the commit green
 PHASE_COLORS: dict[str, str] = {
+    "reserve": "#79706e",
     "plan": "#bab0ac",
     "stage": "#f58518",
     "open": "#72b7b2",

@@ -20,7 +20,7 @@ from ckptlab.write._blob import BlobTemplate, BlobTemplates
 from ckptlab.write._staging import PendingCopy, StagingArena, StagingState
 from ckptlab.write.buckets import BucketAssignment, assign_buckets, item_nbytes
 
-__all__ = ["Extent", "FileJob", "Placement", "place_item", "place_plan"]
+__all__ = ["Extent", "FileJob", "Placement", "place_item", "place_plan", "staging_nbytes"]
 
 DATA_SUFFIX = ".distcp"  # DCP's data file suffix (FileSystemWriter's DEFAULT_SUFFIX)
 
@@ -90,6 +90,11 @@ def _local_chunk(item: Any, data: Any) -> Any:
     return data
 
 
+def staging_nbytes(plan: Any) -> int:
+    """Staging memory a save of ``plan`` takes: each item's bytes from a 4096-byte slot."""
+    return sum(align_up(item_nbytes(i)) for i in plan.items)
+
+
 def place_plan(plan: Any, planner: Any, *, directory: str, prefix: str, buckets: int,
                separation_hint: str | None, arena: StagingArena, templates: BlobTemplates,
                staged: bool) -> Placement:
@@ -103,7 +108,7 @@ def place_plan(plan: Any, planner: Any, *, directory: str, prefix: str, buckets:
     storage_info = storage_info_class()
     assignment = assign_buckets(plan.items, buckets, separation_hint)
     if not staged:
-        arena.begin(sum(align_up(item_nbytes(i)) for i in plan.items))
+        arena.begin(staging_nbytes(plan))
     staging = StagingState()
     results: list[Any] = []
     jobs: list[FileJob] = []

@@ -15,7 +15,7 @@ from typing import Any
 
 from ckptlab.write._blob import BlobTemplates
 from ckptlab.write._commit import report_buckets
-from ckptlab.write._placement import Placement, place_plan
+from ckptlab.write._placement import Placement, place_plan, staging_nbytes
 from ckptlab.write._staging import (
     StagingArena,
     copy_in,
@@ -51,7 +51,9 @@ def stage_save(save: SaveState, res: SaveResources, state_dict: dict[str, Any]) 
     """
     t = save.recorder.now()
     try:
-        res.arena.begin(tree_nbytes(state_dict))
+        if res.arena.begin(tree_nbytes(state_dict)):
+            save.recorder.add(None, "reserve", t, res.arena.capacity_nbytes)
+            t = save.recorder.now()
         pairs: list[tuple[Any, Any]] = []
         staged, nbytes = stage_tree(res.arena, state_dict, pairs)
         in_lanes(copy_pairs, pairs, res.copiers, res.lanes, pair_nbytes)
@@ -74,6 +76,9 @@ def run_save(save: SaveState, plan: Any, planner: Any, res: SaveResources, *, di
     """
     t = save.recorder.now()
     try:
+        if not save.staged and res.arena.begin(staging_nbytes(plan)):
+            save.recorder.add(None, "reserve", t, res.arena.capacity_nbytes)
+            t = save.recorder.now()
         placed = place_plan(plan, planner, directory=directory, prefix=prefix,
                             buckets=buckets, separation_hint=separation_hint,
                             arena=res.arena, templates=res.templates, staged=save.staged)

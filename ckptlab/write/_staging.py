@@ -26,7 +26,8 @@ from ckptlab.write.timeline import _Recorder
 __all__ = ["SLAB_MIN_NBYTES", "StagingArena", "StagingState", "copy_in", "copy_pairs",
            "in_lanes", "pair_nbytes", "stage_tree", "tree_nbytes"]
 
-SLAB_MIN_NBYTES = 64 << 20  # staging memory grows in slabs at least this big
+SLAB_MIN_NBYTES = 64 << 20  # staging memory grows (past what a save asked for) in slabs at
+#                             least this big
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -71,12 +72,18 @@ class StagingArena:
     def used_nbytes(self) -> int:
         return sum(s.used for s in self._slabs)
 
-    def begin(self, need_nbytes: int) -> None:
-        """Rewind for a new save that will stage about ``need_nbytes`` bytes."""
+    def begin(self, need_nbytes: int) -> int:
+        """Rewind for a new save that will stage about ``need_nbytes`` bytes; the bytes of
+        staging memory mapped (and faulted in) for it: 0 when the memory held is enough,
+        else one slab of ``need_nbytes`` rounded up to 2 MiB (the save's size is known: a
+        larger slab would cost its mapping time for nothing)."""
+        mapped = 0
         if need_nbytes > self.capacity_nbytes:
-            self._slabs = [_Slab(max(align_up(need_nbytes, 2 << 20), SLAB_MIN_NBYTES))]
+            mapped = align_up(need_nbytes, 2 << 20)
+            self._slabs = [_Slab(mapped)]
         for slab in self._slabs:
             slab.used = 0
+        return mapped
 
     def release(self) -> None:
         """Drop every slab (memory returns to the OS once no staged tensor refers to it)."""

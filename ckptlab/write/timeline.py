@@ -11,11 +11,12 @@ from ckptlab.write.buckets import BucketAssignment
 
 __all__ = ["PHASES", "Timeline", "TimelineEvent"]
 
-# phases roughly in the order a save goes through them. "plan" (bucket assignment),
+# phases roughly in the order a save goes through them. "reserve" (staging memory mapped and
+# faulted in: a writer's first save, or one larger than any before), "plan" (bucket assignment),
 # "metadata" (pickling .metadata in finish), "wait_ranks" (the coordinator waiting for the
 # other ranks' markers) and "commit" belong to the whole save (bucket None); "stage" is per
 # bucket, except after dcp.async_save's stage(), which is one save-wide event
-PHASES = ("plan", "stage", "open", "write", "fsync", "close", "metadata", "wait_ranks",
+PHASES = ("reserve", "plan", "stage", "open", "write", "fsync", "close", "metadata", "wait_ranks",
           "commit")
 
 

@@ -22,7 +22,7 @@ from ckptlab.write import AsyncWriter, assign_buckets, sized_items
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-STAGING_SLAB_NBYTES = 64 << 20  # the writer maps at least this much, whatever the save's size
+STAGING_NBYTES = 20 << 20  # the lesson's state (about 20 MiB) in 4 KiB slots, to 2 MiB
 
 
 def lesson_state() -> dict[str, Any]:
@@ -166,11 +166,15 @@ def test_first_save_sets_up_and_the_second_returns_after_staging(tmp_path: Path)
         dcp.save(state, checkpoint_id=str(tmp_path / "step_100"), storage_writer=writer,
                  no_dist=True)
         first = writer.wait()
-        assert writer.staging_nbytes == STAGING_SLAB_NBYTES  # mapped by the first save
+        assert writer.staging_nbytes == STAGING_NBYTES  # mapped by the first save
         dcp.save(state, checkpoint_id=str(tmp_path / "step_101"), storage_writer=writer,
                  no_dist=True)
         second = writer.wait()
-        assert writer.staging_nbytes == STAGING_SLAB_NBYTES  # reused, not mapped again
+        assert writer.staging_nbytes == STAGING_NBYTES  # reused, not mapped again
+    # the first save maps its staging memory first, a phase of its own; the second does not
+    [reserve] = [e for e in first.events if e.phase == "reserve"]
+    assert reserve.nbytes == STAGING_NBYTES and reserve.end_s <= _span(first, "plan")[0]
+    assert not any(e.phase == "reserve" for e in second.events)
     for timeline, name in ((first, "step_100"), (second, "step_101")):
         assert timeline.committed and (tmp_path / name / ".metadata").exists()
         plan_from, plan_to = _span(timeline, "plan")
@@ -235,15 +239,17 @@ def test_try_this_separation_hint_files(tmp_path: Path) -> None:
         "__0_1.distcp": {"optim.lr", "optim.layer0.exp_avg", "optim.layer1.exp_avg"}}
 
 
-def test_try_this_reserve_maps_a_whole_slab_before_the_first_save(tmp_path: Path) -> None:
+def test_try_this_reserve_maps_the_memory_before_the_first_save(tmp_path: Path) -> None:
     state = lesson_state()
     state_nbytes = sum(v.numel() * v.element_size() for _, v in _leaves(state)
                        if isinstance(v, torch.Tensor))
     assert 19 << 20 < state_nbytes < 20 << 20  # "about 20 MiB"
     with AsyncWriter(tmp_path / "fresh", workers=2) as fresh:
         fresh.reserve(state_nbytes)
-        assert fresh.staging_nbytes == STAGING_SLAB_NBYTES
+        assert fresh.staging_nbytes == STAGING_NBYTES
         dcp.save(state, checkpoint_id=str(tmp_path / "fresh"), storage_writer=fresh,
                  no_dist=True)
-        assert fresh.wait().committed
-        assert fresh.staging_nbytes == STAGING_SLAB_NBYTES  # the save mapped nothing more
+        timeline = fresh.wait()
+        assert timeline.committed
+        assert fresh.staging_nbytes == STAGING_NBYTES  # the save mapped nothing more
+        assert not any(e.phase == "reserve" for e in timeline.events)

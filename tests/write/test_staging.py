@@ -25,8 +25,8 @@ from ckptlab.write.timeline import _Recorder
 
 def test_slots_are_aligned_reused_and_found() -> None:
     arena = StagingArena()
-    arena.begin(10_000)
-    assert arena.capacity_nbytes == SLAB_MIN_NBYTES  # one slab, at least the minimum
+    assert arena.begin(10_000) == 2 << 20  # one slab: what the save asked, to 2 MiB
+    assert arena.capacity_nbytes == 2 << 20
     a, va = arena.alloc(100)
     b, vb = arena.alloc(5000)
     assert a.data_ptr() % 4096 == 0 and b.data_ptr() % 4096 == 0
@@ -36,7 +36,7 @@ def test_slots_are_aligned_reused_and_found() -> None:
     assert arena.find(a[1:]) is None  # not at a slot start
     assert arena.find(torch.zeros(10)) is None  # not staging memory
     base = a.data_ptr()
-    arena.begin(10_000)  # a new save: same memory, rewound
+    assert arena.begin(10_000) == 0  # a new save: same memory (nothing mapped), rewound
     assert arena.used_nbytes == 0 and arena.alloc(1)[0].data_ptr() == base
     arena.release()
     assert arena.capacity_nbytes == 0
