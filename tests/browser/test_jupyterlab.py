@@ -276,6 +276,23 @@ def test_async_writing_notebook_runs_clean(lab: Lab, page, page_log, screenshot)
     page_log.assert_no_errors()
 
 
+def test_safetensors_notebook_runs_clean(lab: Lab, page, page_log, screenshot):
+    """notebooks/09_safetensors_and_hugging_face.ipynb runs in JupyterLab with no error output
+    and no JavaScript error: its hex views of the header and its figure drawn."""
+    name = "09_safetensors_and_hugging_face.ipynb"
+    _run_notebook(page, lab, name)
+    page.wait_for_selector(".js-plotly-plot", state="attached", timeout=RENDER_TIMEOUT_MS)
+    page.wait_for_timeout(1000)
+    screenshot(name.split("_", 1)[0], full_page=False)
+    hexes = page.locator(".ckptlab-hex")
+    if hexes.count():
+        hexes.first.scroll_into_view_if_needed()
+        screenshot("header-hex", hexes.first)
+    _assert_no_error_outputs(page, name)
+    page_log.assert_offline()
+    page_log.assert_no_errors()
+
+
 def test_comparing_checkpoints_draws_its_explorers(lab: Lab, page, page_log, screenshot):
     """notebooks/07_comparing_checkpoints.ipynb runs clean in the browser: its DiffExplorer
     draws the module bars and the picked tensor's three histograms (A, B, B - A), its
