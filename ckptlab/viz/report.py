@@ -118,8 +118,10 @@ def report_html(source: Any, *, hex_bytes: bytes | None = None, hex_file: str | 
         With ``diff``: tensor name -> {label: :class:`~ckptlab.compare.TensorStats`} (the
         tensor in A, in B, its changes), a figure each.
     stats
-        Tensor name -> :class:`~ckptlab.compare.TensorStats` (``ckptlab.stats``): a section
-        with the health line and the statistics table (``ckptlab report --stats``).
+        Tensor name -> :class:`~ckptlab.compare.TensorStats` (``ckptlab.stats``): the tensor
+        table gains their columns (min, max, mean, std, NaN, Inf) and a section says what
+        looks wrong (the health line) and which tensors could not be measured
+        (``ckptlab report --stats``).
     steps
         A training run's consecutive diffs (:func:`ckptlab.compare.step_diffs`): a figure of
         how far each module moved between saves (``ckptlab report RUN --steps``).
@@ -132,8 +134,8 @@ def report_html(source: Any, *, hex_bytes: bytes | None = None, hex_file: str | 
     """
     lead, n = _lead(diff, histograms or {}, stats, steps)
     if isinstance(source, ArchiveLayout):
-        return _layout_report(source, hex_bytes, lead, n)
-    return _checkpoint_report(source, hex_bytes, hex_file, max_file_maps, lead, n)
+        return _layout_report(source, hex_bytes, lead, n, stats)
+    return _checkpoint_report(source, hex_bytes, hex_file, max_file_maps, lead, n, stats)
 
 
 def _lead(diff: Any, histograms: Mapping[str, Mapping[str, Any]],
@@ -147,7 +149,6 @@ def _lead(diff: Any, histograms: Mapping[str, Mapping[str, Any]],
         diff_table_html,
         health_html,
         hist_figure,
-        stats_table_html,
         steps_figure,
     )
 
@@ -166,8 +167,14 @@ def _lead(diff: Any, histograms: Mapping[str, Mapping[str, Any]],
                      + diff_table_html(diff))
         figures += len(figs)
     if stats is not None:
+        unreadable = [[name, s.error] for name, s in stats.items() if s.error]
         parts.append("<h2>Tensor statistics</h2>" + health_html(health(dict(stats)))
-                     + stats_table_html(stats))
+                     + f'<p class="note">{plural(len(stats), "tensor")} measured: their '
+                     "minimum, maximum, mean, standard deviation and NaN and Inf counts are "
+                     "columns of the tensor table below (<code>ckptlab stats --json</code> "
+                     "has the histograms too).</p>"
+                     + (html_table(["could not be measured", "why"], unreadable)
+                        if unreadable else ""))
     return "\n".join(parts), figures
 
 
@@ -339,15 +346,17 @@ def _json_for_script(value: Any) -> str:
     return json.dumps(value, ensure_ascii=True, separators=(",", ":")).replace("<", "\\u003c")
 
 
-def _tensor_section(table: TensorTable, multi: bool) -> str:
+def _tensor_section(table: TensorTable, multi: bool,
+                    stats: Mapping[str, Any] | None = None) -> str:
     """The tensor table with a search box: the first rows in the page, all of them (up to
     ``MAX_FILTER_ROWS``) searchable in the browser, the shown rows capped at
     ``MAX_TENSOR_ROWS`` with a count of the hidden ones. The rows are in the one tensor
     query's default order and the box follows its rules (:data:`_MATCH_JS`), so a search
-    finds what ``ckptlab inspect --filter`` and the served app find."""
+    finds what ``ckptlab inspect --filter`` and the served app find. With ``stats``
+    (:func:`ckptlab.stats`'s result), :data:`STATS_HEADER`'s columns follow."""
     header = ["name", "dtype", "shape", "kind", "bytes", "params", *(["file"] * multi),
-              "offset"]
-    numeric = [h in ("bytes", "params", "offset") for h in header]
+              "offset", *(STATS_HEADER if stats is not None else ())]
+    numeric = [h in ("bytes", "params", "offset", "NaN", "Inf") for h in header]
     rows: list[list[Any]] = []
     shown = table.catalog.select(TensorQuery(limit=MAX_FILTER_ROWS)).rows
     for i in shown.tolist():
@@ -357,6 +366,8 @@ def _tensor_section(table: TensorTable, multi: bool) -> str:
         if multi:
             row.append(table.files[i] or "—")
         row.append("—" if off < 0 else off)
+        if stats is not None:
+            row += _stats_cells(stats.get(table.names[i]))
         rows.append(row)
     n = len(table)
     hidden = n - min(n, MAX_TENSOR_ROWS)
@@ -379,6 +390,20 @@ def _tensor_section(table: TensorTable, multi: bool) -> str:
         f"{_json_for_script(numeric)}</script>"
         "<script>" + _FILTER_JS.replace("@CAP@", str(MAX_TENSOR_ROWS)).replace("@TOTAL@", str(n))
         .replace("@MATCH@", _MATCH_JS) + "</script>")
+
+
+STATS_HEADER = ("min", "max", "mean", "std", "NaN", "Inf")  # a tensor's statistics columns
+
+
+def _stats_cells(found: Any) -> list[Any]:
+    """A tensor's :data:`STATS_HEADER` cells: "—" where it was not measured, its error's
+    first words where it could not be read."""
+    if found is None:
+        return ["—"] * len(STATS_HEADER)
+    if found.error:
+        return ["unreadable", "—", "—", "—", "—", "—"]
+    return [*(format(v, ".4g") if v is not None else "—"
+              for v in (found.min, found.max, found.mean, found.std)), found.nan, found.inf]
 
 
 def _dtype_html(source: Any) -> str:
@@ -433,7 +458,7 @@ def _fitting_overhead(fig: go.Figure, fmt: str) -> go.Figure:
 
 
 def _layout_report(layout: ArchiveLayout, hex_bytes: bytes | None, lead: str = "",
-                   lead_figures: int = 0) -> str:
+                   lead_figures: int = 0, stats: Mapping[str, Any] | None = None) -> str:
     """One file's byte layout: records and alignment what-if for a torch.save zip."""
     zip_ = layout.format == "torch-zip"
     bm = ByteMap.from_layout(layout)
@@ -473,7 +498,7 @@ def _layout_report(layout: ArchiveLayout, hex_bytes: bytes | None, lead: str = "
         [("Bytes by module", treemap_figure(table))] if layout.tensors else [])
     body = [safety_badge(layout.path) if os.path.isfile(layout.path) else "",
             html_table(["", ""], facts), lead, _dtype_html(table),
-            _figures_html(head, start=lead_figures), _tensor_section(table, multi=False),
+            _figures_html(head, start=lead_figures), _tensor_section(table, multi=False, stats=stats),
             _figures_html(figures, start=lead_figures + len(head), legend=_legend(bm.lanes))]
     if zip_:
         records = [[r.short_name, r.header_offset, r.data_offset, r.data_nbytes,
@@ -531,7 +556,8 @@ def _placement_figure(parts: Sequence[tuple[str, Any]], multi: bool) -> go.Figur
 
 
 def _checkpoint_report(ck: Any, hex_bytes: bytes | None, hex_file: str | None,
-                       max_file_maps: int, lead: str = "", lead_figures: int = 0) -> str:
+                       max_file_maps: int, lead: str = "", lead_figures: int = 0,
+                       stats: Mapping[str, Any] | None = None) -> str:
     from ckptlab.gds.readiness import tensor_ranges
 
     multi = len(ck.files) > 1
@@ -604,7 +630,7 @@ def _checkpoint_report(ck: Any, hex_bytes: bytes | None, hex_file: str | None,
     if any(p.compression for _, p in parts):
         facts.append(["compressed parts", sum(bool(p.compression) for _, p in parts)])
     body = [safety_badge(ck), html_table(["", ""], facts), lead, _dtype_html(table),
-            _figures_html(head, start=lead_figures), _tensor_section(table, multi)]
+            _figures_html(head, start=lead_figures), _tensor_section(table, multi, stats)]
     if ck.notes:
         body.append("<ul class=\"note\">" + "".join(f"<li>{html.escape(n)}</li>"
                                                     for n in ck.notes) + "</ul>")

@@ -5,6 +5,7 @@ their data (``layout.meta``), ``DiffExplorer`` / ``StatsExplorer`` driven as a u
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -158,6 +159,14 @@ def test_report_compare_and_stats(tuned: tuple[Path, Path], tmp_path: Path,
     page = out.read_text()
     assert "Compared with" in page and "What changed" in page
     assert "Histograms · block.1.w" in page and "Tensor statistics" in page
+    # the statistics are columns of the one tensor table (searchable with it), not a second one
+    assert "columns of the tensor table below" in page and page.count("<th>min</th>") == 1
+    rows = json.loads(page.split('id="ckptlab-tensor-rows">', 1)[1].split("</script>", 1)[0])
+    found = stats(tuned[0])
+    by_name = {r[0]: r for r in rows}
+    for name, s in found.items():
+        assert by_name[name][-6:] == [f"{s.min:.4g}", f"{s.max:.4g}", f"{s.mean:.4g}",
+                                      f"{s.std:.4g}", s.nan, s.inf], name
     assert page.count("ckptlab-fig-0") >= 1 and page.count('id="ckptlab-fig-0"') == 1
     capsys.readouterr()
     assert main(["report", str(tuned[0]), "--compare", str(tmp_path / "missing.pt"),
