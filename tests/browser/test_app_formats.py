@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from browser_support import ServedProcess, free_port, serve_process
+from playwright.sync_api import expect
 
 import ckptlab as cl
 from ckptlab import samples
@@ -318,8 +320,13 @@ def test_every_tensor_statistics_in_the_table(page, page_log, served, screenshot
     page.locator(".ckptlab-health").first.wait_for(timeout=120_000)
     page.locator('.tabulator-col[tabulator-field="max"]').first.wait_for()
     row = page.locator(ROW).first
+    max_cell = row.locator('.tabulator-cell[tabulator-field="max"]')
+    # the health line and the columns come in one update, the table's values may draw a
+    # moment later on a busy machine: wait for the first row's value (locators see into
+    # the widgets' shadow DOM), not a fixed time
+    expect(max_cell).not_to_have_text(re.compile(r"^\s*-?\s*$"), timeout=60_000)
     name = row.locator('.tabulator-cell[tabulator-field="name"]').text_content()
-    shown = row.locator('.tabulator-cell[tabulator-field="max"]').text_content()
+    shown = max_cell.text_content()
     assert float(shown) == pytest.approx(found[name].max, rel=1e-3, abs=1e-12), (name, shown)
     wide, window = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
     assert wide <= window
