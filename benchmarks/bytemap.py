@@ -12,6 +12,10 @@ it once, then measures:
 - ``ByteMap.from_layout`` and ``bytemap_figure`` build time (median of ``--repeat``), and the
   figure's JSON size;
 - zoom re-binning: ``bytemap_trace`` for 20 random windows (median and max);
+- the map from a freshly opened ``Checkpoint`` (``ByteMap.from_checkpoint``: a torch.save
+  file's map from its layout's columns) against the map from its entries
+  (``ByteMap.from_file(entry, ck.tensors.values())``, which makes every TensorEntry), each on
+  a checkpoint opened for it (median of ``--repeat``);
 - the obvious alternative, one plotly bar per segment (``go.Bar`` with ``base``), built in the
   same run: build time and JSON size (the ratio is printed);
 - with ``--browser``: draw time in Debian chromium (headless, Playwright) of the served app
@@ -148,6 +152,22 @@ def new_process_build(path: Path, repeat: int) -> float:
                              for _ in range(max(1, min(repeat, 3))))
 
 
+def checkpoint_maps(path: Path, repeat: int) -> tuple[float, float]:
+    """Median seconds of ``ByteMap.from_checkpoint`` and of ``ByteMap.from_file`` with the
+    checkpoint's entries, each on a checkpoint just opened (its entries not yet made)."""
+    ours, entries = [], []
+    for _ in range(repeat):
+        ck = ckptlab.open(path)
+        t = time.perf_counter()
+        ByteMap.from_checkpoint(ck)
+        ours.append(time.perf_counter() - t)
+        ck = ckptlab.open(path)
+        t = time.perf_counter()
+        ByteMap.from_file(ck.files[0], ck.tensors.values())
+        entries.append(time.perf_counter() - t)
+    return statistics.median(ours), statistics.median(entries)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--records", type=int, nargs="+", default=[1000, 10000, 100000])
@@ -173,6 +193,7 @@ def main() -> int:
             t = time.perf_counter()
             bytemap_trace(bm, x_range=(float(lo), float(hi + 1)))
             zooms.append(time.perf_counter() - t)
+        t_ck, t_entries = checkpoint_maps(path, args.repeat)
         t_bars, bars = timed(lambda: per_segment_bars(layout), 1)  # noqa: B023
         bars_json = bars.to_json()
         row: dict[str, Any] = {
@@ -181,6 +202,7 @@ def main() -> int:
             "bytemap_arrays_s": t_map, "figure_s": t_fig, "build_s": t_map + t_fig,
             "to_json_s": t_json, "json_nbytes": len(js), "mode": fig.layout.meta["mode"],
             "zoom_median_s": statistics.median(zooms), "zoom_max_s": max(zooms),
+            "from_checkpoint_s": t_ck, "from_entries_s": t_entries,
             "bars_build_s": t_bars, "bars_json_nbytes": len(bars_json),
             "new_process_s": new_process_build(path, args.repeat),
         }
@@ -198,7 +220,8 @@ def main() -> int:
         print(json.dumps(row))
     print()
     head = (f"{'records':>8} {'segments':>9} {'build s':>8} {'json MB':>8} {'zoom med/max s':>15} "
-            f"{'bars build s':>12} {'bars MB':>8} {'new process s':>13}"
+            f"{'bars build s':>12} {'bars MB':>8} {'new process s':>13} "
+            f"{'from ck / entries s':>19}"
             + (f" {'static draw s':>13} {'served draw s':>13} {'bars draw s':>11}"
                if args.browser else ""))
     print(head)
@@ -206,7 +229,8 @@ def main() -> int:
         line = (f"{r['records']:>8} {r['segments']:>9} {r['build_s']:>8.3f} "
                 f"{r['json_nbytes'] / 1e6:>8.2f} "
                 f"{r['zoom_median_s']:>7.3f}/{r['zoom_max_s']:<7.3f} {r['bars_build_s']:>12.3f} "
-                f"{r['bars_json_nbytes'] / 1e6:>8.2f} {r['new_process_s']:>13.3f}")
+                f"{r['bars_json_nbytes'] / 1e6:>8.2f} {r['new_process_s']:>13.3f} "
+                f"{r['from_checkpoint_s']:>9.3f}/{r['from_entries_s']:<9.3f}")
         if args.browser:
             bars_draw = f"{r['bars_browser_s']:>11.2f}" if "bars_browser_s" in r else f"{'-':>11}"
             line += (f" {r['browser_static_s']:>13.2f} {r['browser_served_s']:>13.2f} "
