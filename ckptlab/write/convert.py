@@ -155,10 +155,10 @@ def _kept(ck: Any, name: str, to: str, result: ConvertResult) -> bool:
     if entry.kind in ("sparse", "quantized", "nested") and (
             to == "torch" or entry.kind in _AS_DENSE):
         return True
-    why = {"nested": "a nested tensor: safetensors holds one shape per name (convert --to "
-                     "torch keeps it)"}.get(entry.kind, f"a {entry.kind} tensor: convert "
-                                                         f"writes torch's own tensors only")
-    result.dropped[name] = f"{why} (read it with ck.read)"
+    result.dropped[name] = (
+        "a nested tensor: safetensors holds one shape per name (--to torch keeps it; ck.read "
+        "reads it)" if entry.kind == "nested" else
+        f"a {entry.kind} tensor: convert writes torch's own tensors only (ck.read reads it)")
     return False
 
 
