@@ -73,7 +73,9 @@ def test_hover_on_the_map_names_a_record(page, page_log, served, screenshot) -> 
     _open_app(page, served)
     drag = page.locator(f"{MAP} .nsewdrag").first
     box = drag.bounding_box()
-    tick = page.locator(f"{MAP} .ytick text", has_text=re.compile(r"^data$")).first.bounding_box()
+    data_tick = page.locator(f"{MAP} .ytick text", has_text=re.compile(r"^data$")).first
+    data_tick.wait_for()  # (the axis may be drawn a moment after the map on a busy machine)
+    tick = data_tick.bounding_box()
     y = tick["y"] + tick["height"] / 2  # the middle of the data lane
     hover = page.locator(f"{MAP} .hoverlayer .hovertext").first
     # plotly hovers on mousemove inside its drag layer; the pane may still be settling its
