@@ -46,6 +46,7 @@ _RECONSTRUCTORS = frozenset({"copyreg._reconstructor", "copyreg.__newobj__",
                              "copyreg.__newobj_ex__"})
 MAX_RENDER = 160  # characters of a call's arguments shown
 MAX_CODE_CALLS = 64  # code calls reported one by one per pickle (the rest counted)
+MAX_WALK = 200_000  # objects looked at to find where in the loaded object each call sits
 
 
 def render(value: Any, limit: int = MAX_RENDER) -> str:
@@ -177,7 +178,9 @@ class Use:
     name: str
     offset: int  # the opcode that first named it
     hows: set[str] = field(default_factory=set)
-    calls: list[tuple[int, str]] = field(default_factory=list)  # (offset, rendered args)
+    # (offset, rendered args, where: the key path in the loaded object of the value the call
+    # makes, "." joined; None where not found)
+    calls: list[tuple[int, str, str | None]] = field(default_factory=list)
     ncalls: int = 0
 
     @property
@@ -358,6 +361,8 @@ def scan_pickle(data: Any, policy: Policy | None, *, impl: str | None = None) ->
     call_at = spans.of("call")
     new_at = set(spans.of("new"))
     code_calls = 0
+    shown: list[tuple[Use, int, _Made]] = []  # the calls reported one by one
+    per_use: dict[str, int] = {}  # how many of each global's calls are in it
     for k, made in enumerate(scan.calls):
         at = call_at[k] if k < len(call_at) else -1
         qualname = made.qualname
@@ -374,9 +379,14 @@ def scan_pickle(data: Any, policy: Policy | None, *, impl: str | None = None) ->
                     target.hows.add("new")
         use.hows.add(how)
         use.ncalls += 1
-        if len(use.calls) < 1 or code_calls < MAX_CODE_CALLS:
-            use.calls.append((at, render_args(made.args)))
-            code_calls += len(use.calls) > 1
+        listed = per_use.get(qualname, 0)
+        if listed < 1 or code_calls < MAX_CODE_CALLS:
+            shown.append((use, at, made))
+            per_use[qualname] = listed + 1
+            code_calls += listed >= 1
+    where = _paths_of(root, {id(made) for _, _, made in shown}) if root is not None else {}
+    for use, at, made in shown:
+        use.calls.append((at, render_args(made.args), where.get(id(made))))
     build_at = spans.of("build")
     for target in scan.builds:
         if isinstance(target, Global):
@@ -406,6 +416,48 @@ def scan_pickle(data: Any, policy: Policy | None, *, impl: str | None = None) ->
                                      error, error_at, spans.error)
     return PickleFindings(end, root, uses, error, error_at, refusal, decided, code_after,
                           nested, lenient_stop)
+
+
+def _key_text(key: Any) -> str:
+    """A dict key as a path part: its text for a string or a number, else what it is."""
+    if isinstance(key, OpaqueKey):
+        key = key.value
+    if isinstance(key, (str, int, float, bool)) or key is None:
+        return str(key)
+    return f"<{type(key).__name__} key>"
+
+
+def _paths_of(root: Any, wanted: set[int], budget: int = MAX_WALK) -> dict[int, str]:
+    """Where in the loaded object each object of ``wanted`` (ids of what calls made) sits: the
+    keys from the root to the container entry holding it (a call nested in another call's
+    arguments sits where the outer value does), "." joined; ``"<root>"`` for the root itself.
+    Depth first, each object once, at most ``budget`` objects looked at; the ones not found
+    are left out."""
+    found: dict[int, str] = {}
+    seen: set[int] = set()
+    stack: list[tuple[Any, tuple[str, ...]]] = [(root, ())]
+    while stack and budget > 0 and len(found) < len(wanted):
+        value, path = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        budget -= 1
+        if id(value) in wanted:
+            found[id(value)] = ".".join(path) if path else "<root>"
+        children: list[tuple[Any, tuple[str, ...]]] = []
+        if isinstance(value, dict):
+            children = [(v, (*path, _key_text(k))) for k, v in value.items()]
+        elif isinstance(value, (list, tuple)):
+            children = [(v, (*path, str(i))) for i, v in enumerate(value)]
+        elif isinstance(value, Reduced):
+            pairs = value.pairs or ()
+            children = ([(v, (*path, _key_text(k))) for k, v in pairs]
+                        + [(v, (*path, str(i))) for i, v in enumerate(value.items or ())]
+                        + [(v, path) for v in (*value.args, value.state, value.kwargs)])
+        elif isinstance(value, OpaqueKey):
+            children = [(value.value, path)]
+        stack.extend(reversed(children))  # (in order: the first key is looked at first)
+    return found
 
 
 def _bytes_value(value: Any) -> bytes | None:

@@ -62,12 +62,15 @@ class Call:
     how: str  # "name", "new", "call" or "build"
     why: str
     count: int = 0  # how many times the pickle calls it
+    # where in the loaded object the value this call makes sits (its keys, "." joined, as
+    # tensor names are; "<root>": the loaded object itself); None where not known
+    where: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form: ``{"global", "class", "args", "file", "pickle", "offset", ...}``."""
         return {"global": self.global_, "class": self.klass, "args": self.args,
                 "file": self.file, "pickle": self.pickle, "offset": self.offset,
-                "how": self.how, "why": self.why, "count": self.count}
+                "how": self.how, "why": self.why, "count": self.count, "where": self.where}
 
 
 @dataclass(frozen=True)
@@ -205,8 +208,10 @@ class SafetyReport:
             lines.append(f"{f.path}: {f.verdict.upper()} ({f.kind}; {torch_says})")
             for c in f.code_calls:
                 args = f"({c.args})" if c.args is not None else ""
+                under = ("" if c.where is None else ", the loaded object itself" if
+                         c.where == "<root>" else f", under {c.where!r}")
                 lines.append(f"  code: {c.global_}{args} at byte {c.offset:,} of {c.pickle}"
-                             f" ({c.why})")
+                             f"{under} ({c.why})")
             lines.extend(f"  note: {n}" for n in f.notes)
         for path, kind in self.skipped:
             lines.append(f"{path}: no pickle ({kind}): nothing in it runs when loaded")
@@ -244,14 +249,14 @@ class _FileScan:
         classes = found.classes(self.allowed)
         for qualname, use in found.uses.items():
             klass, why = classes[qualname]
-            calls = use.calls or [(use.offset, None)]
+            calls = use.calls or [(use.offset, None, None)]
             shown = calls if klass == "code" else calls[:1]
             how = ("build" if "build" in use.hows else "call" if "call" in use.hows else
                    "new" if "new" in use.hows else "name")
             shown_name = python3_name(qualname)
-            for at, args in shown:
+            for at, args, where in shown:
                 self.calls.append(Call(shown_name, klass, args, self.path, label, at, how, why,
-                                       use.ncalls))
+                                       use.ncalls, where))
         for at, what in found.code_after_error:
             # named past the point ckptlab followed the pickle to: what the standard
             # unpickler would still run

@@ -95,6 +95,28 @@ def test_a_call_shows_the_persistent_id_it_is_given_and_long_args_are_cut(tmp_pa
                               "torch.FloatStorage, '1', 'cpu', 2)), 0, (2,), (1,), False")
 
 
+def test_each_call_says_where_in_the_loaded_object_it_sits(tmp_path) -> None:
+    """A call's ``where`` is the key path of the value it makes (a payload's key, a tensor's
+    name for its rebuild call), and the command line names it."""
+    path = tmp_path / "nested.pt"
+    torch.save({"w": torch.ones(2), "cfg": {"hooks": [1, Reduce(os.system, ("echo hi",))]}},
+               path)
+    f = _one(path)
+    where = {c.global_: c.where for c in f.calls}
+    assert where["posix.system"] == "cfg.hooks.1"
+    assert where["torch._utils._rebuild_tensor_v2"] == "w"  # the first call: tensor w's
+    assert where["torch.FloatStorage"] is None  # named, never called: no value of its own
+    assert all(c.to_dict()["where"] == c.where for c in f.calls)
+    line = next(x for x in ckptlab.scan(path).summary().splitlines()
+                if x.startswith("  code: posix.system"))
+    assert "under 'cfg.hooks.1'" in line
+    whole = tmp_path / "whole.pkl"
+    whole.write_bytes(pickle.dumps(Reduce(os.system, ("echo hi",))))
+    [call] = _one(whole).code_calls
+    assert call.where == "<root>"
+    assert "the loaded object itself" in ckptlab.scan(whole).summary()
+
+
 def test_code_call_is_spelled_out_with_where(tmp_path) -> None:
     path = tmp_path / "evil.pt"
     torch.save({"w": torch.ones(2), "x": Reduce(os.system, ("echo hi",))}, path)
