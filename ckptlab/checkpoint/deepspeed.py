@@ -207,11 +207,12 @@ def deepspeed_checkpoint(ck: Checkpoint) -> Checkpoint:
                      f"{UNIVERSAL}/<param>/<state>.pt")
     from ckptlab.checkpoint._tensors import unique_names
 
-    # the model states file's values by their own keys, as its tensors (a pipeline's stages
-    # keep their file's name)
-    mine = main + "." if not stages else "\0"
-    values = {name[len(mine):] if name.startswith(mine) else name: v
-              for name, v in ck._objects.items()}
+    # the model states file's values by their own keys, as its tensors (a pipeline's stage
+    # files keep their names in front: several hold the same keys)
+    mine = main + "."
+    values = dict(ck._objects) if stages else {
+        name[len(mine):] if name.startswith(mine) else name: v
+        for name, v in ck._objects.items()}
     return Checkpoint("deepspeed", ck.path, ck.files, unique_names([*out, *assembled]),
                       values, ck._reader, tuple(notes))
 
