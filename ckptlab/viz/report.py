@@ -396,8 +396,8 @@ STATS_HEADER = ("min", "max", "mean", "std", "NaN", "Inf")  # a tensor's statist
 
 
 def _stats_cells(found: Any) -> list[Any]:
-    """A tensor's :data:`STATS_HEADER` cells: "—" where it was not measured, its error's
-    first words where it could not be read."""
+    """A tensor's :data:`STATS_HEADER` cells: "—" where it was not measured, "unreadable"
+    where it could not be read (the statistics section lists why)."""
     if found is None:
         return ["—"] * len(STATS_HEADER)
     if found.error:

@@ -99,7 +99,9 @@ def place_plan(plan: Any, planner: Any, *, directory: str, prefix: str, buckets:
                separation_hint: str | None, arena: StagingArena, templates: BlobTemplates,
                staged: bool) -> Placement:
     """Resolve every item of ``plan``, give each tensor a staging slot (or find it already
-    staged, after ``stage``) and each item its file offset in ``{prefix}{bucket}.distcp``."""
+    staged, after ``stage``) and each item its file offset in ``{prefix}{bucket}.distcp``.
+    Unless ``staged``, ``arena`` was begun for this save (``arena.begin(staging_nbytes(plan))``:
+    the caller times the mapping it may do)."""
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
 
@@ -107,8 +109,6 @@ def place_plan(plan: Any, planner: Any, *, directory: str, prefix: str, buckets:
 
     storage_info = storage_info_class()
     assignment = assign_buckets(plan.items, buckets, separation_hint)
-    if not staged:
-        arena.begin(staging_nbytes(plan))
     staging = StagingState()
     results: list[Any] = []
     jobs: list[FileJob] = []

@@ -42,6 +42,15 @@ class SaveResources:
     templates: BlobTemplates
 
 
+def _begin(save: SaveState, arena: StagingArena, need_nbytes: int, t: float) -> float:
+    """Rewind ``arena`` for this save; memory it had to map (a writer's first save, or a
+    larger one) is the timeline's ``reserve`` phase from ``t``. When the next phase starts."""
+    if not arena.begin(need_nbytes):
+        return t
+    save.recorder.add(None, "reserve", t, arena.capacity_nbytes)
+    return save.recorder.now()
+
+
 def stage_save(save: SaveState, res: SaveResources, state_dict: dict[str, Any]) -> Any:
     """Copy ``state_dict``'s tensors into staging memory (:meth:`AsyncWriter.stage`), on
     ``res.lanes`` threads; the copy.
@@ -51,9 +60,7 @@ def stage_save(save: SaveState, res: SaveResources, state_dict: dict[str, Any]) 
     """
     t = save.recorder.now()
     try:
-        if res.arena.begin(tree_nbytes(state_dict)):
-            save.recorder.add(None, "reserve", t, res.arena.capacity_nbytes)
-            t = save.recorder.now()
+        t = _begin(save, res.arena, tree_nbytes(state_dict), t)
         pairs: list[tuple[Any, Any]] = []
         staged, nbytes = stage_tree(res.arena, state_dict, pairs)
         in_lanes(copy_pairs, pairs, res.copiers, res.lanes, pair_nbytes)
@@ -76,9 +83,8 @@ def run_save(save: SaveState, plan: Any, planner: Any, res: SaveResources, *, di
     """
     t = save.recorder.now()
     try:
-        if not save.staged and res.arena.begin(staging_nbytes(plan)):
-            save.recorder.add(None, "reserve", t, res.arena.capacity_nbytes)
-            t = save.recorder.now()
+        if not save.staged:
+            t = _begin(save, res.arena, staging_nbytes(plan), t)
         placed = place_plan(plan, planner, directory=directory, prefix=prefix,
                             buckets=buckets, separation_hint=separation_hint,
                             arena=res.arena, templates=res.templates, staged=save.staged)

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from ckptlab.write._blob import BlobTemplates
-from ckptlab.write._placement import Extent, place_item, place_plan
+from ckptlab.write._placement import Extent, place_item, place_plan, staging_nbytes
 from ckptlab.write._staging import StagingArena, copy_in
 from ckptlab.write._worker import FileWriter
 from ckptlab.write.timeline import _Recorder
@@ -49,6 +49,7 @@ def test_placed_files_hold_every_item(tmp_path: Path, buckets: int) -> None:
     sd = state()
     plan, planner = local_plan(sd)
     arena = StagingArena()
+    arena.begin(staging_nbytes(plan))  # (AsyncWriter's save does it, timed as 'reserve')
     placed = place_plan(plan, planner, directory=str(tmp_path), prefix="__0_",
                         buckets=buckets, separation_hint=None, arena=arena,
                         templates=BlobTemplates(), staged=False)
